@@ -1,0 +1,40 @@
+# ampcourse: two commands for learners (`make lab`, `make test`), the rest for maintainers.
+# Everything lives in a local virtual environment (.venv) built from requirements.lock.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.ampcourse-installed
+PORT   ?= 8888
+
+.PHONY: setup lab test unit notebooks nbclean student bench gpu-test clean help
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[lab,test]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name ampcourse --display-name "ampcourse (.venv)"
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv with pinned dependencies, ampcourse (editable) and a Jupyter kernel
+
+lab: setup  ## set up, then open JupyterLab on the chapters
+	$(BIN)/jupyter lab --notebook-dir=chapters --port=$(PORT)
+
+test: setup  ## set up, then run unit tests and every notebook through nbval
+	$(BIN)/python -m pytest
+
+unit: setup  ## unit tests only (no notebooks)
+	$(BIN)/python -m pytest tests
+
+notebooks: setup  ## re-execute every chapter and store clean outputs (after changing code or prose)
+	$(BIN)/python tools/nbtool.py execute chapters/*.ipynb
+
+nbclean: setup  ## strip noisy metadata from the chapters without executing them
+	$(BIN)/python tools/nbtool.py clean chapters/*.ipynb
+
+clean:  ## remove the virtual environment and build leftovers
+	rm -rf $(VENV) build *.egg-info

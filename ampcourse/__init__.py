@@ -1,0 +1,28 @@
+"""ampcourse: the helper package behind the mixed-precision course.
+
+Modules, one idea each:
+    device     pick device, AMP dtype and scaler, with a CPU fallback
+    formats    fp32/fp16/bf16/fp8 from their bit layout (spec, decompose, quantize)
+    plots      static matplotlib figures for the chapters
+    widgets    ipywidgets + matplotlib explorers used in the chapters
+    exercises  checkers for the chapter exercises
+Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = {
+    "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
+    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory",
+}
+
+
+def __getattr__(name: str):
+    """Import submodules lazily: ``ampcourse.formats`` works without importing every module."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'ampcourse' has no attribute {name!r}")

@@ -1,0 +1,175 @@
+"""Pick the device, the AMP dtype and whether a GradScaler is needed: one place, one answer.
+
+    >>> from ampcourse.device import pick
+    >>> amp = pick()                      # cuda, else mps, else cpu
+    >>> print(amp.summary())
+    >>> with amp.autocast():              # torch.amp.autocast(device_type=..., dtype=...)
+    ...     ...
+    >>> scaler = amp.make_scaler()        # torch.amp.GradScaler(device), enabled only for fp16
+
+Defaults: fp16 + GradScaler on CUDA (what most GPUs train with, and what needs loss scaling),
+bf16 on CPU (CPU fp16 autocast exists but has no fast kernels on most CPUs), fp16 on Apple MPS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import platform
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PRECISIONS", "AmpSetup", "pick", "parse_precision", "cpu_flags"]
+
+#: Precision names the course accepts, mapped to the autocast dtype (None: autocast off).
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+_PRECISION_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+
+
+def parse_precision(precision: str | torch.dtype) -> str:
+    """Normalise a precision name or dtype to 'fp32', 'fp16' or 'bf16'; ValueError otherwise."""
+    if isinstance(precision, torch.dtype):
+        for name, dtype in PRECISIONS.items():
+            if dtype == precision or (dtype is None and precision == torch.float32):
+                return name
+    elif isinstance(precision, str):
+        key = precision.strip().lower().removeprefix("torch.")
+        key = _PRECISION_ALIASES.get(key, key)
+        if key in PRECISIONS:
+            return key
+    raise ValueError(
+        f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)} "
+        "(fp32 = no autocast, fp16 = autocast + GradScaler, bf16 = autocast, no scaler needed)"
+    )
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags from /proc/cpuinfo (empty where that file does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _native_units(device: torch.device, precision: str) -> tuple[bool, str]:
+    """Whether the hardware has fast units for this precision, and what they are called."""
+    if precision == "fp32":
+        return True, "fp32"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        need = 8 if precision == "bf16" else 7  # bf16 tensor cores arrived with Ampere (sm_80)
+        return major >= need, f"tensor cores (sm_{major}{minor})"
+    if device.type == "mps":
+        return True, "Apple GPU"
+    flags = cpu_flags()
+    if precision == "bf16":
+        if "amx_bf16" in flags:
+            return True, "AMX bf16 tiles"
+        if "avx512_bf16" in flags:
+            return True, "AVX512-BF16"
+    if precision == "fp16" and "amx_fp16" in flags:
+        return True, "AMX fp16 tiles"
+    return False, f"no native {precision} units"
+
+
+@dataclass(frozen=True)
+class AmpSetup:
+    """The device, precision and scaler choice for one process."""
+
+    device: torch.device
+    precision: str  # "fp32", "fp16" or "bf16"
+    native: bool  # the hardware has fast units for `precision`
+    units: str  # what those units are (or that there are none)
+
+    @property
+    def device_type(self) -> str:
+        """'cuda', 'cpu' or 'mps': what torch.amp.autocast and GradScaler take."""
+        return self.device.type
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        """The autocast dtype, or None when precision is fp32."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def enabled(self) -> bool:
+        """True when autocast is on (fp16 or bf16)."""
+        return self.amp_dtype is not None
+
+    @property
+    def use_scaler(self) -> bool:
+        """Only fp16 needs loss scaling: bf16 has fp32's exponent range."""
+        return self.precision == "fp16"
+
+    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
+        """torch.amp.autocast for this device and dtype (a no-op context for fp32)."""
+        if not (enabled and self.enabled):
+            return contextlib.nullcontext()
+        return torch.amp.autocast(device_type=self.device_type, dtype=self.amp_dtype)
+
+    def make_scaler(self, **kwargs) -> torch.amp.GradScaler:
+        """A torch.amp.GradScaler for this device, enabled only when fp16 needs it."""
+        kwargs.setdefault("enabled", self.use_scaler)
+        return torch.amp.GradScaler(self.device_type, **kwargs)
+
+    def describe_device(self) -> str:
+        """A short name for the device: 'cpu (x86_64)', 'cuda:0 (NVIDIA H200)', ..."""
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        if self.device.type == "cpu":
+            return f"cpu ({platform.machine() or 'unknown'})"
+        return str(self.device)
+
+    def summary(self) -> str:
+        """One line a notebook prints: device, precision, scaler, and what to expect."""
+        if not self.enabled:
+            return f"{self.describe_device()}, fp32 (autocast off, no GradScaler)"
+        scaler = " + GradScaler" if self.use_scaler else ", no GradScaler needed"
+        speed = "expect AMP to be faster here" if self.native else "expect AMP to be slower here"
+        return f"{self.describe_device()}, {self.precision} autocast{scaler}; {self.units}: {speed}"
+
+
+def _default_device() -> torch.device:
+    """cuda if present, else Apple mps, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _default_precision(device: torch.device) -> str:
+    """fp16 on CUDA and MPS, bf16 on CPU."""
+    return "bf16" if device.type == "cpu" else "fp16"
+
+
+def pick(device: str | torch.device | None = None, precision: str | torch.dtype | None = None) -> AmpSetup:
+    """Choose device (default: best available) and precision (default: that device's AMP dtype)."""
+    if device is None or device == "auto":
+        dev = _default_device()
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N', 'mps' or None") from err
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but CUDA is not available; use device=None or 'cpu'")
+        if dev.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"unsupported device type {dev.type!r}; use 'cpu', 'cuda' or 'mps'")
+    prec = _default_precision(dev) if precision is None else parse_precision(precision)
+    if prec == "bf16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{torch.cuda.get_device_name(dev)} has no bf16 support; use precision='fp16'")
+    native, units = _native_units(dev, prec)
+    return AmpSetup(dev, prec, native, units)

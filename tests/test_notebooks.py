@@ -1,0 +1,61 @@
+"""The chapter notebooks: clean in git, in order, framed like a course chapter, importing ampcourse."""
+
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import nbtool  # noqa: E402
+
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_chapters_exist_and_are_numbered_in_order():
+    numbers = [int(p.name[:2]) for p in CHAPTERS]
+    assert numbers and numbers == sorted(set(numbers))
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_notebook_is_clean(path):
+    assert nbtool.problems(path) == []
+
+
+@pytest.mark.parametrize("path", [p for p in CHAPTERS if int(p.name[:2]) > 0], ids=lambda p: p.name)
+def test_chapter_frame(path):
+    nb = nbformat.read(path, as_version=4)
+    md = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# Chapter")
+    for heading in ["What you will learn", "Time and hardware", "## Summary", "## Exercises"]:
+        assert heading in md, f"{path.name} lacks {heading!r}"
+    assert "pick(" in code, "every chapter chooses its device through ampcourse.device.pick"
+    assert not re.search(r"\.cuda\(\)", code), "no hard-coded .cuda(): use the device from pick()"
+    assert "torch.cpu.amp" not in code, "teach torch.amp, not the deprecated torch.cpu.amp"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_solution_cells_are_marked(path):
+    nb = nbformat.read(path, as_version=4)
+    for c in nb.cells:
+        if "solution" in c.metadata.get("tags", []):
+            assert "### BEGIN SOLUTION" in c.source and "### END SOLUTION" in c.source
+
+
+def test_stale_outputs_fail_nbval(tmp_path):
+    """A notebook whose stored output no longer matches what the code prints must fail."""
+    import subprocess
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print(6 * 7)", execution_count=1,
+                                          outputs=[nbformat.v4.new_output("stream", name="stdout", text="41\n")])]
+    nb.metadata["kernelspec"] = nbtool.KERNELSPEC
+    path = tmp_path / "stale.ipynb"
+    nbformat.write(nb, path)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+                          "--nbval-current-env", str(path), "-c", "/dev/null"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 1 and "1 failed" in run.stdout, run.stdout[-2000:]

@@ -1,0 +1,114 @@
+"""Keep the chapter notebooks executed and clean (nbdev-style), so nbval has outputs to compare.
+
+    python tools/nbtool.py execute chapters/*.ipynb   # run top to bottom, store outputs, clean
+    python tools/nbtool.py clean chapters/*.ipynb     # strip noisy metadata only
+    python tools/nbtool.py check chapters/*.ipynb     # exit 1 if a notebook is not clean
+
+"Clean" means: no execution timestamps, no widget state, no machine paths, a standard python3
+kernelspec, only the cell metadata that means something (tags), and execution counts 1..n.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+KEEP_CELL_METADATA = ("tags",)
+# Absolute paths of the machine that ran the notebook have no place in the course.
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|tmp|home|Users|opt|usr)/[\w.+-]+(?:/[\w.+-]+)*")
+
+
+def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Strip timestamps, widget state and per-machine metadata; renumber executed cells."""
+    nb.metadata = nbformat.from_dict({
+        "kernelspec": KERNELSPEC,
+        "language_info": {"name": "python", "pygments_lexer": "ipython3"},
+    })
+    count = 0
+    for cell in nb.cells:
+        cell.metadata = nbformat.from_dict({k: v for k, v in cell.metadata.items() if k in KEEP_CELL_METADATA})
+        cell.pop("id", None)
+        if cell.cell_type != "code":
+            cell.pop("outputs", None)
+            cell.pop("execution_count", None)
+            continue
+        if cell.execution_count is not None:
+            count += 1
+            cell.execution_count = count
+        for out in cell.outputs:
+            if "execution_count" in out:
+                out.execution_count = cell.execution_count
+            if out.get("output_type") in ("display_data", "execute_result"):
+                out.metadata = nbformat.from_dict({k: v for k, v in out.get("metadata", {}).items() if k == "image/png"})
+    nb.nbformat, nb.nbformat_minor = 4, 4  # 4.4: no cell ids, so diffs show content, not random ids
+    return nb
+
+
+def problems(path: Path) -> list[str]:
+    """What is not clean about one notebook (empty list: clean)."""
+    text = path.read_text()
+    nb = nbformat.reads(text, as_version=4)
+    found = []
+    code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+    if code and all(c.execution_count is None for c in code):
+        found.append("never executed: nbval would compare nothing")
+    for i, c in enumerate(code):
+        extra = set(c.metadata) - set(KEEP_CELL_METADATA)
+        if extra:
+            found.append(f"code cell {i}: metadata {sorted(extra)}")
+        if c.execution_count is None and c.outputs:
+            found.append(f"code cell {i}: outputs without an execution count")
+    if "widgets" in nb.metadata:
+        found.append("widget state stored")
+    for m in MACHINE_PATH.finditer(text):
+        found.append(f"machine path {m.group(0)!r}")
+    counts = [c.execution_count for c in code if c.execution_count is not None]
+    if counts != list(range(1, len(counts) + 1)):
+        found.append("execution counts are not 1..n (run it top to bottom with `make notebooks`)")
+    return found
+
+
+def execute(path: Path, timeout: int = 600) -> float:
+    """Run one notebook top to bottom in a fresh kernel (cwd: its folder) and save it clean."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:  # fresh run: nothing from a previous execution survives
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            store_widget_state=False, resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    client.execute()
+    elapsed = time.perf_counter() - start
+    nbformat.write(clean(nb), path)
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: execute, clean or check notebooks."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["execute", "clean", "check"])
+    ap.add_argument("notebooks", nargs="+", type=Path)
+    args = ap.parse_args(argv)
+    status = 0
+    for path in args.notebooks:
+        if args.command == "execute":
+            print(f"{path}: executed in {execute(path):.1f} s", flush=True)
+        elif args.command == "clean":
+            nbformat.write(clean(nbformat.read(path, as_version=4)), path)
+        found = problems(path)
+        for p in found:
+            print(f"{path}: {p}")
+        status |= bool(found)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
