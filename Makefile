@@ -14,7 +14,6 @@ help:  ## list the targets
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[lab,test]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name ampcourse --display-name "ampcourse (.venv)"
 	touch $(STAMP)

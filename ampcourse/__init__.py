@@ -4,6 +4,7 @@ Modules, one idea each:
     device     pick device, AMP dtype and scaler, with a CPU fallback
     formats    fp32/fp16/bf16/fp8 from their bit layout (spec, decompose, quantize)
     plots      static matplotlib figures for the chapters
+    models     reference models (mlp, cnn, transformer) and synthetic datasets
     widgets    ipywidgets + matplotlib explorers used in the chapters
     exercises  checkers for the chapter exercises
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.

@@ -1,9 +1,4 @@
-"""Checkers for the chapter exercises.
-
-Each ``check_*`` function takes the learner's answer (a value or a function), prints friendly
-feedback when the answer is right, and raises :class:`ExerciseError` (an
-AssertionError) with what was expected, what came back and a hint when it is wrong.
-"""
+"""Chapter 1 exercises: ulp, exact integers, subnormals."""
 
 from __future__ import annotations
 
@@ -11,42 +6,10 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import formats
+from .. import formats
+from ._core import call_learner, failed, passed, same_float
 
-__all__ = ["ExerciseError", "check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example"]
-
-
-class ExerciseError(AssertionError):
-    """A wrong answer to an exercise (the message says what was expected and gives a hint)."""
-
-
-def passed(title: str, detail: str = "") -> None:
-    """Print the success line."""
-    print(f"✅ {title}: correct." + (f" {detail}" if detail else ""))
-
-
-def failed(title: str, expected: Any, got: Any, hint: str) -> None:
-    """Print what went wrong and raise ExerciseError."""
-    msg = f"❌ {title}: not yet.\n   expected: {expected}\n   got:      {got}\n   hint:     {hint}"
-    print(msg)
-    raise ExerciseError(msg)
-
-
-def _call(title: str, fn: Callable, *args) -> Any:
-    """Call the learner's function, turning its exceptions into feedback."""
-    if not callable(fn):
-        failed(title, "a function", f"{type(fn).__name__} {fn!r}", "pass the function itself, without calling it")
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        failed(title, "an implementation", "NotImplementedError", "replace the `raise NotImplementedError` stub with your code")
-    except Exception as err:  # the learner's code: report any failure as feedback
-        failed(title, f"a number for {args!r}", f"{type(err).__name__}: {err}", "run your function on that input and read the error")
-
-
-def _same(a: float, b: float) -> None:
-    """Equal, or both NaN."""
-    return a == b or (math.isnan(a) and math.isnan(b))
+__all__ = ["check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example"]
 
 
 def check_fp16_ulp(fp16_ulp: Callable[[float], float], xs: Iterable[float] | None = None) -> None:
@@ -56,9 +19,9 @@ def check_fp16_ulp(fp16_ulp: Callable[[float], float], xs: Iterable[float] | Non
         xs = [1.0, 1.5, 2.0, 3.0, 1000.0, 1024.0, 65504.0, 0.1, -7.0, 6.1e-5, 2.0**-14, 2.0**-20, 2.0**-24, 0.0]
     for x in xs:
         want = formats.ulp(x, "fp16")
-        got = _call(title, fp16_ulp, x)
+        got = call_learner(title, fp16_ulp, x)
         try:
-            ok = _same(float(got), want)
+            ok = same_float(float(got), want)
         except (TypeError, ValueError):
             ok = False
         if not ok:

@@ -1,0 +1,12 @@
+"""Checkers for the chapter exercises, one module per chapter.
+
+Each ``check_*`` function takes the learner's answer (a value or a function), prints friendly
+feedback when it is right, and raises :class:`ExerciseError` (an AssertionError) with what was
+expected, what came back and a hint when it is wrong.
+"""
+
+from ._core import ExerciseError, failed, passed
+from .ch01 import check_fp16_ulp, check_largest_exact_integer, check_subnormal_example
+
+__all__ = ["ExerciseError", "passed", "failed",
+           "check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example"]
