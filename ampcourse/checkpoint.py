@@ -131,9 +131,11 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> d
         with warnings.catch_warnings():  # a garbage file can make the unpickler warn before it fails
             warnings.simplefilter("ignore", UserWarning)
             state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:  # weights_only refused an arbitrary object: never unpickle it
-        raise _unreadable(path, "torch.load(weights_only=True) refused it: it holds Python objects other than "
-                                "tensors and plain containers, which could run code when unpickled") from err
+    except pickle.UnpicklingError as err:
+        if "global" in str(err).lower():  # a pickled object of some class or function: never unpickle it
+            raise _unreadable(path, "torch.load(weights_only=True) refused it: it holds Python objects other than "
+                                    "tensors and plain containers, which could run code when unpickled") from err
+        raise _unreadable(path, "it is truncated or not a torch file (the unpickler met bytes it cannot read)") from err
     except Exception as err:  # torch.load on random bytes raises RuntimeError, IndexError, KeyError, ...
         raise _unreadable(path, f"it is truncated or not a torch file ({type(err).__name__})") from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:

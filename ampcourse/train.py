@@ -343,11 +343,14 @@ def _check_checkpoint_dir(directory: Path, resume: bool) -> None:
                          "that run, or choose an empty checkpoint_dir")
 
 
-def _check_resumable(state: dict, config: dict, path: Path) -> None:
-    """The checkpoint was written by a run with the same data order and precision."""
+def _check_resumable(state: dict, config: dict, path: Path, scheduler: bool) -> None:
+    """The checkpoint was written by a run with the same data order, precision (and schedule length)."""
     saved = state.get("config", {})
     diffs = [f"{k}={saved.get(k)!r} in the checkpoint, {config[k]!r} now" for k in _MUST_MATCH
              if k in saved and saved[k] != config[k]]
+    if scheduler and saved.get("steps", config["steps"]) != config["steps"]:
+        diffs.append(f"steps={saved['steps']} in the checkpoint, {config['steps']} now (the LR schedule spans the "
+                     "steps of the first run)")
     if diffs:
         raise ValueError(f"cannot resume from {str(path)!r}: " + "; ".join(diffs)
                          + ". Resume with the same settings, or start a new run in another checkpoint_dir")
@@ -415,14 +418,14 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         raise ValueError(f"batch_size {batch_size} must divide by world_size * accum_steps = "
                          f"{world_size} * {accum_steps}, so every micro-batch has the same size")
     config = {"precision": amp.precision, "seed": seed, "batch_size": batch_size, "dataset_size": n,
-              "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size}
+              "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size, "steps": steps}
     state, ckpt_path = None, None
     if checkpoint_dir is not None:
         ckpt_path = checkpoint.path_in(checkpoint_dir)
         _check_checkpoint_dir(Path(checkpoint_dir), resume)
         if resume:
             state = checkpoint.load(ckpt_path)
-            _check_resumable(state, config, ckpt_path)
+            _check_resumable(state, config, ckpt_path, scheduler is not None)
 
     # --- build ---
     module = module.to(amp.device)
