@@ -504,6 +504,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; bad arguments exit non-zero with one line, not a traceback."""
     args = _parser().parse_args(argv)
+    if args.out is not None:  # fail before training, not after
+        parent = Path(args.out).resolve().parent
+        if not parent.is_dir() or Path(args.out).is_dir():
+            raise SystemExit(f"ampcourse.train: error: cannot write --out {args.out!r}: "
+                             f"{'it is a directory' if Path(args.out).is_dir() else 'its folder does not exist'}")
     try:
         hist = train(args.model, None, precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed,
                      device=args.device, grad_clip=args.grad_clip, accum_steps=args.accum_steps,
