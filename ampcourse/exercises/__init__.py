@@ -7,6 +7,8 @@ expected, what came back and a hint when it is wrong.
 
 from ._core import ExerciseError, failed, passed
 from .ch01 import check_fp16_ulp, check_largest_exact_integer, check_subnormal_example
+from .ch04 import check_clip_after_unscale, check_scheduler_skip
 
 __all__ = ["ExerciseError", "passed", "failed",
-           "check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example"]
+           "check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example",
+           "check_clip_after_unscale", "check_scheduler_skip"]
