@@ -356,6 +356,37 @@ def _check_resumable(state: dict, config: dict, path: Path, scheduler: bool) -> 
                          + ". Resume with the same settings, or start a new run in another checkpoint_dir")
 
 
+def _check_arguments(*, steps, lr, seed, accum_steps, batch_size, rank, world_size, grad_clip, weight_decay,
+                     resume, checkpoint_dir, checkpoint_every, optimizer, scheduler, size) -> None:
+    """The checks on train()'s arguments that need neither the model nor the data."""
+    _need_int("steps", steps, 1, "an int >= 1")
+    _need_positive_float("lr", lr)
+    _need_int("seed", seed, 0, "an int >= 0")
+    _need_int("accum_steps", accum_steps, 1, "an int >= 1 (1 = no accumulation)")
+    _need_int("batch_size", batch_size, 1, "an int >= 1 (the global batch size)")
+    _need_int("world_size", world_size, 1, "an int >= 1")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in 0..{world_size - 1} (world_size={world_size}), got {rank!r}")
+    if grad_clip is not None:
+        _need_positive_float("grad_clip", grad_clip)
+    _need_positive_float("weight_decay", weight_decay, allow_zero=True)
+    if checkpoint_every is not None:
+        _need_int("checkpoint_every", checkpoint_every, 1, "an int >= 1 or None (only at the end)")
+    if checkpoint_dir is None and (resume or checkpoint_every is not None):
+        raise ValueError("resume and checkpoint_every need a checkpoint_dir")
+    if not callable(optimizer) and optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)} or pass a callable")
+    if scheduler is not None and not callable(scheduler) and scheduler not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {scheduler!r}; choose None, {', '.join(SCHEDULERS)} or pass a callable")
+    if size not in models.SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
+
+
+def _checkpoint_due(done: int, steps: int, every: int | None) -> bool:
+    """Write a checkpoint after the last step and after every `every`-th one."""
+    return done == steps or (every is not None and done % every == 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------
@@ -383,27 +414,10 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     """
     # --- validate everything before any work ---
     prec = parse_precision(precision) if precision is not None else None
-    _need_int("steps", steps, 1, "an int >= 1")
-    _need_positive_float("lr", lr)
-    _need_int("seed", seed, 0, "an int >= 0")
-    _need_int("accum_steps", accum_steps, 1, "an int >= 1 (1 = no accumulation)")
-    _need_int("batch_size", batch_size, 1, "an int >= 1 (the global batch size)")
-    _need_int("world_size", world_size, 1, "an int >= 1")
-    if not _is_int(rank) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in 0..{world_size - 1} (world_size={world_size}), got {rank!r}")
-    if grad_clip is not None:
-        _need_positive_float("grad_clip", grad_clip)
-    _need_positive_float("weight_decay", weight_decay, allow_zero=True)
-    if checkpoint_every is not None:
-        _need_int("checkpoint_every", checkpoint_every, 1, "an int >= 1 or None (only at the end)")
-    if checkpoint_dir is None and (resume or checkpoint_every is not None):
-        raise ValueError("resume and checkpoint_every need a checkpoint_dir")
-    if not callable(optimizer) and optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)} or pass a callable")
-    if scheduler is not None and not callable(scheduler) and scheduler not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler {scheduler!r}; choose None, {', '.join(SCHEDULERS)} or pass a callable")
-    if size not in models.SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
+    _check_arguments(steps=steps, lr=lr, seed=seed, accum_steps=accum_steps, batch_size=batch_size, rank=rank,
+                     world_size=world_size, grad_clip=grad_clip, weight_decay=weight_decay, resume=resume,
+                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, optimizer=optimizer,
+                     scheduler=scheduler, size=size)
     amp = pick(device, prec)
     problem = _amp_works(amp.device_type, amp.precision)
     if problem:
@@ -417,8 +431,8 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     if batch_size % (world_size * accum_steps):
         raise ValueError(f"batch_size {batch_size} must divide by world_size * accum_steps = "
                          f"{world_size} * {accum_steps}, so every micro-batch has the same size")
-    config = {"precision": amp.precision, "seed": seed, "batch_size": batch_size, "dataset_size": n,
-              "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size, "steps": steps}
+    config = {"precision": amp.precision, "seed": seed, "batch_size": batch_size, "dataset_size": n, "steps": steps,
+              "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size}
     state, ckpt_path = None, None
     if checkpoint_dir is not None:
         ckpt_path = checkpoint.path_in(checkpoint_dir)
@@ -461,8 +475,7 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
             bar.update(1)
             bar.set_postfix(loss=f"{stats.loss:.4g}", scale=f"{stats.scale:g}", refresh=False)
             done = step + 1
-            if ckpt_path is not None and rank == 0 and (
-                    done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)):
+            if ckpt_path is not None and rank == 0 and _checkpoint_due(done, steps, checkpoint_every):
                 checkpoint.save(checkpoint.capture(done, module, opt, scaler, sched, device=amp.device,
                                                    config=config, history=hist.series()), ckpt_path)
         bar.close()

@@ -208,7 +208,7 @@ BAD_FILES = {
     "empty": (lambda tmp, good: b"", "empty"),
     "truncated": (lambda tmp, good: good[: len(good) // 2], "truncated or not a torch file"),
     "random bytes": (lambda tmp, good: random.Random(0).randbytes(4096), "truncated or not a torch file"),
-    "random bytes (another seed)": (lambda tmp, good: random.Random(1).randbytes(4096), "truncated or not a torch file"),
+    "random bytes 2": (lambda tmp, good: random.Random(1).randbytes(4096), "truncated or not a torch file"),
     "text": (lambda tmp, good: b"step=4\n", "truncated or not a torch file"),
     "plain pickle": (lambda tmp, good: pickle.dumps({"model": 1}), "truncated or not a torch file"),
     "plain pickle of an object": (lambda tmp, good: pickle.dumps(Payload(tmp / "pwned")), "not a torch file"),

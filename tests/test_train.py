@@ -1,5 +1,6 @@
 """ampcourse.train: determinism, batches, accumulation, clipping after unscale_, skipped steps, bad arguments."""
 
+import contextlib
 import math
 import warnings
 
@@ -260,7 +261,6 @@ class CountingWrapper(torch.nn.Module):
 
     def no_sync(self):
         self.no_sync_calls += 1
-        import contextlib
         return contextlib.nullcontext()
 
 
