@@ -35,5 +35,8 @@ notebooks: setup  ## re-execute every chapter and store clean outputs (after cha
 nbclean: setup  ## strip noisy metadata from the chapters without executing them
 	$(BIN)/python tools/nbtool.py clean chapters/*.ipynb
 
+student: setup  ## learner copies of the chapters in student/: solutions replaced by stubs, outputs cleared
+	$(BIN)/python tools/make_student.py -o student
+
 clean:  ## remove the virtual environment and build leftovers
 	rm -rf $(VENV) build *.egg-info
