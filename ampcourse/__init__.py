@@ -7,6 +7,7 @@ Modules, one idea each:
     models     reference models (mlp, cnn, transformer) and synthetic datasets
     widgets    ipywidgets + matplotlib explorers used in the chapters
     exercises  checkers for the chapter exercises
+    course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
 
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
-    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory",
+    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course",
 }
 
 
