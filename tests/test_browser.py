@@ -5,8 +5,9 @@ The unit tests drive a widget's Python side; only a browser shows that the widge
 chapter in JupyterLab, runs all cells from the Run menu, then types and drags like a learner and
 asserts on the page's text (and figure, where there is one). Screenshots go to artifacts/browser/.
 
-Needs Debian's Chromium (/usr/bin/chromium; Playwright's own browser download is not used). Without
-it the test skips with the reason, except under CI (CI=true), where a missing browser is a failure.
+Needs Debian's Chromium (/usr/bin/chromium, or the binary AMPCOURSE_CHROMIUM names; Playwright's own
+browser download is not used). Without it the test skips with the reason, except under CI (CI=true),
+where a missing browser is a failure.
 To add a widget chapter: write a `drive_*` function and add a BrowserCase to ALL_CASES; a case runs
 as soon as its notebook exists in chapters/ (test_every_widget_chapter_has_a_browser_case insists).
 """
@@ -31,7 +32,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 ARTIFACTS = ROOT / "artifacts" / "browser"
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path(os.environ.get("AMPCOURSE_CHROMIUM", "/usr/bin/chromium"))  # another Chromium/Chrome: set this
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
@@ -58,7 +59,8 @@ def require_browser() -> None:
     """Skip (on a laptop) or fail (under CI) when Chromium or Playwright is missing."""
     reason = None
     if not CHROMIUM.exists():
-        reason = f"Chromium is not installed at {CHROMIUM} (Debian/Ubuntu: apt-get install chromium)"
+        reason = (f"Chromium is not installed at {CHROMIUM} (Debian/Ubuntu: apt-get install chromium; "
+                  "elsewhere point AMPCOURSE_CHROMIUM at a Chromium or Chrome binary)")
     else:
         try:
             import playwright.sync_api  # noqa: F401
