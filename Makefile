@@ -35,5 +35,11 @@ notebooks: setup  ## re-execute every chapter and store clean outputs (after cha
 nbclean: setup  ## strip noisy metadata from the chapters without executing them
 	$(BIN)/python tools/nbtool.py clean chapters/*.ipynb
 
+student: setup  ## learner copies of the chapters in student/: solutions replaced by stubs, outputs cleared
+	$(BIN)/python tools/make_student.py -o student
+
+gpu-test: setup  ## on a CUDA machine: all notebooks (nbval lax) + GPU-only tests + benchmark, report in benchmarks/gpu/ (else a dry run)
+	$(BIN)/python tools/gpu_test.py $(GPU_TEST_ARGS)
+
 clean:  ## remove the virtual environment and build leftovers
 	rm -rf $(VENV) build *.egg-info

@@ -9,6 +9,7 @@ Modules, one idea each:
     checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
     widgets    ipywidgets + matplotlib explorers used in the chapters
     exercises  checkers for the chapter exercises
+    course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
 
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
-    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory",
+    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course",
 }
 
 

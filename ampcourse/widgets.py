@@ -73,6 +73,10 @@ class FormatExplorer(W.VBox):
         """A learner moved the slider: keep the sign of the current value."""
         if self._syncing:
             return
+        if abs(change["new"] - change["old"]) < self.slider.step / 2:
+            # The browser snapped the slider to its step grid (log10 70000 = 4.845 -> 4.85) and sent
+            # that back: not a learner's move, so the value typed in the text box stands.
+            return
         sign = -1.0 if math.copysign(1.0, self.x if not math.isnan(self.x) else 1.0) < 0 else 1.0
         self._syncing = True
         try:

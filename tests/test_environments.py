@@ -1,5 +1,6 @@
 """pyproject.toml, requirements.lock, environment.yml and binder/ must describe one environment."""
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -120,3 +121,45 @@ def test_binder_postbuild_fails_fast_and_installs_the_package():
 def test_no_deprecated_or_cuda_only_names(path):
     text = (ROOT / path).read_text()
     assert "apex" not in text and "nvidia-" not in text
+
+
+# --- binder/: a valid repo2docker (mybinder.org) configuration ----------------------------------
+# With a binder/ folder repo2docker reads only the files in it (the root environment.yml and
+# pyproject.toml are ignored). requirements.txt + runtime.txt + postBuild selects the Python
+# buildpack: Python from runtime.txt, one environment for JupyterLab and the kernel,
+# `pip install -r requirements.txt` into it, then postBuild.
+BINDER_FILES = {"requirements.txt", "runtime.txt", "postBuild"}
+# Files that would switch repo2docker to another buildpack (and make it ignore requirements.txt).
+OTHER_BUILDPACKS = {"environment.yml", "Pipfile", "Pipfile.lock", "setup.py", "pyproject.toml", "Project.toml",
+                    "install.R", "DESCRIPTION", "default.nix", "Dockerfile", "apt.txt", "start"}
+
+
+def test_every_binder_file_is_one_this_module_checks():
+    present = {p.name for p in (ROOT / "binder").iterdir()}
+    assert present == BINDER_FILES, (
+        f"binder/ holds {sorted(present)}; this module checks {sorted(BINDER_FILES)}: add a check for "
+        f"any new file (and keep it out of {sorted(OTHER_BUILDPACKS)}, which change the buildpack)")
+    assert not present & OTHER_BUILDPACKS
+
+
+def test_binder_postbuild_is_executable_and_needs_no_extension_step():
+    post = ROOT / "binder/postBuild"
+    assert post.read_text().startswith("#!/bin/bash\n"), "repo2docker runs postBuild as a program: it needs a shebang"
+    assert os.access(post, os.X_OK), "postBuild must be executable (git update-index --chmod=+x binder/postBuild)"
+    text = post.read_text()
+    assert "labextension install" not in text and "jupyter lab build" not in text, \
+        "ipywidgets 8 needs no extension build: jupyterlab_widgets is prebuilt"
+    assert "@jupyter-widgets/jupyterlab-manager" in text, "postBuild should fail the build if widgets cannot render"
+
+
+def test_binder_widgets_render_without_an_extension_step():
+    """ipywidgets 8 (whose jupyterlab_widgets ships the prebuilt extension) and JupyterLab 4 are what binder installs."""
+    binder = pinned(binder_reqs())
+    assert binder["ipywidgets"].major == 8 and binder["jupyterlab"].major == 4
+    assert lock()["jupyterlab-widgets"].major == 3, "ipywidgets 8 pairs with jupyterlab_widgets 3"
+
+
+def test_binder_requirements_have_no_local_references():
+    """A `-e .` in requirements.txt would defeat repo2docker's caching; postBuild installs the package."""
+    lines = (ROOT / "binder/requirements.txt").read_text().splitlines()
+    assert not [ln for ln in lines if ln.strip() in (".", "-e .") or ln.strip().startswith(("-e", "file:"))]

@@ -1,0 +1,361 @@
+"""Real-browser test: JupyterLab serves a chapter, Chromium (driven by Playwright) runs it and moves its widgets.
+
+The unit tests drive a widget's Python side; only a browser shows that the widget renders at all
+(ipywidgets 8 + jupyterlab_widgets) and that moving it changes what the page shows. Each case opens a
+chapter in JupyterLab, runs all cells from the Run menu, then types and drags like a learner and
+asserts on the page's text (and figure, where there is one). Screenshots go to artifacts/browser/.
+
+Needs Debian's Chromium (/usr/bin/chromium, or the binary AMPCOURSE_CHROMIUM names; Playwright's own
+browser download is not used). Without it the test skips with the reason, except under CI (CI=true),
+where a missing browser is a failure.
+To add a widget chapter: write a `drive_*` function and add a BrowserCase to ALL_CASES; a case runs
+as soon as its notebook exists in chapters/ (test_every_widget_chapter_has_a_browser_case insists).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = ROOT / "chapters"
+ARTIFACTS = ROOT / "artifacts" / "browser"
+CHROMIUM = Path(os.environ.get("AMPCOURSE_CHROMIUM", "/usr/bin/chromium"))  # another Chromium/Chrome: set this
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+TOKEN = "ampcourse-browser-test"  # the server listens on 127.0.0.1 only, for the length of the test
+# JupyterLab user settings for the test: no news or update prompts over the notebook, and every
+# cell attached to the DOM (the default windowing leaves cells outside the viewport out of it).
+LAB_SETTINGS = {
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+}
+LAB_CONFIG = """\
+c.LabApp.news_url = None
+c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"
+c.LabApp.extension_manager = "readonly"
+"""
+
+
+def in_ci() -> bool:
+    """Whether we run under CI (CI=true), where a missing browser must fail instead of skip."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def require_browser() -> None:
+    """Skip (on a laptop) or fail (under CI) when Chromium or Playwright is missing."""
+    reason = None
+    if not CHROMIUM.exists():
+        reason = (f"Chromium is not installed at {CHROMIUM} (Debian/Ubuntu: apt-get install chromium; "
+                  "elsewhere point AMPCOURSE_CHROMIUM at a Chromium or Chrome binary)")
+    else:
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError:
+            reason = "the Python package playwright is missing (pip install -e '.[test]')"
+    if reason and in_ci():
+        pytest.fail(f"browser test cannot run under CI: {reason}", pytrace=False)
+    if reason:
+        pytest.skip(f"browser test needs a browser: {reason}")
+
+
+# --- JupyterLab -----------------------------------------------------------------------------------
+
+@dataclass
+class Lab:
+    """A running JupyterLab server."""
+
+    url: str
+    root: Path
+    log: Path
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lab_env(home: Path) -> dict[str, str]:
+    """Environment with every Jupyter/IPython directory in home, so the test touches no user settings."""
+    cfg = home / "config"
+    for rel, settings in LAB_SETTINGS.items():
+        path = cfg / "lab" / "user-settings" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings))
+    (cfg / "jupyter_lab_config.py").write_text(LAB_CONFIG)
+    return dict(os.environ, JUPYTER_CONFIG_DIR=str(cfg), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+                JUPYTER_DATA_DIR=str(home / "data"), IPYTHONDIR=str(home / "ipython"),
+                MPLCONFIGDIR=str(home / "matplotlib"), JUPYTER_PLATFORM_DIRS="1")
+
+
+def wait_for_server(proc: subprocess.Popen, url: str, log: Path, timeout: float = 60) -> None:
+    """Poll the server's status API until it answers (fail with its log if it dies or stays silent)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"jupyter lab exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.25)
+    pytest.fail(f"jupyter lab did not answer within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def shut_down_kernels(lab: Lab) -> None:
+    """Stop every kernel the server runs (one case's kernel must not compete with the next for the CPU)."""
+    def call(method: str, path: str) -> bytes:
+        req = urllib.request.Request(f"{lab.url}{path}?token={TOKEN}", method=method)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.read()
+
+    for kernel in json.loads(call("GET", "/api/kernels")):
+        call("DELETE", f"/api/kernels/{kernel['id']}")
+
+
+def copy_without_outputs(src: Path, dst: Path) -> None:
+    """Copy a notebook with its outputs cleared, so every widget on the page comes from this run."""
+    nb = nbformat.read(src, as_version=4)
+    nb.metadata["kernelspec"] = KERNELSPEC  # the kernel of this environment, with no kernel chooser dialog
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nbformat.write(nb, dst)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> Iterator[Lab]:
+    """JupyterLab on 127.0.0.1 (free port, known token), serving copies of the chapters under test."""
+    home = tmp_path_factory.mktemp("jupyter")
+    root = home / "notebooks"
+    root.mkdir()
+    for case in CASES:
+        copy_without_outputs(CHAPTERS / case.notebook, root / case.notebook)
+    port = free_port()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    log = ARTIFACTS / "jupyterlab.log"
+    cmd = [sys.executable, "-m", "jupyterlab", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={TOKEN}", "--ServerApp.open_browser=False",
+           f"--ServerApp.root_dir={root}"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=lab_env(home), stdout=out, stderr=subprocess.STDOUT, cwd=home)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(proc, url, log)
+        yield Lab(url=url, root=root, log=log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's headless Chromium under Playwright."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+# --- driving the page -----------------------------------------------------------------------------
+
+Shoot = Callable[[str], None]
+
+
+def open_and_run_all(page, lab: Lab, notebook: str, timeout_ms: int = 120_000) -> None:
+    """Open a notebook in JupyterLab, wait for its kernel, run all cells from the Run menu, wait for the last."""
+    from playwright.sync_api import expect
+
+    nb = nbformat.read(lab.root / notebook, as_version=4)
+    n_code = sum(1 for c in nb.cells if c.cell_type == "code" and c.source.strip())
+    # a workspace of its own per notebook: JupyterLab does not reopen the previous case's tabs
+    page.goto(f"{lab.url}/lab/workspaces/{notebook.removesuffix('.ipynb')}/tree/{notebook}?token={TOKEN}")
+    expect(page.locator(".jp-Notebook .jp-CodeCell")).to_have_count(n_code, timeout=60_000)
+    expect(page.get_by_text("| Idle")).to_be_visible(timeout=60_000)  # status bar: "Python 3 (ipykernel) | Idle"
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_text("Run All Cells", exact=True).click()
+    # done when every non-empty code cell shows an execution count ("[*]" while queued or running)
+    page.wait_for_function(
+        """n => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]
+                .filter(p => /\\[\\d+\\]/.test(p.textContent)).length >= n""",
+        arg=n_code, timeout=timeout_ms)
+
+
+def rendered_widget(page, selector: str, what: str):
+    """The output area holding a rendered widget that contains selector; fail (never skip) if it did not render."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    out = page.locator(".jp-OutputArea-output").filter(has=page.locator(selector)).first
+    try:
+        out.wait_for(state="visible", timeout=20_000)
+        rendered = True
+    except PlaywrightTimeout:
+        rendered = False
+    if not rendered:
+        shown = [t[:200] for t in page.locator(".jp-OutputArea-output").all_inner_texts()
+                 if "Explorer" in t or "widget" in t.lower()]
+        pytest.fail(f"{what} did not render as a widget in JupyterLab (no {selector!r} in any output; are "
+                    f"ipywidgets 8 and jupyterlab_widgets installed?). Outputs that mention it: {shown}",
+                    pytrace=False)
+    out.scroll_into_view_if_needed()
+    return out
+
+
+def drag_slider(page, out, label: str | None = None) -> None:
+    """Drag a slider's handle (the first, or the first whose label matches) to the far side of its track."""
+    slider = out.locator(".widget-slider")
+    if label is not None and slider.filter(has_text=re.compile(label, re.IGNORECASE)).count():
+        slider = slider.filter(has_text=re.compile(label, re.IGNORECASE))
+    slider = slider.first
+    track = slider.locator(".noUi-base").bounding_box()
+    handle = slider.locator(".noUi-handle").bounding_box()
+    x0, y = handle["x"] + handle["width"] / 2, handle["y"] + handle["height"] / 2
+    frac = 0.2 if x0 > track["x"] + track["width"] / 2 else 0.8
+    page.mouse.move(x0, y)
+    page.mouse.down()
+    page.mouse.move(track["x"] + frac * track["width"], y, steps=8)
+    page.mouse.up()
+
+
+def table_cell(table, row: str, column: int):
+    """The cell in column (0-based) of the table row whose first cell reads row."""
+    return table.locator("tr").filter(has=table.page.locator("td:first-child", has_text=re.compile(f"^{row}$"))).locator("td").nth(column)
+
+
+def drive_format_explorer(page, shoot: Shoot) -> None:
+    """Chapter 1's bit explorer: type 70000 (fp16 overflows to inf), then drag the slider."""
+    from playwright.sync_api import expect
+
+    out = rendered_widget(page, ".widget-text input", "format_explorer")
+    text_box = out.locator(".widget-text input")
+    table = out.locator(".widget-html-content").filter(has=page.locator("table"))
+    heading = table.locator("b").first
+    fp16_stored = table_cell(table, "fp16", 2)
+    # The notebook leaves the explorer at 1.0001 (the browser must not round it to the slider's step).
+    expect(heading).to_have_text("x = 1.0001")
+    expect(fp16_stored).to_have_text("1")
+    shoot("rendered")
+
+    text_box.fill("70000")
+    text_box.press("Enter")
+    expect(heading).to_have_text("x = 70000")
+    expect(fp16_stored).to_have_text("inf")
+    expect(table_cell(table, "fp16", 4)).to_have_text("overflow")
+    expect(table_cell(table, "bf16", 2)).to_have_text("70144")
+    expect(text_box).to_have_value("70000")
+    shoot("typed-70000")
+
+    drag_slider(page, out)
+    expect(heading).not_to_have_text("x = 70000")
+    expect(fp16_stored).not_to_have_text("inf")
+    typed = text_box.input_value()
+    assert heading.inner_text() == f"x = {float(typed):.10g}", "the text box and the table disagree after the drag"
+    shoot("dragged")
+
+
+def drive_range_explorer(page, shoot: Shoot) -> None:
+    """Chapter 6's loss-scale explorer: drag the loss-scale slider; the counts and the histogram change."""
+    from playwright.sync_api import expect
+
+    out = rendered_widget(page, ".ampcourse-range-counts", "range_explorer")
+    counts = out.locator(".ampcourse-range-counts").first
+    figure = out.locator(".ampcourse-range-figure").first
+    expect(counts).not_to_be_empty()
+    expect(figure).to_be_visible()
+    before_counts, before_figure = counts.inner_text(), figure.screenshot()
+    shoot("rendered")
+
+    drag_slider(page, out, label="scale")
+    expect(counts).not_to_have_text(before_counts)
+    deadline = time.monotonic() + 15
+    while figure.screenshot() == before_figure:
+        assert time.monotonic() < deadline, "the histogram did not change when the loss scale moved"
+        time.sleep(0.25)
+    shoot("dragged")
+
+
+@dataclass(frozen=True)
+class BrowserCase:
+    """A chapter notebook and how to drive its widget."""
+
+    notebook: str
+    drive: Callable[..., None]
+    widget: str  # the ampcourse.widgets function the chapter displays
+
+
+ALL_CASES = [
+    BrowserCase("01_precision_basics.ipynb", drive_format_explorer, "format_explorer"),
+    BrowserCase("06_loss_scaling.ipynb", drive_range_explorer, "range_explorer"),
+]
+CASES = [c for c in ALL_CASES if (CHAPTERS / c.notebook).exists()]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.notebook.removesuffix(".ipynb"))
+def test_widget_works_in_a_real_browser(case, request):
+    require_browser()
+    lab, browser = request.getfixturevalue("lab"), request.getfixturevalue("browser")
+    stem = case.notebook.removesuffix(".ipynb")
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    shots = iter(range(1, 100))
+    for old in ARTIFACTS.glob(f"{stem}-*.png"):  # screenshots of an earlier run would mislead
+        old.unlink()
+
+    def shoot(step: str) -> None:
+        """Save a screenshot of the page as a test artifact."""
+        page.screenshot(path=str(ARTIFACTS / f"{stem}-{next(shots)}-{step}.png"))
+
+    try:
+        open_and_run_all(page, lab, case.notebook)
+        case.drive(page, shoot)
+    except BaseException:
+        page.screenshot(path=str(ARTIFACTS / f"{stem}-failure.png"))
+        raise
+    finally:
+        context.close()
+        shut_down_kernels(lab)
+
+
+def test_every_widget_chapter_has_a_browser_case():
+    """A chapter that displays an ampcourse widget must be driven in the browser, not just listed."""
+    widgets = {c.widget for c in ALL_CASES}
+    cased = {c.notebook for c in CASES}
+    for path in sorted(CHAPTERS.glob("[0-9][0-9]_*.ipynb")):
+        code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+        for name in re.findall(r"\b(\w+_explorer)\(", code):
+            assert name in widgets and path.name in cased, f"{path.name} shows {name}: add a BrowserCase for it"
+
+
+@pytest.mark.parametrize("ci, outcome", [("", pytest.skip.Exception), ("true", pytest.fail.Exception)])
+def test_missing_chromium_skips_on_a_laptop_and_fails_under_ci(ci, outcome, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", tmp_path / "no-chromium")
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="Chromium is not installed"):
+        require_browser()

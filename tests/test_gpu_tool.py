@@ -1,0 +1,110 @@
+"""`make gpu-test` (tools/gpu_test.py) without a GPU: the dry run, the report machinery, the marker split, the CI job."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_test  # noqa: E402
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    """tools/gpu_test.py with CUDA hidden, so this is a dry run on a GPU machine too."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, str(ROOT / "tools/gpu_test.py"), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+
+
+def test_dry_run_without_cuda_says_what_it_skips_and_exits_0(tmp_path):
+    run = run_tool("--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert "dry run: no CUDA device" in run.stdout and "Skipping the GPU parts" in run.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["status"] == "dry-run" and not report["machine"]["cuda_available"]
+    assert [s["name"] for s in report["steps"]] == ["notebooks", "gpu tests"]
+    nb_cmd, gpu_cmd = (s["command"] for s in report["steps"])
+    assert "--nbval-lax" in nb_cmd and all(str(p.relative_to(ROOT)) in nb_cmd for p in (ROOT / "chapters").glob("*.ipynb"))
+    assert "-m gpu tests/gpu" in gpu_cmd
+    assert "Dry run" in (tmp_path / "report.md").read_text()
+
+
+NO_CUDA = {"python": "3.11", "torch": "2.13.0+cpu", "cuda": None, "cuda_available": False, "gpus": 0}
+
+
+def test_dry_run_writes_no_report_unless_asked(monkeypatch, capsys):
+    """A laptop's dry run must not overwrite a GPU report in benchmarks/gpu/."""
+    monkeypatch.setattr(gpu_test, "cuda_info", lambda: NO_CUDA)
+    assert gpu_test.main([]) == 0
+    assert "wrote" not in capsys.readouterr().out
+
+
+def test_the_gpu_ci_job_fails_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_test, "cuda_info", lambda: NO_CUDA)
+    assert gpu_test.main(["--require-cuda"]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_step_reports_each_test_from_junit(tmp_path):
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert 1 == 2, 'one is not two'\n"
+        "def test_later(): pytest.skip('not here')\n")
+    step = gpu_test.Step("sample", gpu_test.pytest_argv(str(tmp_path / "test_sample.py"), junit=tmp_path / "s.xml"),
+                         tmp_path / "s.xml")
+    result = gpu_test.run_step(step, timeout=120, workdir=tmp_path)
+    assert result.returncode == 1 and result.counts == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert not result.ok and "--junitxml=s.xml" in result.command and result.command.startswith("python -m pytest")
+    bad = next(t for t in result.tests if t["name"].endswith("test_bad"))
+    assert "one is not two" in bad["message"]
+
+
+def test_markdown_report_of_a_gpu_run():
+    step = gpu_test.StepResult("gpu tests", "python -m pytest -m gpu tests/gpu", 0, 12.5,
+                               [{"name": "tests.gpu.test_bench::test_bench_matmul", "outcome": "passed", "seconds": 3.0, "message": ""}])
+    report = {"status": "passed", "command": "python tools/gpu_test.py", "commit": "abc", "started": "now",
+              "machine": {"cuda_available": True, "device": "NVIDIA H200", "capability": "sm_90", "memory_gib": 139.8,
+                          "gpus": 1, "torch": "2.11.0", "cuda": "12.8", "python": "3.11.9"},
+              "budget_seconds": 480, "seconds": 12.5, "steps": [{**vars(step), "counts": step.counts, "ok": step.ok}],
+              "bench": {"matmul_4096": {"what": "4096 matmul", "seconds_fp32": 0.006, "seconds_fp16": 0.002, "speedup_fp16": 3.0}}}
+    md = gpu_test.markdown(report)
+    assert "# GPU check: passed" in md and "NVIDIA H200 (sm_90" in md
+    assert "| gpu tests | ok | 1 | 0 | 0 | 0 | 12.5 |" in md
+    assert "| 4096 matmul | 6 | 2 | 3.00x |" in md
+
+
+def test_make_test_deselects_gpu_tests_by_marker():
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert any(a == "-m" and b == "not gpu" for a, b in zip(addopts, addopts[1:])), addopts
+
+
+def test_gpu_test_selects_every_test_under_tests_gpu():
+    """`-m gpu` (what make gpu-test passes) collects tests/gpu: every test there carries the marker."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "--collect-only",
+                          "-q", "-m", "gpu", "tests/gpu"], capture_output=True, text=True, cwd=ROOT, timeout=120).stdout
+    selected = [ln for ln in out.splitlines() if "::test_" in ln]
+    assert len(selected) >= 5 and "deselected" not in out, out
+    assert any("test_bench" in ln for ln in selected) and any("gradscaler" in ln.lower() for ln in selected)
+
+
+def test_gpu_workflow_runs_make_gpu_test_on_a_self_hosted_gpu_runner():
+    text = (ROOT / ".github/workflows/gpu.yml").read_text()
+    job = yaml.safe_load(text)["jobs"]["gpu-test"]
+    assert job["runs-on"] == ["self-hosted", "linux", "x64", "gpu"]
+    assert "--labels gpu" in text, "the comment must say how to give the runner its gpu label"
+    runs = [s.get("run", "") for s in job["steps"]]
+    assert any(r.startswith("make gpu-test") and "--require-cuda" in r for r in runs)
+    upload = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["with"]["path"].rstrip("/") == "benchmarks/gpu" and upload["if"] == "always()"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests/gpu").glob("test_*.py")), ids=lambda p: p.name)
+def test_gpu_test_files_declare_the_marker(path):
+    assert "pytestmark = pytest.mark.gpu" in path.read_text()

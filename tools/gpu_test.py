@@ -1,0 +1,242 @@
+"""`make gpu-test`: on a CUDA machine, every notebook through nbval (lax) and the GPU-only tests, with a report.
+
+    python tools/gpu_test.py                    # needs CUDA; report -> benchmarks/gpu/report.{json,md}
+    python tools/gpu_test.py --dry-run          # list what would run, run nothing
+    python tools/gpu_test.py --require-cuda     # the GPU CI job: no CUDA is a failure, not a dry run
+
+Steps, each a pytest run with a JUnit XML file the report is built from:
+  1. notebooks: every chapters/*.ipynb through nbval in lax mode (on a GPU the numbers differ from the
+     CPU outputs stored in the notebooks, so cells must run without error, outputs are not compared);
+  2. gpu tests: tests/gpu (marker `gpu`): CUDA fp16 autocast + GradScaler, and the fp32-vs-fp16
+     benchmark, whose figures (ratios measured side by side in one run) go into the report.
+The whole run has a budget of 8 minutes on one GPU; a step still running then is stopped and fails.
+Without CUDA this is a dry run: it says what it skips and why, and exits 0 (`make test` checks that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "gpu"
+BUDGET_S = 8 * 60
+CELL_TIMEOUT_S = 300
+
+
+@dataclass
+class Step:
+    """One pytest run of the GPU check."""
+
+    name: str
+    argv: list[str]
+    junit: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    """What one step did: exit code, time, and each test's outcome."""
+
+    name: str
+    command: str
+    returncode: int | None  # None: stopped at the budget
+    seconds: float
+    tests: list[dict]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """passed/failed/error/skipped totals."""
+        out = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+        for t in self.tests:
+            out[t["outcome"]] += 1
+        return out
+
+    @property
+    def ok(self) -> bool:
+        """Finished in time, exit code 0, something ran, nothing failed or skipped."""
+        c = self.counts
+        return self.returncode == 0 and c["passed"] > 0 and c["failed"] == c["error"] == c["skipped"] == 0
+
+
+def pytest_argv(*args: str, junit: Path) -> list[str]:
+    """pytest with the project's addopts replaced (they select nbval strict mode and `not gpu`)."""
+    return [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rA",
+            f"--junitxml={junit}", *args]
+
+
+def shown(argv: list[str], workdir: Path) -> str:
+    """A step's command as the report shows it: `python`, not this machine's interpreter path or temp folder."""
+    return shlex.join("python" if a == sys.executable else a.replace(f"{workdir}{os.sep}", "") for a in argv)
+
+
+def notebooks() -> list[str]:
+    """Every notebook in chapters/, relative to the repository."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "chapters").glob("*.ipynb"))
+
+
+def plan(workdir: Path, bench_json: Path) -> list[Step]:
+    """The steps of a GPU check, writing their JUnit XML into workdir."""
+    return [
+        Step("notebooks", pytest_argv("--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT_S}",
+                                      *notebooks(), junit=workdir / "notebooks.xml"), workdir / "notebooks.xml"),
+        Step("gpu tests", pytest_argv("-m", "gpu", "tests/gpu", junit=workdir / "gpu.xml"), workdir / "gpu.xml",
+             env={"AMPCOURSE_BENCH_JSON": str(bench_json)}),
+    ]
+
+
+def parse_junit(path: Path) -> list[dict]:
+    """Each test case in a JUnit XML file: name, outcome, seconds, message."""
+    if not path.exists():
+        return []
+    tests = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+                text = (node.get("message") or node.text or "").strip()
+                message = text.splitlines()[0][:300] if text else ""
+                break
+        name = f"{case.get('classname', '')}::{case.get('name', '')}".strip(":")
+        tests.append({"name": name, "outcome": outcome, "seconds": round(float(case.get("time", 0)), 2), "message": message})
+    return tests
+
+
+def run_step(step: Step, timeout: float, workdir: Path) -> StepResult:
+    """Run one step (cwd: the repository) within timeout seconds; its output streams through."""
+    start = time.monotonic()
+    env = dict(os.environ, **step.env)
+    try:
+        rc: int | None = subprocess.run(step.argv, cwd=ROOT, env=env, timeout=max(timeout, 1)).returncode
+    except subprocess.TimeoutExpired:
+        rc = None
+        print(f"\n{step.name}: stopped at the {BUDGET_S // 60}-minute budget", flush=True)
+    return StepResult(step.name, shown(step.argv, workdir), rc, round(time.monotonic() - start, 1), parse_junit(step.junit))
+
+
+def cuda_info() -> dict:
+    """torch's view of the machine: versions, and the GPU if CUDA works."""
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(), "gpus": 0}
+    if info["cuda_available"]:
+        major, minor = torch.cuda.get_device_capability(0)
+        info.update(gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0), capability=f"sm_{major}{minor}",
+                    memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+    return info
+
+
+def git_commit() -> str | None:
+    """The checked-out commit (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown: machine, steps, each test, benchmark figures."""
+    m = report["machine"]
+    gpu = f"{m.get('device')} ({m.get('capability')}, {m.get('memory_gib')} GiB), {m.get('gpus')} visible" if m.get("cuda_available") else "none"
+    lines = [f"# GPU check: {report['status']}", "",
+             f"- command: `{report['command']}`", f"- commit: `{report['commit']}`", f"- started: {report['started']}",
+             f"- GPU: {gpu}", f"- torch {m['torch']} (CUDA {m['cuda']}), Python {m['python']}",
+             f"- time: {report['seconds']} s of a {report['budget_seconds']} s budget", ""]
+    if report["status"] == "dry-run":
+        lines += [f"Dry run: {report['reason']}", "", "Would run:", ""]
+        lines += [f"- {s['name']}: `{s['command']}`" for s in report["steps"]]
+        return "\n".join(lines) + "\n"
+    lines += ["| step | result | passed | failed | error | skipped | seconds |", "|---|---|---|---|---|---|---|"]
+    for s in report["steps"]:
+        c = s["counts"]
+        result = "ok" if s["ok"] else ("stopped at budget" if s["returncode"] is None else "FAILED")
+        lines.append(f"| {s['name']} | {result} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} | {s['seconds']} |")
+    for s in report["steps"]:
+        lines += ["", f"## {s['name']}", "", f"`{s['command']}`", "", "| test | outcome | seconds |", "|---|---|---|"]
+        for t in s["tests"]:
+            note = f" ({t['message']})" if t["message"] else ""
+            lines.append(f"| `{t['name']}` | {t['outcome']}{note} | {t['seconds']} |")
+    if report.get("bench"):
+        lines += ["", "## Benchmark (fp32 vs fp16 autocast, interleaved, medians)", "",
+                  "| workload | fp32 ms | fp16 ms | fp16 speed-up |", "|---|---|---|---|"]
+        for name, b in report["bench"].items():
+            lines.append(f"| {b.get('what', name)} | {b['seconds_fp32'] * 1e3:.3g} | {b['seconds_fp16'] * 1e3:.3g} | {b['speedup_fp16']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out: Path) -> list[Path]:
+    """report.json and report.md in out."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "report.json", out / "report.md"]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    paths[1].write_text(markdown(report))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: run the GPU check (or a dry run) and write the report."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"report folder (default {DEFAULT_OUT.relative_to(ROOT)}; a dry run writes one only when given)")
+    ap.add_argument("--dry-run", action="store_true", help="list the steps, run nothing")
+    ap.add_argument("--require-cuda", action="store_true", help="exit 1 instead of a dry run when CUDA is missing")
+    args = ap.parse_args(argv)
+    command = shlex.join(["python", "tools/gpu_test.py", *(argv if argv is not None else sys.argv[1:])])
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    machine = cuda_info()
+    with tempfile.TemporaryDirectory(prefix="gpu-test-") as tmp:
+        work = Path(tmp)
+        bench_json = work / "bench.json"
+        steps = plan(work, bench_json)
+        report = {"status": "", "command": command, "commit": git_commit(), "started": started, "machine": machine,
+                  "budget_seconds": BUDGET_S, "seconds": 0.0}
+        if args.dry_run or not machine["cuda_available"]:
+            reason = ("--dry-run given" if args.dry_run else
+                      f"no CUDA device (torch {machine['torch']}, built for CUDA {machine['cuda']})")
+            if not args.dry_run and args.require_cuda:
+                print(f"gpu-test: {reason}, and --require-cuda was given", file=sys.stderr)
+                return 1
+            print(f"gpu-test: dry run: {reason}. Skipping the GPU parts: nbval (lax) over {len(notebooks())} "
+                  "notebooks and the GPU-only tests (tests/gpu). Run `make gpu-test` on a machine with an NVIDIA GPU.")
+            for s in steps:
+                print(f"  would run {s.name}: {shown(s.argv, work)}")
+            report.update(status="dry-run", reason=reason,
+                          steps=[{"name": s.name, "command": shown(s.argv, work)} for s in steps])
+            if args.out is not None:
+                for p in write_report(report, args.out):
+                    print(f"wrote {p}")
+            return 0
+        start = time.monotonic()
+        results = []
+        for step in steps:
+            left = BUDGET_S - (time.monotonic() - start)
+            print(f"\n=== gpu-test: {step.name} ({left:.0f} s of the budget left)\n{shown(step.argv, work)}", flush=True)
+            results.append(run_step(step, left, work))
+        elapsed = round(time.monotonic() - start, 1)
+        bench = json.loads(bench_json.read_text()) if bench_json.exists() else {}
+    ok = all(r.ok for r in results) and elapsed <= BUDGET_S
+    report.update(status="passed" if ok else "failed", seconds=elapsed, bench=bench,
+                  steps=[{**asdict(r), "counts": r.counts, "ok": r.ok} for r in results])
+    for p in write_report(report, args.out or DEFAULT_OUT):
+        print(f"wrote {p}")
+    print(f"gpu-test: {report['status']} in {elapsed} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
