@@ -37,6 +37,7 @@ import torch
 from . import formats
 
 __all__ = ["LossScaler", "simulate_scale", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
+           "zone_thresholds", "RangeCounter",
            "GradientRecord", "record_gradients"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within one iteration
@@ -381,6 +382,47 @@ def range_counts(values, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int
     fine = ok & (rounded >= f.min_normal)
     return {"overflow": int(overflow.sum()), "fine": int(fine.sum()), "subnormal": int(subnormal.sum()),
             "underflow": int(underflow.sum()), "zero": int(zero.sum())}
+
+
+def zone_thresholds(fmt: str = "fp16") -> tuple[float, float, float]:
+    """The magnitudes where rounding to fmt flushes to zero, leaves the subnormals, and overflows."""
+    f = formats.spec(fmt)
+    return f.min_subnormal / 2, f.min_normal - f.min_subnormal / 2, f.max + formats.ulp(f.max, f) / 2
+
+
+class RangeCounter:
+    """range_counts for many scales of one set of values: sort once, then each count is a binary search."""
+
+    def __init__(self, values) -> None:
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().double().numpy()
+        x = np.abs(np.asarray(values, dtype=np.float64)).ravel()
+        self.size = x.size
+        self.zero = int((x == 0).sum())
+        self.nonfinite = int((~np.isfinite(x)).sum())
+        self.sorted = np.sort(x[(x > 0) & np.isfinite(x)])
+
+    def counts(self, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
+        """Same result as range_counts(values, scale, fmt); fast when scale is a power of two."""
+        f = formats.spec(fmt)
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        # Each category is an interval of |x| * scale (rounding is monotone), so binary search finds its ends.
+        # A power of two divides the thresholds exactly; any other scale multiplies the values instead.
+        power_of_two = math.frexp(scale)[0] == 0.5
+        with np.errstate(over="ignore"):
+            y = self.sorted if power_of_two else self.sorted * scale
+        div = scale if power_of_two else 1.0
+        n = len(self.sorted)
+        ends = []
+        for t in zone_thresholds(f):
+            # A value exactly on a threshold goes where round-to-nearest-even sends the threshold itself.
+            goes_up = formats._round_unbounded(np.array([t]), f)[0] > t
+            ends.append(int(np.searchsorted(y, t / div, side="left" if goes_up else "right")))
+        flush_end, sub_end, fine_end = ends
+        return {"overflow": n - fine_end + self.nonfinite, "fine": fine_end - sub_end, "subnormal": sub_end - flush_end,
+                "underflow": flush_end, "zero": self.zero}
 
 
 # -- real gradients of a model ------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import torch
 
 from ampcourse import formats
 from ampcourse.models import make_task
-from ampcourse.scaling import (LossScaler, check_scaler_args, range_counts, record_gradients, simulate_scale,
-                               _unscale_and_check_, _update_scale_)
+from ampcourse.scaling import (LossScaler, RangeCounter, check_scaler_args, range_counts, record_gradients,
+                               simulate_scale, zone_thresholds, _unscale_and_check_, _update_scale_)
 
 N_SEQUENCES = 200
 
@@ -470,3 +470,19 @@ def test_record_gradients_matches_autograd():
     assert not task.model.net[0]._forward_hooks  # hooks removed
     with pytest.raises(ValueError):
         rec.values("weights")
+
+
+def test_range_counter_equals_range_counts():
+    """The binary-search counter agrees with the definition, on boundaries and at extreme scales."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5000, generator=gen).double() * 2.0 ** (torch.rand(5000, generator=gen).double() * 100 - 70))
+    edges = []
+    for fmt in formats.names():
+        edges += [t * m for t in zone_thresholds(fmt) for m in (1.0, 1 + 2**-40, 1 - 2**-40)]
+    x = torch.cat([x, torch.tensor(edges, dtype=torch.float64), torch.tensor([0.0, 0.0, float("inf"), float("nan"), 1e300])])
+    counter = RangeCounter(x)
+    for fmt in formats.names():
+        for scale in [2.0**k for k in (-24, -1, 0, 1, 13, 16, 40)] + [1000.0, 3.0, 0.7, 1e30]:
+            assert counter.counts(scale, fmt) == range_counts(x, scale, fmt), (fmt, scale)
+    empty = RangeCounter([])
+    assert empty.counts(2.0**40) == {"overflow": 0, "fine": 0, "subnormal": 0, "underflow": 0, "zero": 0}
