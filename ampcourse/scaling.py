@@ -36,7 +36,7 @@ import torch
 
 from . import formats
 
-__all__ = ["LossScaler", "simulate_scale", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
+__all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
            "zone_thresholds", "RangeCounter",
            "GradientRecord", "record_gradients"]
 
@@ -70,22 +70,41 @@ def _float32(x: float) -> float:
         return float(np.float32(x))
 
 
+def _next_scale(scale: float, tracker: int, overflow: bool, growth_factor: float, backoff_factor: float,
+                growth_interval: int) -> tuple[float, int]:
+    """One update() on Python floats, rounded to float32 exactly as torch's kernel does."""
+    if overflow:
+        return _float32(scale * backoff_factor), 0  # back off, and start counting clean steps again
+    if tracker + 1 == growth_interval:
+        grown = _float32(scale * growth_factor)
+        return (grown if math.isfinite(grown) else scale), 0  # never grow past float32's largest value
+    return scale, tracker + 1
+
+
 def simulate_scale(overflows: Iterable[bool], init_scale: float = 2.0**16, growth_factor: float = 2.0,
                    backoff_factor: float = 0.5, growth_interval: int = 2000) -> list[float]:
     """The scale after each update() for a sequence of steps (True: that step overflowed), as GradScaler computes it."""
     check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
     scale, tracker, out = _float32(init_scale), 0, []
     for overflow in overflows:
-        if overflow:
-            scale, tracker = _float32(scale * backoff_factor), 0  # back off, and start counting again
-        elif tracker + 1 == growth_interval:
-            grown = _float32(scale * growth_factor)
-            scale = grown if math.isfinite(grown) else scale  # never grow past float32's largest value
-            tracker = 0
-        else:
-            tracker += 1
+        scale, tracker = _next_scale(scale, tracker, bool(overflow), growth_factor, backoff_factor, growth_interval)
         out.append(scale)
     return out
+
+
+def simulate_training(max_grads: Iterable[float], init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                      backoff_factor: float = 0.5, growth_interval: int = 2000,
+                      fmt: str = "fp16") -> tuple[list[float], list[bool]]:
+    """Dynamic scaling with feedback: step i overflows when scale * max_grads[i] overflows fmt; (scales, overflows)."""
+    check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+    limit = zone_thresholds(fmt)[2]
+    scale, tracker, scales, overflows = _float32(init_scale), 0, [], []
+    for g in max_grads:
+        overflow = not (abs(g) * scale < limit)  # NaN and inf gradients overflow too
+        scale, tracker = _next_scale(scale, tracker, overflow, growth_factor, backoff_factor, growth_interval)
+        scales.append(scale)
+        overflows.append(overflow)
+    return scales, overflows
 
 
 def _update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,

@@ -12,7 +12,8 @@ import torch
 from ampcourse import formats
 from ampcourse.models import make_task
 from ampcourse.scaling import (LossScaler, RangeCounter, check_scaler_args, range_counts, record_gradients,
-                               simulate_scale, zone_thresholds, _unscale_and_check_, _update_scale_)
+                               simulate_scale, simulate_training, zone_thresholds, _unscale_and_check_,
+                               _update_scale_)
 
 N_SEQUENCES = 200
 
@@ -486,3 +487,16 @@ def test_range_counter_equals_range_counts():
             assert counter.counts(scale, fmt) == range_counts(x, scale, fmt), (fmt, scale)
     empty = RangeCounter([])
     assert empty.counts(2.0**40) == {"overflow": 0, "fine": 0, "subnormal": 0, "underflow": 0, "zero": 0}
+
+
+def test_simulate_training_is_simulate_scale_with_feedback():
+    rng = np.random.default_rng(0)
+    max_grads = 2.0 ** rng.normal(-6, 1, 3000)
+    max_grads[[500, 501, 2000]] = [np.inf, np.nan, 1e6]
+    scales, overflows = simulate_training(max_grads, init_scale=2.0**24, growth_interval=50)
+    assert scales == simulate_scale(overflows, init_scale=2.0**24, growth_interval=50)
+    used = [2.0**24] + scales[:-1]  # the scale each step ran with
+    limit = zone_thresholds("fp16")[2]
+    assert overflows == [not (g * s < limit) for g, s in zip(max_grads, used)]
+    assert overflows[0] and overflows[500] and overflows[501] and overflows[2000]
+    assert overflows[:3] == [True] * 3  # 2**24 is too big for gradients near 2**-6: it calibrates first
