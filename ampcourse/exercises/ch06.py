@@ -33,9 +33,8 @@ def check_no_flush_scale(scale: Any, grads, fmt: str = "fp16") -> None:
         hint = ("the values span more binades than the format holds: no single scale works" if v.max() / v.min() >= over / flush
                 else "some values still flush to zero: scale up" if c["underflow"] else "some values overflow: scale down")
         failed(title, "0 flushed to zero and 0 overflowing", f"{c['underflow']:,} flushed, {c['overflow']:,} overflowing", hint)
-    k = math.log2(s)
-    passed(title, f"At scale 2^{k:.3g} every value lands between fp16's smallest subnormal and its maximum "
-                  f"({c['subnormal']:,} of them as subnormals, with reduced precision).")
+    passed(title, f"Every value lands between {fmt}'s smallest subnormal and its maximum "
+                  "(the smallest ones still as subnormals, with reduced precision).")
 
 
 def check_scale_prediction(predicted: Sequence[float], overflows: Sequence[bool], init_scale: float,
