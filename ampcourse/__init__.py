@@ -7,6 +7,8 @@ Modules, one idea each:
     models     reference models (mlp, cnn, transformer) and synthetic datasets
     train      one AMP training loop (fp32/fp16/bf16), History, `python -m ampcourse.train`
     checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
+    scaling    loss scaling written out: LossScaler (== GradScaler), scale simulations, range counts
+    policy     per-module precision policies on top of autocast
     widgets    ipywidgets + matplotlib explorers used in the chapters
     exercises  checkers for the chapter exercises
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
@@ -20,7 +22,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
-    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory",
+    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "policy",
 }
 
 
