@@ -17,6 +17,12 @@ torch's kernels, because they decide the last bit:
 - unscaling multiplies by ``1 / scale`` computed in float64 and rounded to float32, and low-precision
   gradients are multiplied in float32 and rounded once (``_amp_foreach_non_finite_check_and_unscale_``).
 
+Where it differs on purpose: bad constructor arguments raise ``ValueError`` naming the argument
+(GradScaler asserts only on the two factors), and misuse that GradScaler reports with an
+``AssertionError`` (``step``/``update`` before ``scale``, ``update`` without any ``step``) is a
+``RuntimeError`` saying what to do. The misuse errors GradScaler raises as ``RuntimeError``
+(``unscale_`` twice, ``step`` twice, closures) are the same here.
+
 Also here: :func:`simulate_scale` (the scale trajectory for a given overflow pattern, without a
 model), :func:`range_counts` (how many values overflow, go subnormal or flush to zero in a format at a
 given scale) and :func:`record_gradients` (the real gradients of one forward/backward pass).
