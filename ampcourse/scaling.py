@@ -24,8 +24,10 @@ Where it differs on purpose: bad constructor arguments raise ``ValueError`` nami
 (``unscale_`` twice, ``step`` twice, closures) are the same here.
 
 Also here: :func:`simulate_scale` (the scale trajectory for a given overflow pattern, without a
-model), :func:`range_counts` (how many values overflow, go subnormal or flush to zero in a format at a
-given scale) and :func:`record_gradients` (the real gradients of one forward/backward pass).
+model), :func:`simulate_training` (the same with feedback: a step overflows when scale x its largest
+gradient leaves the format), :func:`range_counts` and :class:`RangeCounter` (how many values overflow,
+go subnormal or flush to zero in a format at a given scale) and :func:`record_gradients` (the real
+gradients of one forward/backward pass).
 """
 
 from __future__ import annotations
