@@ -6,6 +6,15 @@ results are attributes, so tests drive it without a browser:
     >>> w = format_explorer(1.0001)
     >>> w.text.value = "70000"            # what a learner types
     >>> w.rows["fp16"]["value"]           # inf
+    >>> r = range_explorer(grads)          # chapter 6: gradient histogram vs a format's zones
+    >>> r.slider.value = 16                # loss scale 2**16
+    >>> r.counts["underflow"]              # values that still flush to zero
+    >>> s = scaler_simulator()             # chapter 6: GradScaler's scale over steps
+    >>> s.backoff_factor.value = 0.25; s.summary["skipped"]
+
+The figure widgets draw on an Agg figure (``w.fig``) and send PNGs to an ``ipywidgets.Image``
+(``w.image``); a move redraws only what changed (see ``_FigureImage``). ``python -m
+ampcourse.widgets --bench`` times slider moves (benchmarks/README.md).
 """
 
 from __future__ import annotations
