@@ -7,6 +7,8 @@ Modules, one idea each:
     models     reference models (mlp, cnn, transformer) and synthetic datasets
     train      one AMP training loop (fp32/fp16/bf16), History, `python -m ampcourse.train`
     checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
+    scaling    loss scaling written out: LossScaler (== GradScaler), scale simulations, range counts
+    policy     per-module precision policies on top of autocast
     widgets    ipywidgets + matplotlib explorers used in the chapters
     exercises  checkers for the chapter exercises
     course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
@@ -21,7 +23,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
-    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course",
+    "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
 }
 
 

@@ -66,3 +66,77 @@ def relative_error(fmts=("fp16", "bf16"), lo: float = 1e-9, hi: float = 1e6, n: 
     ax.legend(fontsize=8, markerscale=4)
     fig.tight_layout()
     return fig
+
+
+# -- loss scaling (chapter 6) ------------------------------------------------------------------------
+
+ZONE_COLORS = {"underflow": "#9e9e9e", "subnormal": "#f4a259", "normal": "#8cc084", "overflow": "#d62728"}
+
+
+def format_zones(fmt="fp16") -> list[tuple[str, float, float]]:
+    """The underflow, subnormal, normal and overflow zones of a format as (name, lo, hi) in log2|x|."""
+    from .scaling import zone_thresholds
+
+    flush, normal, over = (float(np.log2(t)) for t in zone_thresholds(fmt))
+    return [("underflow", -np.inf, flush), ("subnormal", flush, normal), ("normal", normal, over), ("overflow", over, np.inf)]
+
+
+def shade_zones(ax, fmt="fp16", label: bool = True) -> None:
+    """Shade a log2 x-axis by what fmt does to values there (flush to zero, subnormal, normal, overflow)."""
+    lo, hi = ax.get_xlim()
+    for name, a, b in format_zones(fmt):
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            continue
+        ax.axvspan(a, b, color=ZONE_COLORS[name], alpha=0.18, lw=0)
+        if label:
+            ax.text((a + b) / 2, 0.97, name, transform=ax.get_xaxis_transform(), ha="center", va="top",
+                    fontsize=8, color=ZONE_COLORS[name])
+    ax.set_xlim(lo, hi)
+
+
+def log2_window(fmt="fp16") -> tuple[float, float]:
+    """A log2 x-range that shows all four zones of fmt with some margin."""
+    f = formats.spec(fmt)
+    return float(np.floor(np.log2(f.min_subnormal))) - 12, float(np.ceil(np.log2(f.max))) + 8
+
+
+def gradient_histogram(values, fmt="fp16", log2_scales=(0,), bins_per_octave: int = 4) -> plt.Figure:
+    """Histogram of log2|values * 2**k| for each k, on the zones of fmt, with the share in each zone."""
+    from .scaling import range_counts
+
+    v = np.abs(np.asarray(values, dtype=np.float64)).ravel()
+    nz = v[(v > 0) & np.isfinite(v)]
+    lo, hi = log2_window(fmt)
+    edges = np.arange(lo, hi + 1e-9, 1 / bins_per_octave)
+    fig, axes = plt.subplots(len(log2_scales), 1, figsize=(7, 1.9 * len(log2_scales) + 0.5), dpi=80,
+                             sharex=True, squeeze=False)
+    for ax, k in zip(axes[:, 0], log2_scales):
+        counts, _ = np.histogram(np.clip(np.log2(nz) + k, lo, hi - 1e-9), edges)
+        ax.stairs(100 * counts / max(v.size, 1), edges, fill=True, color="#1f77b4", alpha=0.85)
+        ax.set_xlim(lo, hi)
+        shade_zones(ax, fmt)
+        c = range_counts(v, 2.0**k, fmt)
+        share = {n: 100 * c[n] / max(v.size, 1) for n in c}
+        ax.set_ylabel("% of values")
+        ax.set_title(f"loss scale 2^{k}: {share['underflow']:.1f}% flush to zero, {share['subnormal']:.1f}% subnormal, "
+                     f"{share['overflow']:.1f}% overflow", fontsize=9)
+    axes[-1, 0].set_xlabel(f"log2 |gradient x scale|   (zones: {formats.spec(fmt).name})")
+    fig.tight_layout()
+    return fig
+
+
+def scale_trajectories(runs: dict[str, tuple[list[float], list[bool]]], title: str = "") -> plt.Figure:
+    """log2(scale) over steps for several settings, skipped (overflow) steps marked with dots."""
+    fig, ax = plt.subplots(figsize=(7, 3), dpi=80)
+    for label, (scales, overflows) in runs.items():
+        steps = np.arange(1, len(scales) + 1)
+        with np.errstate(divide="ignore"):
+            y = np.log2(np.asarray(scales, dtype=np.float64))
+        (line,) = ax.plot(steps, y, drawstyle="steps-post", label=label, lw=1.3)
+        skipped = np.asarray(overflows, dtype=bool)
+        ax.plot(steps[skipped], y[skipped], ".", color=line.get_color(), ms=5)
+    ax.set(xlabel="step", ylabel="log2(scale)", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

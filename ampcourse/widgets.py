@@ -6,18 +6,36 @@ results are attributes, so tests drive it without a browser:
     >>> w = format_explorer(1.0001)
     >>> w.text.value = "70000"            # what a learner types
     >>> w.rows["fp16"]["value"]           # inf
+    >>> r = range_explorer(grads)          # chapter 6: gradient histogram vs a format's zones
+    >>> r.slider.value = 16                # loss scale 2**16
+    >>> r.counts["underflow"]              # values that still flush to zero
+    >>> s = scaler_simulator()             # chapter 6: GradScaler's scale over steps
+    >>> s.backoff_factor.value = 0.25; s.summary["skipped"]
+
+The figure widgets draw on an Agg figure (``w.fig``) and send PNGs to an ``ipywidgets.Image``
+(``w.image``); a move redraws only what changed (see ``_FigureImage``). ``python -m
+ampcourse.widgets --bench`` times slider moves (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
+import functools
 import html
+import io
 import math
+import re
+import time
 
 import ipywidgets as W
+import numpy as np
+import PIL.Image
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-from . import formats
+from . import formats, plots, scaling
 
-__all__ = ["format_explorer", "parse_number"]
+__all__ = ["format_explorer", "range_explorer", "scaler_simulator", "parse_number", "parse_scale", "parse_steps",
+           "RangeExplorer", "ScalerSimulator", "benchmark"]
 
 _COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
@@ -130,3 +148,414 @@ def _table_html(x: float, rows: dict[str, dict]) -> str:
 def format_explorer(value: float = 1.0001, fmts: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")) -> FormatExplorer:
     """A bit explorer: type or slide a value, see how each format stores it."""
     return FormatExplorer(value, fmts)
+
+
+# -- shared by the figure widgets -------------------------------------------------------------------------
+
+def _error_html(err: Exception) -> str:
+    """A visible, escaped error line for the widget (learners see it instead of a traceback)."""
+    return f'<span style="color:#d62728">{html.escape(str(err))}</span>'
+
+
+class _FigureImage:
+    """An Agg figure (no pyplot, no GUI) rendered into an ipywidgets.Image as PNG.
+
+    Speed: the static part (axes, ticks, zones) is drawn once and cached as a bitmap; an update
+    restores it and draws only the artists in ``dynamic`` (blitting). Call ``invalidate()`` after
+    changing anything static (limits, labels, zones).
+    """
+
+    def __init__(self, figsize: tuple[float, float], dpi: int = 72, css_class: str = ""):
+        self.fig = Figure(figsize=figsize, dpi=dpi)
+        FigureCanvasAgg(self.fig)
+        self.image = W.Image(format="png")
+        if css_class:
+            self.image.add_class(css_class)
+        self.dynamic: list = []
+        self._background = None
+
+    def invalidate(self) -> None:
+        """The static part changed: redraw it on the next render."""
+        self._background = None
+
+    def render(self) -> None:
+        """Redraw (blitting when the static part is cached) and send the PNG to the browser."""
+        canvas = self.fig.canvas
+        if self._background is None:
+            for artist in self.dynamic:
+                artist.set_animated(True)  # left out of canvas.draw(): drawn on top below
+            canvas.draw()
+            self._background = canvas.copy_from_bbox(self.fig.bbox)
+        else:
+            canvas.restore_region(self._background)
+        for artist in self.dynamic:
+            self.fig.draw_artist(artist)
+        width, height = canvas.get_width_height()
+        buf = io.BytesIO()
+        PIL.Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1).save(
+            buf, format="png", compress_level=1)  # fast zlib level: the image is small
+        self.image.value = buf.getvalue()
+
+
+# -- range explorer (chapter 6) ---------------------------------------------------------------------------
+
+_SCALE_RE = re.compile(r"^\s*2\s*(?:\*\*|\^)\s*(-?\d+(?:\.\d+)?)\s*$")
+
+
+def parse_scale(text: str) -> float:
+    """Parse a loss scale ('65536', '2**16', '2^-3', '1e4'); ValueError with a hint unless positive and finite."""
+    m = _SCALE_RE.match(str(text))
+    if m:
+        value = 2.0 ** float(m.group(1))
+    else:
+        try:
+            value = parse_number(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a loss scale; type something like 65536, 2**16 or 1e4") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"the loss scale must be a positive finite number, got {text!r}")
+    return value
+
+
+@functools.cache
+def _course_gradients() -> np.ndarray:
+    """Real gradients of the course's tiny transformer: parameters and activations, one batch."""
+    from .models import make_task
+
+    task = make_task("transformer", n=64, seed=0)
+    x, y = task.data[:64]
+    rec = scaling.record_gradients(task.model, x, y, task.loss_fn, activations=True)
+    return rec.values("all").double().numpy()
+
+
+def _as_values(grads) -> np.ndarray:
+    """Gradients given as a tensor, an array, a list of tensors, a GradientRecord or None (the course model)."""
+    if grads is None:
+        return _course_gradients()
+    if isinstance(grads, scaling.GradientRecord):
+        return grads.values("all").double().numpy()
+    if isinstance(grads, (list, tuple)) and grads and all(hasattr(g, "detach") for g in grads):
+        return np.concatenate([g.detach().cpu().double().numpy().ravel() for g in grads])
+    if hasattr(grads, "detach"):
+        return grads.detach().cpu().double().numpy().ravel()
+    try:
+        return np.asarray(grads, dtype=np.float64).ravel()
+    except (TypeError, ValueError):
+        raise ValueError("grads must be a tensor, an array of numbers, a list of tensors or a GradientRecord") from None
+
+
+class RangeExplorer(W.VBox):
+    """Slide the loss scale; watch the gradient histogram move across a format's zones, with live counts."""
+
+    BINS_PER_OCTAVE = 4
+
+    def __init__(self, grads=None, fmt: str = "fp16"):
+        self.values = _as_values(grads)
+        self.counter = scaling.RangeCounter(self.values)
+        self.fmt = formats.spec(fmt).name
+        nz = self.counter.sorted
+        # Histogram once on a grid aligned to whole octaves: scaling by 2**k then only shifts the edges.
+        lo = math.floor(math.log2(nz[0])) if nz.size else 0
+        hi = math.ceil(math.log2(nz[-1])) + 1 if nz.size else 1
+        self._edges = np.arange(lo, hi + 1e-9, 1 / self.BINS_PER_OCTAVE)
+        hist, _ = np.histogram(np.log2(nz) if nz.size else nz, self._edges)
+        self._percent = 100 * hist / max(self.values.size, 1)
+
+        names = list(dict.fromkeys([self.fmt, "fp16", "bf16", "fp8_e5m2", "fp8_e4m3"]))
+        self.fmt_select = W.Dropdown(options=names, value=self.fmt, description="format")
+        self.slider = W.IntSlider(value=0, min=-24, max=40, description="log2 scale", continuous_update=True)
+        self.text = W.Text(value="1", description="loss scale", continuous_update=False)
+        self.message = W.HTML()
+        self.counts_html = W.HTML()
+        self.counts_html.add_class("ampcourse-range-counts")
+        self._figure = _FigureImage((7, 2.6), css_class="ampcourse-range-figure")
+        self.fig, self.image = self._figure.fig, self._figure.image
+        self.ax = self.fig.add_subplot()
+        self.scale = 1.0
+        self.counts: dict[str, int] = {}
+        self._syncing = False
+        self._build_axes()
+        self.slider.observe(self._on_slider, names="value")
+        self.text.observe(self._on_text, names="value")
+        self.fmt_select.observe(self._on_fmt, names="value")
+        super().__init__([W.HBox([self.slider, self.text, self.fmt_select]), self.message, self.image, self.counts_html])
+        self._update()
+
+    def __repr__(self) -> str:
+        return f"RangeExplorer(fmt={self.fmt!r}, scale={self.scale!r}, values={self.values.size})"
+
+    def _build_axes(self) -> None:
+        """Axes, zones and an empty histogram for the current format (redone only when the format changes)."""
+        ax = self.ax
+        ax.clear()
+        ax.set_xlim(*plots.log2_window(self.fmt))
+        ax.set_ylim(0, max(float(self._percent.max(initial=0)) * 1.25, 1.0))
+        plots.shade_zones(ax, self.fmt)
+        self._stairs = ax.stairs(self._percent, self._edges, fill=True, color="#1f77b4", alpha=0.85)
+        ax.set_xlabel(f"log2 |gradient x scale|   (zones: {self.fmt})")
+        ax.set_ylabel("% of values")
+        ax.set_title(" ", fontsize=9)
+        self.fig.tight_layout()
+        self._figure.dynamic = [self._stairs, ax.title]
+        self._figure.invalidate()
+
+    def _on_slider(self, change) -> None:
+        """Slider moved: the scale is 2**value."""
+        if self._syncing:
+            return
+        self.scale = 2.0 ** change["new"]
+        self._syncing = True
+        try:
+            self.text.value = f"2**{change['new']}"
+        finally:
+            self._syncing = False
+        self.message.value = ""
+        self._update()
+
+    def _on_text(self, change) -> None:
+        """A scale was typed: show why it is not one, or use it (the slider follows to the nearest power of two)."""
+        if self._syncing:
+            return
+        try:
+            scale = parse_scale(change["new"])
+        except ValueError as err:
+            self.message.value = _error_html(err)
+            return
+        self.message.value = ""
+        self.scale = scale
+        self._syncing = True
+        try:
+            self.slider.value = int(min(max(round(math.log2(scale)), self.slider.min), self.slider.max))
+        finally:
+            self._syncing = False
+        self._update()
+
+    def _on_fmt(self, change) -> None:
+        """Another format: new zones."""
+        self.fmt = change["new"]
+        self._build_axes()
+        self._update()
+
+    def _update(self) -> None:
+        """Shift the histogram, recount, redraw."""
+        self.counts = self.counter.counts(self.scale, self.fmt)
+        self._stairs.set_data(self._percent, self._edges + math.log2(self.scale))
+        self.ax.title.set_text(f"loss scale {self.scale:.6g} = 2^{math.log2(self.scale):.4g} in {self.fmt}")
+        self.counts_html.value = self._counts_html()
+        self._figure.render()
+
+    def _counts_html(self) -> str:
+        """The live counts and percentages, one line per category."""
+        n = self.values.size
+        if n == 0:
+            return "<i>no gradient values</i>"
+        labels = {"overflow": "overflow (inf/NaN)", "subnormal": "subnormal (precision lost)",
+                  "underflow": "flush to zero", "fine": "fine (normal)", "zero": "exactly zero already"}
+        rows = "".join(f'<tr data-category="{k}"><td>{labels[k]}</td><td style="text-align:right">{self.counts[k]:,}</td>'
+                       f'<td style="text-align:right">{100 * self.counts[k] / n:.2f}%</td></tr>' for k in labels)
+        return f"<table>{rows}</table>"
+
+
+def range_explorer(grads=None, fmt: str = "fp16") -> RangeExplorer:
+    """Histogram of gradient magnitudes against a format's range, with a loss-scale slider and live counts."""
+    return RangeExplorer(grads, fmt)
+
+
+# -- scaler simulator (chapter 6) -------------------------------------------------------------------------
+
+def parse_steps(text: str, n_steps: int) -> list[int]:
+    """Parse scripted overflow steps ('1000-1020, 4000'); ValueError with a hint on anything else."""
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        m = re.fullmatch(r"(\d+)\s*(?:-\s*(\d+))?", part)
+        if not m:
+            raise ValueError(f"{part!r} is not a step or a range; type steps like 1000-1020, 4000")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        if b < a:
+            raise ValueError(f"range {part!r} runs backwards; write it as {b}-{a}")
+        steps.update(range(a, min(b, n_steps) + 1))
+    return sorted(s for s in steps if 1 <= s <= n_steps)
+
+
+class ScalerSimulator(W.VBox):
+    """GradScaler's four settings and an overflow pattern in, the scale over steps (skipped steps marked) out."""
+
+    def __init__(self, steps: int = 6000, probability: float = 5e-4, burst: str = "3000-3005", seed: int = 0):
+        self.init_log2 = W.IntSlider(value=16, min=-24, max=40, description="log2 init_scale")
+        self.growth_factor = W.FloatSlider(value=2.0, min=1.05, max=8.0, step=0.05, description="growth_factor")
+        self.backoff_factor = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="backoff_factor")
+        self.growth_interval = W.IntSlider(value=2000, min=1, max=5000, description="growth_interval")
+        self.steps = W.IntSlider(value=steps, min=10, max=20000, step=10, description="steps")
+        self.probability = W.FloatLogSlider(value=probability, base=10, min=-5, max=0, description="P(overflow)",
+                                            readout_format=".1e")
+        self.burst = W.Text(value=burst, description="burst steps", continuous_update=False,
+                            placeholder="e.g. 1000-1020, 4000")
+        self.seed = W.IntText(value=seed, description="seed")
+        self.message = W.HTML()
+        self.summary_html = W.HTML()
+        self.summary_html.add_class("ampcourse-scaler-summary")
+        self._figure = _FigureImage((7, 2.8), css_class="ampcourse-scaler-figure")
+        self.fig, self.image = self._figure.fig, self._figure.image
+        self.ax = self.fig.add_subplot()
+        (self._line,) = self.ax.plot([], [], drawstyle="steps-post", lw=1.3, color="#1f77b4", label="scale")
+        (self._skips,) = self.ax.plot([], [], "|", color="#d62728", ms=9, label="skipped step (overflow)")
+        self.ax.set(xlabel="step", ylabel="log2(scale)")
+        self.ax.set_title(" ", fontsize=9)
+        self.ax.legend(fontsize=8, loc="lower right")
+        self.fig.tight_layout()
+        self._figure.dynamic = [self._line, self._skips, self.ax.title]
+        self.overflows: list[bool] = []
+        self.scales: list[float] = []
+        self.summary: dict = {}
+        self._burst_steps: list[int] = parse_steps(burst, steps)
+        controls = [self.init_log2, self.growth_factor, self.backoff_factor, self.growth_interval, self.steps,
+                    self.probability, self.seed]
+        for c in controls:
+            c.observe(self._on_change, names="value")
+        self.burst.observe(self._on_burst, names="value")
+        super().__init__([W.HBox([W.VBox(controls[:4]), W.VBox(controls[4:] + [self.burst])]), self.message,
+                          self.image, self.summary_html])
+        self._update()
+
+    def __repr__(self) -> str:
+        return (f"ScalerSimulator(init_scale=2**{self.init_log2.value}, growth_factor={self.growth_factor.value}, "
+                f"backoff_factor={self.backoff_factor.value}, growth_interval={self.growth_interval.value}, "
+                f"steps={self.steps.value})")
+
+    def _on_change(self, change) -> None:
+        """Any slider moved."""
+        self._update()
+
+    def _on_burst(self, change) -> None:
+        """Scripted overflow steps typed: show why they do not parse, or use them."""
+        try:
+            self._burst_steps = parse_steps(change["new"], self.steps.value)
+        except ValueError as err:
+            self.message.value = _error_html(err)
+            return
+        self.message.value = ""
+        self._update()
+
+    def pattern(self) -> list[bool]:
+        """The overflow pattern: random overflows with P(overflow), plus the scripted burst."""
+        n = self.steps.value
+        rng = np.random.default_rng(self.seed.value)
+        over = rng.random(n) < self.probability.value
+        burst = np.asarray([s for s in self._burst_steps if s <= n], dtype=np.int64)
+        over[burst - 1] = True
+        return over.tolist()
+
+    def _update(self) -> None:
+        """Simulate GradScaler's scale for the pattern and redraw."""
+        self.overflows = self.pattern()
+        self.scales = scaling.simulate_scale(self.overflows, 2.0 ** self.init_log2.value, self.growth_factor.value,
+                                             self.backoff_factor.value, self.growth_interval.value)
+        steps = np.arange(1, len(self.scales) + 1)
+        with np.errstate(divide="ignore"):
+            y = np.log2(np.asarray(self.scales, dtype=np.float64))
+        y = np.maximum(y, -160.0)  # a scale that collapsed to 0 is drawn at the bottom, not dropped
+        skipped = np.asarray(self.overflows, dtype=bool)
+        # A step plot only needs the steps where the scale changes (usually a few hundred of thousands).
+        change = np.flatnonzero(np.diff(y, prepend=np.nan, append=np.nan) != 0)
+        change = change[change < len(y)]
+        self._line.set_data(np.append(steps[change], len(y) + 1), np.append(y[change], y[-1:] if len(y) else []))
+        self._skips.set_data(steps[skipped], y[skipped])
+        self._set_limits(len(steps), float(y.min(initial=0.0)), float(y.max(initial=1.0)))
+        self.summary = self._summarize(skipped)
+        self.ax.title.set_text(f"{self.summary['skipped']} of {len(steps)} steps skipped; final scale "
+                               f"{self.summary['final_scale']:.4g}")
+        self.summary_html.value = self._summary_html()
+        self._figure.render()
+
+    def _set_limits(self, n_steps: int, y_min: float, y_max: float) -> None:
+        """Change the axes only when the data leaves them or fills less than half (cached axes = fast redraws)."""
+        lo, hi = 8 * math.floor((y_min - 1) / 8), 8 * math.ceil((y_max + 1) / 8)  # whole multiples of 8 octaves
+        cur_lo, cur_hi = self.ax.get_ylim()
+        if lo < cur_lo or hi > cur_hi or (hi - lo) < 0.5 * (cur_hi - cur_lo):
+            self.ax.set_ylim(lo, hi)
+            self._figure.invalidate()
+        if self.ax.get_xlim() != (0, max(n_steps, 1)):
+            self.ax.set_xlim(0, max(n_steps, 1))
+            self._figure.invalidate()
+
+    def _summarize(self, skipped: np.ndarray) -> dict:
+        """Skipped steps, final/min/max scale, and how long the scale took to recover after the first overflow."""
+        scales = np.asarray(self.scales, dtype=np.float64)
+        init = float(np.float32(2.0 ** self.init_log2.value))
+        recovery = None
+        if skipped.any():
+            first = int(np.argmax(skipped))
+            before = scales[first - 1] if first > 0 else init
+            later = np.nonzero(scales[first:] >= before)[0]
+            recovery = int(later[0]) if later.size else None
+        return {"skipped": int(skipped.sum()), "final_scale": float(scales[-1]) if scales.size else init,
+                "min_scale": float(scales.min(initial=init)), "max_scale": float(scales.max(initial=init)),
+                "recovery_steps": recovery}
+
+    def _summary_html(self) -> str:
+        """The summary as a small table."""
+        s = self.summary
+        rec = "never (within the run)" if s["recovery_steps"] is None and s["skipped"] else (
+            "no overflow" if s["recovery_steps"] is None else f"{s['recovery_steps']} steps")
+        rows = [("skipped steps", f"{s['skipped']}"), ("final scale", f"{s['final_scale']:.6g}"),
+                ("min / max scale", f"{s['min_scale']:.3g} / {s['max_scale']:.3g}"),
+                ("back to the pre-overflow scale after the first overflow", rec)]
+        return "<table>" + "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows) + "</table>"
+
+
+def scaler_simulator(steps: int = 6000, probability: float = 5e-4, burst: str = "3000-3005", seed: int = 0) -> ScalerSimulator:
+    """GradScaler's scale trajectory for chosen settings and an overflow pattern (simulate_scale, drawn live)."""
+    return ScalerSimulator(steps, probability, burst, seed)
+
+
+# -- benchmark --------------------------------------------------------------------------------------------
+
+def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
+    """Milliseconds per slider move (median, p90) while dragging each control, cached axes vs full redraws, interleaved."""
+    drag = lambda lo, hi, step: [round(lo + i * step, 10) for i in range(int(round((hi - lo) / step)) + 1)]
+    cases = {"range_explorer: log2 scale slider": (range_explorer(), "slider", drag(-24, 40, 1)),
+             "scaler_simulator: backoff_factor": (scaler_simulator(), "backoff_factor", drag(0.05, 0.95, 0.05)),
+             "scaler_simulator: growth_interval": (scaler_simulator(), "growth_interval", drag(1500, 2100, 10)),
+             "scaler_simulator, 20k steps: growth_interval": (scaler_simulator(steps=20000), "growth_interval",
+                                                              drag(100, 400, 5))}
+    out = {}
+    for name, (w, attr, values) in cases.items():
+        control, times = getattr(w, attr), {"cached": [], "full": []}
+        path = values + values[-2:0:-1]  # drag right, then back left
+        for i in range(repeats):
+            for mode in ("cached", "full"):  # interleaved, so machine noise hits both alike
+                if mode == "full":
+                    w._figure.invalidate()  # as if every move changed the axes
+                t = time.perf_counter()
+                control.value = path[(2 * i + (mode == "full")) % len(path)]
+                times[mode].append(1000 * (time.perf_counter() - t))
+        med = {m: float(np.median(t)) for m, t in times.items()}
+        out[name] = {"median_ms": med["cached"], "p90_ms": float(np.percentile(times["cached"], 90)),
+                     "full_redraw_median_ms": med["full"], "speedup": med["full"] / med["cached"], "moves": repeats}
+    return out
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """python -m ampcourse.widgets --bench: print the widget update benchmark as a Markdown table."""
+    import argparse
+    import os
+    import platform
+
+    ap = argparse.ArgumentParser(description=_main.__doc__)
+    ap.add_argument("--bench", action="store_true", help="time slider moves of the figure widgets")
+    ap.add_argument("--repeats", type=int, default=60)
+    args = ap.parse_args(argv)
+    if not args.bench:
+        ap.print_help()
+        return 0
+    print(f"widget update benchmark: {args.repeats} moves per control (dragged one step at a time), "
+          f"{platform.machine()}, {os.cpu_count()} CPUs")
+    print("| widget: control dragged | median ms | p90 ms | full redraw median ms | speedup from cached axes |")
+    print("|---|---|---|---|---|")
+    for name, r in benchmark(args.repeats).items():
+        print(f"| {name} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['full_redraw_median_ms']:.1f} | {r['speedup']:.1f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,499 @@
+"""Loss scaling, written out: a from-scratch ``torch.amp.GradScaler`` and the tools chapter 6 uses.
+
+    >>> from ampcourse.scaling import LossScaler
+    >>> scaler = LossScaler("cpu")                 # same arguments as torch.amp.GradScaler("cpu")
+    >>> scaler.scale(loss).backward()              # gradients of loss * scale
+    >>> scaler.unscale_(optimizer)                 # optional: divide the gradients back (e.g. to clip)
+    >>> scaler.step(optimizer)                     # optimizer.step(), skipped if a gradient is inf/NaN
+    >>> scaler.update()                            # back off after an overflow, grow after a clean run
+
+``LossScaler`` behaves exactly like ``torch.amp.GradScaler`` (the tests drive both through random
+sequences of clean and overflowing steps and compare scales, skipped steps and parameters bit for
+bit), but it is plain PyTorch tensor code you can read in one sitting. Two details it copies from
+torch's kernels, because they decide the last bit:
+
+- the scale is a float32 tensor; growth and backoff multiply it in float64 and round the product
+  to float32 once (``_amp_update_scale_``), and an update that would overflow float32 is dropped;
+- unscaling multiplies by ``1 / scale`` computed in float64 and rounded to float32, and low-precision
+  gradients are multiplied in float32 and rounded once (``_amp_foreach_non_finite_check_and_unscale_``).
+
+Where it differs on purpose: bad constructor arguments raise ``ValueError`` naming the argument
+(GradScaler asserts only on the two factors), and misuse that GradScaler reports with an
+``AssertionError`` (``step``/``update`` before ``scale``, ``update`` without any ``step``) is a
+``RuntimeError`` saying what to do. The misuse errors GradScaler raises as ``RuntimeError``
+(``unscale_`` twice, ``step`` twice, closures) are the same here.
+
+Also here: :func:`simulate_scale` (the scale trajectory for a given overflow pattern, without a
+model), :func:`simulate_training` (the same with feedback: a step overflows when scale x its largest
+gradient leaves the format), :func:`range_counts` and :class:`RangeCounter` (how many values overflow,
+go subnormal or flush to zero in a format at a given scale) and :func:`record_gradients` (the real
+gradients of one forward/backward pass).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import formats
+
+__all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
+           "zone_thresholds", "RangeCounter",
+           "GradientRecord", "record_gradients"]
+
+_READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within one iteration
+
+
+def check_scaler_args(init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int) -> None:
+    """Raise ValueError naming the bad argument when the four scaler settings make no sense."""
+    def real(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+
+    init = real("init_scale", init_scale)
+    if not (math.isfinite(init) and init > 0 and math.isfinite(_float32(init)) and _float32(init) > 0):
+        raise ValueError(f"init_scale must be a positive finite float32 number (2**-149 .. 3.4e38), got {init_scale!r}; "
+                         "GradScaler's default is 2**16 = 65536")
+    growth = real("growth_factor", growth_factor)
+    if not (growth > 1 and math.isfinite(growth)):
+        raise ValueError(f"growth_factor must be a finite number > 1 (the scale grows by it), got {growth_factor!r}")
+    backoff = real("backoff_factor", backoff_factor)
+    if not 0 < backoff < 1:
+        raise ValueError(f"backoff_factor must lie strictly between 0 and 1 (the scale shrinks by it), got {backoff_factor!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1 (clean steps before the scale grows), got {growth_interval!r}")
+
+
+def _float32(x: float) -> float:
+    """Round a Python float to the nearest float32 (ties to even), as a C++ static_cast<float> does."""
+    with np.errstate(over="ignore"):  # too big for float32 becomes inf, which the caller handles
+        return float(np.float32(x))
+
+
+def _next_scale(scale: float, tracker: int, overflow: bool, growth_factor: float, backoff_factor: float,
+                growth_interval: int) -> tuple[float, int]:
+    """One update() on Python floats, rounded to float32 exactly as torch's kernel does."""
+    if overflow:
+        return _float32(scale * backoff_factor), 0  # back off, and start counting clean steps again
+    if tracker + 1 == growth_interval:
+        grown = _float32(scale * growth_factor)
+        return (grown if math.isfinite(grown) else scale), 0  # never grow past float32's largest value
+    return scale, tracker + 1
+
+
+def simulate_scale(overflows: Iterable[bool], init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                   backoff_factor: float = 0.5, growth_interval: int = 2000) -> list[float]:
+    """The scale after each update() for a sequence of steps (True: that step overflowed), as GradScaler computes it."""
+    check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+    scale, tracker, out = _float32(init_scale), 0, []
+    for overflow in overflows:
+        scale, tracker = _next_scale(scale, tracker, bool(overflow), growth_factor, backoff_factor, growth_interval)
+        out.append(scale)
+    return out
+
+
+def simulate_training(max_grads: Iterable[float], init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                      backoff_factor: float = 0.5, growth_interval: int = 2000,
+                      fmt: str = "fp16") -> tuple[list[float], list[bool]]:
+    """Dynamic scaling with feedback: step i overflows when scale * max_grads[i] overflows fmt; (scales, overflows)."""
+    check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+    limit = zone_thresholds(fmt)[2]
+    scale, tracker, scales, overflows = _float32(init_scale), 0, [], []
+    for g in max_grads:
+        overflow = not (abs(g) * scale < limit)  # NaN and inf gradients overflow too
+        scale, tracker = _next_scale(scale, tracker, overflow, growth_factor, backoff_factor, growth_interval)
+        scales.append(scale)
+        overflows.append(overflow)
+    return scales, overflows
+
+
+def _update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,
+                   growth_factor: float, backoff_factor: float, growth_interval: int) -> None:
+    """One update of the scale and the clean-step counter, in place, with tensor ops (no host sync)."""
+    found = found_inf > 0
+    successful = growth_tracker + 1
+    grow = ~found & (successful == growth_interval)
+    wide = _wide_dtype(scale.device)  # products in float64, rounded to float32 once, like torch's kernel
+    backed_off = (scale.to(wide) * backoff_factor).float()
+    grown = (scale.to(wide) * growth_factor).float()
+    grown = torch.where(torch.isfinite(grown), grown, scale)  # never grow to inf
+    scale.copy_(torch.where(found, backed_off, torch.where(grow, grown, scale)))
+    growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(successful), successful))
+
+
+def _wide_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (Apple MPS does not), for the reciprocal and the scale updates."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """Multiply each gradient by inv_scale in place and set found_inf to 1 if any input value was inf or NaN."""
+    for g in grads:
+        # Check the *scaled* values: a finite gradient that overflows only after unscaling is not caught,
+        # exactly as in torch's kernel.
+        nonfinite = (~torch.isfinite(g)).any().to(device=found_inf.device, dtype=found_inf.dtype)
+        found_inf.copy_(torch.maximum(found_inf, nonfinite))
+        inv = inv_scale.to(g.device)
+        if g.dtype in (torch.float16, torch.bfloat16):
+            g.copy_(g.float() * inv)  # compute in float32 and round once, like the fused kernel
+        else:
+            g.mul_(inv.to(g.dtype))  # float32 as is; float64 widens the float32 reciprocal exactly
+
+
+@dataclass
+class _OptimizerState:
+    """What the scaler knows about one optimizer during the current iteration."""
+
+    stage: str = _READY
+    found_inf: torch.Tensor | None = None  # 1.0 if a gradient was inf/NaN, on the scale's device
+
+
+class LossScaler:
+    """Dynamic loss scaling, written out; behaves exactly like ``torch.amp.GradScaler``."""
+
+    def __init__(self, device: str | torch.device = "cpu", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
+        check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+        self.device = _device_type(device)
+        self._enabled = bool(enabled)
+        if self._enabled and self.device == "cuda" and not torch.cuda.is_available():
+            warnings.warn("LossScaler('cuda') is enabled, but CUDA is not available: disabling it "
+                          "(like torch.amp.GradScaler). Use LossScaler('cpu') or ampcourse.device.pick().",
+                          stacklevel=2)
+            self._enabled = False
+        self._init_scale = float(init_scale)
+        self._init_growth_tracker = 0
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        # Created by the first scale() call, on the loss's device (so no device needs to be guessed here).
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._per_optimizer: dict[int, _OptimizerState] = {}
+
+    def __repr__(self) -> str:
+        if not self._enabled:
+            return f"LossScaler(device={self.device!r}, enabled=False)"
+        return (f"LossScaler(device={self.device!r}, scale={self.get_scale()!r}, growth_tracker={self.growth_tracker}, "
+                f"growth_factor={self._growth_factor}, backoff_factor={self._backoff_factor}, "
+                f"growth_interval={self._growth_interval})")
+
+    # -- multiply the loss ---------------------------------------------------------------------------
+    def scale(self, outputs):
+        """Multiply a loss (or a nested list/tuple of tensors) by the current scale."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            self._lazy_init(outputs.device)
+            # A 0-dim float32 tensor does not promote: an fp16 loss stays fp16 (and may overflow, as in torch).
+            return outputs * self._scale.to(outputs.device)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, Iterable) and not isinstance(outputs, (str, bytes)):
+            return map(self.scale, outputs)
+        raise ValueError(f"scale() takes a Tensor or an iterable of Tensors, got {type(outputs).__name__}")
+
+    def _lazy_init(self, device: torch.device) -> None:
+        """Create the scale (float32) and the clean-step counter (int32) on the device of the first loss."""
+        if self._scale is None:
+            self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+            self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
+
+    def _require_scale(self, method: str) -> torch.Tensor:
+        """The scale tensor, or a RuntimeError that says scale(loss) must come first."""
+        if self._scale is None:
+            raise RuntimeError(f"{method}() was called before scale(loss): call scaler.scale(loss).backward() first "
+                               "in every iteration")
+        return self._scale
+
+    # -- divide the gradients back -------------------------------------------------------------------
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place, and remember whether any was inf/NaN."""
+        if not self._enabled:
+            return
+        scale = self._require_scale("unscale_")
+        state = self._state(optimizer)
+        if state.stage == _UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update(): "
+                               "call it at most once per iteration (step() knows the gradients are unscaled).")
+        if state.stage == _STEPPED:
+            raise RuntimeError("unscale_() is being called after step(): call it between backward() and step().")
+        # 1/scale in float64, rounded to float32: float32 division can be imprecise under some compile options.
+        inv_scale = scale.to(_wide_dtype(scale.device)).reciprocal().float()
+        state.found_inf = self._check_and_unscale(optimizer, inv_scale, allow_fp16=False)
+        state.stage = _UNSCALED
+
+    def _check_and_unscale(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                           allow_fp16: bool) -> torch.Tensor | None:
+        """Unscale every gradient the optimizer owns; return found_inf (None if no parameter has a gradient)."""
+        grads = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not allow_fp16 and p.grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients: keep the parameters in float32 "
+                                     "(autocast runs the matmuls in fp16 for you); fp16 parameters cannot hold "
+                                     "the small updates that loss scaling exists to protect.")
+                if p.grad.is_sparse:
+                    if p.grad.dtype == torch.float16:
+                        p.grad = p.grad.coalesce()  # duplicates summed first: the sum may overflow too
+                    grads.append(p.grad._values())
+                else:
+                    grads.append(p.grad)
+        if not grads:
+            return None
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        with torch.no_grad():
+            _unscale_and_check_(grads, inv_scale, found_inf)
+        return found_inf
+
+    # -- step, or skip -------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """Unscale (unless done already) and call optimizer.step(), unless a gradient was inf or NaN."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported with loss scaling (nor by torch.amp.GradScaler).")
+        scale = self._require_scale("step")
+        state = self._state(optimizer)
+        if state.stage == _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, state, scale, *args, **kwargs)
+        if state.stage == _READY:
+            self.unscale_(optimizer)
+        if state.found_inf is None:
+            raise RuntimeError("no parameter of this optimizer has a gradient: call backward() before step()")
+        retval = None
+        if not state.found_inf.item():  # the one host sync: the decision is made in Python
+            retval = optimizer.step(*args, **kwargs)
+        state.stage = _STEPPED
+        return retval
+
+    def _fused_step(self, optimizer: torch.optim.Optimizer, state: _OptimizerState, scale: torch.Tensor, *args, **kwargs):
+        """Fused optimizers (Adam(fused=True), ...) unscale and skip inside their own kernel: hand them scale and found_inf."""
+        if state.stage == _READY:  # check for inf/NaN without unscaling (fp16 gradients are fine here)
+            state.found_inf = self._check_and_unscale(optimizer, torch.ones((), device=scale.device), allow_fp16=True)
+        if state.found_inf is None:
+            raise RuntimeError("no parameter of this optimizer has a gradient: call backward() before step()")
+        # Already unscaled: nothing left to divide (grad_scale None); otherwise the optimizer divides by the scale.
+        optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if state.stage == _UNSCALED
+                                else scale * getattr(optimizer, "grad_scale", 1))
+        optimizer.found_inf = state.found_inf
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        state.stage = _STEPPED
+        return retval
+
+    # -- adapt the scale -----------------------------------------------------------------------------
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Back off after an overflow, grow after growth_interval clean steps (or set new_scale); end the iteration."""
+        if not self._enabled:
+            return
+        scale = self._require_scale("update")
+        if new_scale is not None:
+            self._set_scale(new_scale)
+        else:
+            found = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
+            if not found:
+                raise RuntimeError("update() found no inf checks: call step(optimizer) (or unscale_) before update()")
+            found_inf = torch.stack([f.to(scale.device) for f in found]).sum()
+            _update_scale_(scale, self._growth_tracker, found_inf,
+                           self._growth_factor, self._backoff_factor, self._growth_interval)
+        self._per_optimizer = {}  # a new iteration starts
+
+    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
+        """Fill the scale with a number or a one-element tensor (the growth counter is left alone, as in torch)."""
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError("new_scale must be a number or a one-element tensor that does not require grad")
+            self._scale.copy_(new_scale.detach().reshape(()))
+            return
+        if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
+            raise ValueError(f"new_scale must be a number or a one-element tensor, got {new_scale!r}")
+        self._scale.fill_(float(new_scale))
+
+    def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
+        """This iteration's state for one optimizer (created on first use)."""
+        return self._per_optimizer.setdefault(id(optimizer), _OptimizerState())
+
+    # -- inspect, save, restore ----------------------------------------------------------------------
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled)."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else self._scale.item()
+
+    @property
+    def growth_tracker(self) -> int:
+        """Clean steps since the last growth or backoff."""
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on (a disabled scaler passes everything through)."""
+        return self._enabled
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scale, the three settings and the growth counter (the keys GradScaler uses; {} when disabled)."""
+        if not self._enabled:
+            return {}
+        return {"scale": self.get_scale(), "growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
+                "growth_interval": self._growth_interval, "_growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from state_dict() (ours or a torch.amp.GradScaler's)."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled scaler.")
+        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - set(state_dict)
+        if missing:
+            raise ValueError(f"scaler state dict lacks {sorted(missing)}")
+        check_scaler_args(state_dict["scale"], state_dict["growth_factor"], state_dict["backoff_factor"],
+                          state_dict["growth_interval"])
+        self._init_scale = float(state_dict["scale"])
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = int(state_dict["growth_interval"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._growth_tracker.fill_(self._init_growth_tracker)
+
+
+def _device_type(device: str | torch.device) -> str:
+    """'cpu', 'cuda', ... from a device or its name; ValueError for anything else."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'mps' (or ampcourse.device.pick().device_type)") from err
+
+
+# -- where values land in a format -----------------------------------------------------------------------
+
+#: The categories :func:`range_counts` sorts values into.
+RANGE_CATEGORIES = ("overflow", "fine", "subnormal", "underflow", "zero")
+
+
+def range_counts(values, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
+    """Count how values * scale land in fmt: overflow (or already inf/NaN), fine, subnormal, underflow (flushed to 0), zero."""
+    f = formats.spec(fmt)
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().double().numpy()
+    x = np.abs(np.asarray(values, dtype=np.float64)).ravel()
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    zero = x == 0
+    finite = np.isfinite(x)
+    with np.errstate(over="ignore"):
+        scaled = np.where(finite, x, 0.0) * scale
+    rounded = formats._round_unbounded(np.where(np.isfinite(scaled), scaled, 0.0), f)
+    overflow = ~finite | ~np.isfinite(scaled) | (rounded > f.max)
+    ok = ~overflow & ~zero
+    underflow = ok & (rounded == 0)
+    subnormal = ok & (rounded > 0) & (rounded < f.min_normal)
+    fine = ok & (rounded >= f.min_normal)
+    return {"overflow": int(overflow.sum()), "fine": int(fine.sum()), "subnormal": int(subnormal.sum()),
+            "underflow": int(underflow.sum()), "zero": int(zero.sum())}
+
+
+def zone_thresholds(fmt: str = "fp16") -> tuple[float, float, float]:
+    """The magnitudes where rounding to fmt flushes to zero, leaves the subnormals, and overflows."""
+    f = formats.spec(fmt)
+    return f.min_subnormal / 2, f.min_normal - f.min_subnormal / 2, f.max + formats.ulp(f.max, f) / 2
+
+
+class RangeCounter:
+    """range_counts for many scales of one set of values: sort once, then each count is a binary search."""
+
+    def __init__(self, values) -> None:
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().double().numpy()
+        x = np.abs(np.asarray(values, dtype=np.float64)).ravel()
+        self.size = x.size
+        self.zero = int((x == 0).sum())
+        self.nonfinite = int((~np.isfinite(x)).sum())
+        self.sorted = np.sort(x[(x > 0) & np.isfinite(x)])
+
+    def counts(self, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
+        """Same result as range_counts(values, scale, fmt); fast when scale is a power of two."""
+        f = formats.spec(fmt)
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        # Each category is an interval of |x| * scale (rounding is monotone), so binary search finds its ends.
+        # A power of two divides the thresholds exactly; any other scale multiplies the values instead.
+        power_of_two = math.frexp(scale)[0] == 0.5
+        with np.errstate(over="ignore"):
+            y = self.sorted if power_of_two else self.sorted * scale
+        div = scale if power_of_two else 1.0
+        n = len(self.sorted)
+        ends = []
+        for t in zone_thresholds(f):
+            # A value exactly on a threshold goes where round-to-nearest-even sends the threshold itself.
+            goes_up = formats._round_unbounded(np.array([t]), f)[0] > t
+            ends.append(int(np.searchsorted(y, t / div, side="left" if goes_up else "right")))
+        flush_end, sub_end, fine_end = ends
+        return {"overflow": n - fine_end + self.nonfinite, "fine": fine_end - sub_end, "subnormal": sub_end - flush_end,
+                "underflow": flush_end, "zero": self.zero}
+
+
+# -- real gradients of a model ------------------------------------------------------------------------------
+
+@dataclass
+class GradientRecord:
+    """The gradients of one forward/backward pass: per parameter and (optionally) per module output."""
+
+    loss: float
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    activations: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def values(self, kind: str = "all") -> torch.Tensor:
+        """All recorded gradient values as one flat float32 tensor ('params', 'activations' or 'all')."""
+        if kind not in ("params", "activations", "all"):
+            raise ValueError(f"kind must be 'params', 'activations' or 'all', got {kind!r}")
+        parts = ([*self.params.values()] if kind in ("params", "all") else []) + \
+                ([*self.activations.values()] if kind in ("activations", "all") else [])
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def record_gradients(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                     activations: bool = True) -> GradientRecord:
+    """Run one forward and backward pass in fp32 and keep every gradient (no optimizer step)."""
+    acts: dict[str, torch.Tensor] = {}
+
+    def keep_output_grad(name: str):
+        """A forward hook that asks autograd for the gradient of this module's output."""
+        def hook(module, args, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda g: acts.__setitem__(name, g.detach().float().flatten().cpu()))
+        return hook
+
+    handles = []
+    if activations:  # leaf modules only: their outputs are the tensors the backward pass stores and reads
+        handles = [m.register_forward_hook(keep_output_grad(n)) for n, m in model.named_modules()
+                   if n and not any(True for _ in m.children())]
+    model.zero_grad(set_to_none=True)
+    try:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    params = {n: p.grad.detach().float().flatten().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return GradientRecord(float(loss.detach()), params, acts)

@@ -1,0 +1,96 @@
+"""Chapter 5 checkers accept right answers and reject wrong ones with feedback."""
+
+import math
+
+import pytest
+import torch
+
+from ampcourse import exercises
+from ampcourse.exercises import ExerciseError
+
+
+def rms_norm_fp32(h, eps=1e-6):
+    with torch.autocast(h.device.type, enabled=False):
+        x = h.float()
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_back_to_fp16(h, eps=1e-6):
+    return rms_norm_fp32(h, eps).to(h.dtype)  # fp16 output of an fp32 computation is fine
+
+
+def test_rms_norm_accepts(capsys):
+    exercises.check_rms_norm(rms_norm_fp32)
+    exercises.check_rms_norm(rms_norm_back_to_fp16)
+    assert capsys.readouterr().out.count("✅") == 2
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda h, eps=1e-6: h * torch.rsqrt((h * h).mean(-1, keepdim=True) + eps),            # naive fp16: overflows
+    lambda h, eps=1e-6: (h * torch.rsqrt((h * h).mean(-1, keepdim=True) + eps)).float(),  # cast too late
+    lambda h, eps=1e-6: rms_norm_fp32(h.bfloat16().float(), eps).bfloat16(),              # bf16: 8 bits
+    lambda h, eps=1e-6: rms_norm_fp32(h, eps)[..., :10],                                  # wrong shape
+    lambda h, eps=1e-6: (_ for _ in ()).throw(NotImplementedError()),
+])
+def test_rms_norm_rejects(wrong, capsys):
+    with pytest.raises(ExerciseError):
+        exercises.check_rms_norm(wrong)
+    assert "❌" in capsys.readouterr().out
+
+
+def _square(cast_inputs=torch.float32, backward_factor=2.0, decorate=True):
+    """Build a Square function, right or wrong in one chosen way."""
+    fwd_dec = torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs) if decorate else (lambda f: f)
+    bwd_dec = torch.amp.custom_bwd(device_type="cpu") if decorate else (lambda f: f)
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        @fwd_dec
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        @bwd_dec
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return grad * backward_factor * x
+
+    return Square
+
+
+def test_square_function_accepts(capsys):
+    exercises.check_square_function(_square())
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [_square(decorate=False), _square(cast_inputs=None), _square(backward_factor=1.0),
+                                   lambda x: x * x, "Square"])
+def test_square_function_rejects(wrong):
+    with pytest.raises(ExerciseError):
+        exercises.check_square_function(wrong)
+
+
+def fp8_scale(t):
+    amax = t.abs().max().item()
+    if amax == 0:
+        return 1.0
+    k = math.floor(math.log2(448.0 / amax))
+    return 2.0**k
+
+
+def test_fp8_scale_accepts(capsys):
+    exercises.check_fp8_scale(fp8_scale)
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda t: 448.0 / t.abs().max().item() if t.abs().max() > 0 else 1.0,       # not a power of two
+    lambda t: 2.0 ** math.floor(math.log2(448.0 / t.max().item())) if t.max() > 0 else 1.0,  # max, not max|t|
+    lambda t: 2 * fp8_scale(t),                                                   # one binade too far: saturates
+    lambda t: 2.0 ** math.floor(math.log2(57344.0 / max(t.abs().max().item(), 1e-30))),  # e5m2's maximum
+    lambda t: "big",
+])
+def test_fp8_scale_rejects(wrong):
+    with pytest.raises(ExerciseError):
+        exercises.check_fp8_scale(wrong)
