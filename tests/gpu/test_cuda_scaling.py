@@ -1,8 +1,11 @@
 """ampcourse.scaling.LossScaler on CUDA: the same trajectory and parameters as torch.amp.GradScaler."""
 
+import pytest
 import torch
 
 from ampcourse.scaling import LossScaler
+
+pytestmark = pytest.mark.gpu
 
 
 def _same(a, b) -> bool:
