@@ -67,6 +67,8 @@ def test_speedup_sentence_reads_the_numbers():
     assert bench.speedup_sentence(rows, "bf16") == "bf16 is 3.0x faster than fp32 here (n=8)"
     assert bench.speedup_sentence(rows, "fp16") == "fp16 is 2.0x slower than fp32 here (n=8)"
     assert "not measured" in bench.speedup_sentence(rows, "tf32")
+    rows.append({"dtype": "tf32", "n": 8, "seconds": 2.9})
+    assert bench.speedup_sentence(rows, "tf32") == "tf32 is about as fast as fp32 here (1.03x, n=8)"
 
 
 @pytest.mark.parametrize("kwargs, match", [
