@@ -6,6 +6,9 @@ Modules, one idea each:
     plots      static matplotlib figures for the chapters
     models     reference models (mlp, cnn, transformer) and synthetic datasets
     widgets    ipywidgets + matplotlib explorers used in the chapters
+    autocast_ops  the autocast op table, measured live per device and dtype
+    memory     bytes saved for backward, weights, gradients, optimizer state
+    bench      matmul/train-step/memory benchmark (python -m ampcourse.bench)
     exercises  checkers for the chapter exercises
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """

@@ -395,8 +395,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: best available)")
     ap.add_argument("--precision", default=None, help="fp16 or bf16 (default: the device's AMP dtype)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: a few seconds")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: torch's choice); 1 is steadier on a shared machine")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     try:
         report = run(args.device, args.precision, quick=args.quick, seed=args.seed)
     except ValueError as err:
