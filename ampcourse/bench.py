@@ -1,6 +1,6 @@
 """Measure what mixed precision buys on this device: matmul throughput, train-step time, saved bytes.
 
-    python -m ampcourse.bench --out benchmarks/cpu            # full run (about a minute on a laptop CPU)
+    python -m ampcourse.bench --out benchmarks/cpu            # full run (under a minute on a laptop CPU)
     python -m ampcourse.bench --out /tmp/bench --quick        # a few seconds: the test suite's smoke run
     python -m ampcourse.bench --device cuda --out benchmarks/cuda
 
@@ -233,7 +233,7 @@ def saved_bytes(model_names: Sequence[str] = models.MODELS, sizes: Sequence[str]
 
 def _env(device: torch.device) -> dict:
     """What the numbers depend on: torch, device, CPU vector units, threads."""
-    flags = sorted(f for f in cpu_flags() if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16", "amx_tile"})
+    flags = sorted(f for f in cpu_flags() if f in {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile"})
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "device": str(device), "device_name": pick(device, "fp32").describe_device(),
             "cpu_flags": flags, "threads": torch.get_num_threads()}
