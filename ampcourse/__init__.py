@@ -5,6 +5,8 @@ Modules, one idea each:
     formats    fp32/fp16/bf16/fp8 from their bit layout (spec, decompose, quantize)
     plots      static matplotlib figures for the chapters
     models     reference models (mlp, cnn, transformer) and synthetic datasets
+    train      one AMP training loop (fp32/fp16/bf16), History, `python -m ampcourse.train`
+    checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
     widgets    ipywidgets + matplotlib explorers used in the chapters
     autocast_ops  the autocast op table, measured live per device and dtype
     memory     bytes saved for backward, weights, gradients, optimizer state

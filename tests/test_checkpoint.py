@@ -1,0 +1,291 @@
+"""ampcourse.checkpoint: exact resume, atomic writes, and clear errors for every kind of bad file."""
+
+import random
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampcourse import checkpoint, models
+from ampcourse.checkpoint import CheckpointError
+from ampcourse.train import state_checksum, train
+
+FAST = dict(lr=1e-2, seed=0, batch_size=32, n_samples=256, progress=False)
+# Each precision's full configuration: fp16 starts at a small scale that grows every 2 clean steps, so
+# the GradScaler's scale *and* growth tracker must survive the checkpoint; cosine LR and clipping too.
+CONFIGS = {
+    "fp32": dict(scheduler="cosine", grad_clip=1.0),
+    "fp16": dict(scheduler="cosine", grad_clip=1.0, scaler_kwargs={"init_scale": 2.0**8, "growth_interval": 2}),
+    "bf16": dict(scheduler="cosine", grad_clip=1.0, accum_steps=2),
+}
+
+
+def same_run(a, b):
+    """Bit-identical parameters and identical per-step records (timings aside)."""
+    assert state_checksum(a.model) == state_checksum(b.model)
+    for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()):
+        assert torch.equal(x, y)
+    assert a.series() | {"step_time": None} == b.series() | {"step_time": None}
+    assert a.final_scale == b.final_scale
+
+
+class Interrupt(Exception):
+    """Stands in for a crash (or a pre-empted job) in the middle of a run."""
+
+
+def crashing_loss(at_call: int):
+    calls = []
+
+    def loss_fn(out, y):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise Interrupt
+        return models.loss_fn(out, y)
+    return loss_fn
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_resume_is_bit_identical(precision, tmp_path):
+    """Checkpoint every 3 steps, crash in step 5, resume from step 3: the same run as without the crash."""
+    cfg = {**FAST, **CONFIGS[precision]}
+    whole = train("cnn", None, precision, steps=6, **cfg)
+    with pytest.raises(Interrupt):
+        train("cnn", None, precision, steps=6, checkpoint_dir=tmp_path, checkpoint_every=3,
+              loss_fn=crashing_loss(at_call=5 * cfg.get("accum_steps", 1)), **cfg)
+    assert checkpoint.load(checkpoint.path_in(tmp_path))["step"] == 3
+    rest = train("cnn", None, precision, steps=6, checkpoint_dir=tmp_path, resume=True, **cfg)
+    assert rest.start_step == 3 and rest.steps_done == 6  # the history spans the whole run
+    same_run(whole, rest)
+    if precision == "fp16":
+        assert whole.scale == [256.0, 256.0, 512.0, 512.0, 1024.0, 1024.0]
+
+
+def test_extending_a_finished_run(tmp_path):
+    """Without a schedule, a finished run can be continued for more steps: same as one longer run."""
+    whole = train("mlp", None, "fp16", steps=5, **FAST)
+    train("mlp", None, "fp16", steps=2, checkpoint_dir=tmp_path, **FAST)
+    rest = train("mlp", None, "fp16", steps=5, checkpoint_dir=tmp_path, resume=True, **FAST)
+    same_run(whole, rest)
+
+
+def test_a_schedule_cannot_be_stretched_on_resume(tmp_path):
+    train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, scheduler="cosine", **FAST)
+    with pytest.raises(ValueError, match=r"steps=2 in the checkpoint, 4 now \(the LR schedule"):
+        train("mlp", None, "fp32", steps=4, checkpoint_dir=tmp_path, resume=True, scheduler="cosine", **FAST)
+
+
+def test_resume_after_a_crash_between_checkpoints(tmp_path):
+    """Checkpoint every 2 steps, crash in step 5, resume from step 4: same result as no crash."""
+    cfg = {**FAST, **CONFIGS["fp16"]}
+    whole = train("mlp", None, "fp16", steps=7, **cfg)
+    with pytest.raises(Interrupt):
+        train("mlp", None, "fp16", steps=7, checkpoint_dir=tmp_path, checkpoint_every=2,
+              loss_fn=crashing_loss(at_call=5), **cfg)
+    assert checkpoint.load(checkpoint.path_in(tmp_path))["step"] == 4
+    rest = train("mlp", None, "fp16", steps=7, checkpoint_dir=tmp_path, resume=True, **cfg)
+    assert rest.start_step == 4
+    same_run(whole, rest)
+
+
+def test_resume_equality_needs_the_scaler_state(tmp_path):
+    """The control: resume with the scaler's state reset and the run no longer matches."""
+    cfg = {**FAST, "scaler_kwargs": CONFIGS["fp16"]["scaler_kwargs"]}
+    whole = train("mlp", None, "fp16", steps=6, **cfg)
+    train("mlp", None, "fp16", steps=3, checkpoint_dir=tmp_path, **cfg)
+    path = checkpoint.path_in(tmp_path)
+    state = checkpoint.load(path)
+    assert state["scaler"]["scale"] == 512.0 and state["scaler"]["_growth_tracker"] == 1
+    state["scaler"]["scale"], state["scaler"]["_growth_tracker"] = 256.0, 0
+    checkpoint.save(state, path)
+    rest = train("mlp", None, "fp16", steps=6, checkpoint_dir=tmp_path, resume=True, **cfg)
+    # The scale history diverges (and with it which future steps overflow and get skipped); the weights
+    # still agree here because power-of-two scales cancel exactly while no step overflows.
+    assert rest.scale[3:] == [256.0, 256.0, 512.0] != whole.scale[3:] == [512.0, 1024.0, 1024.0]
+    assert rest.final_scale == 512.0 != whole.final_scale
+
+
+def test_resume_on_more_ranks_draws_the_same_global_batch(tmp_path):
+    """world_size is not pinned by the checkpoint: the global batch of a step does not depend on it."""
+    train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, **FAST)
+    rest = train("mlp", None, "fp32", steps=3, checkpoint_dir=tmp_path, resume=True, rank=0, world_size=2, **FAST)
+    assert rest.start_step == 2 and rest.steps_done == 3
+
+
+def test_resume_past_the_end_does_nothing(tmp_path):
+    first = train("mlp", None, "fp32", steps=3, checkpoint_dir=tmp_path, **FAST)
+    again = train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, resume=True, **FAST)
+    assert again.steps_done == 3 and state_checksum(again.model) == state_checksum(first.model)
+
+
+@pytest.mark.parametrize("change,name", [(dict(seed=1), "seed"), (dict(batch_size=16), "batch_size"),
+                                         (dict(n_samples=128), "dataset_size"), (dict(precision="bf16"), "precision")])
+def test_resume_refuses_other_settings(change, name, tmp_path):
+    train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, **FAST)
+    args = {**FAST, "precision": "fp32", **change}
+    with pytest.raises(ValueError, match=f"{name}=.* in the checkpoint"):
+        train("mlp", None, steps=4, checkpoint_dir=tmp_path, resume=True, **args)
+
+
+def test_resume_refuses_another_model(tmp_path):
+    train("mlp", None, "fp32", steps=1, checkpoint_dir=tmp_path, **FAST)
+    data = models.make_dataset("mlp", n=256)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        train(torch.nn.Sequential(torch.nn.Linear(32, 10)), data, "fp32", steps=2, checkpoint_dir=tmp_path,
+              resume=True, **FAST)
+
+
+def test_existing_checkpoint_is_not_overwritten_without_resume(tmp_path):
+    train("mlp", None, "fp32", steps=1, checkpoint_dir=tmp_path, **FAST)
+    path = checkpoint.path_in(tmp_path)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="already exists and would be overwritten; pass resume=True"):
+        train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, **FAST)
+    assert path.read_bytes() == before
+
+
+def test_checkpoint_holds_every_piece(tmp_path):
+    train("mlp", None, "fp16", steps=2, checkpoint_dir=tmp_path, scheduler="cosine", **FAST)
+    state = checkpoint.load(checkpoint.path_in(tmp_path))
+    assert state["format"] == checkpoint.FORMAT and state["version"] == checkpoint.VERSION and state["step"] == 2
+    assert set(state["model"]) == set(models.make_model("mlp").state_dict())
+    assert state["optimizer"]["state"] and state["scaler"]["scale"] == 65536.0
+    assert state["scheduler"]["last_epoch"] == 2 and state["rng"]["cpu"].dtype == torch.uint8
+    assert state["config"]["precision"] == "fp16" and len(state["history"]["loss"]) == 2
+
+
+# --- atomic writes --------------------------------------------------------------------------
+
+def test_save_is_atomic_and_leaves_no_temp_files(tmp_path):
+    path = tmp_path / "c.pt"
+    state = {"format": checkpoint.FORMAT, "x": torch.arange(3)}
+    checkpoint.save(state, path)
+    checkpoint.save({**state, "x": torch.arange(4)}, path)
+    assert torch.load(path, weights_only=True)["x"].tolist() == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_failed_write_keeps_the_last_good_checkpoint(error, tmp_path, monkeypatch):
+    train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, **FAST)
+    path = checkpoint.path_in(tmp_path)
+    good = path.read_bytes()
+
+    def half_written(obj, fh):
+        fh.write(b"PK\x03\x04 partial")  # some bytes reach the temp file, then the disk fills up
+        raise error
+
+    monkeypatch.setattr(checkpoint.torch, "save", half_written)
+    with pytest.raises(type(error)):
+        train("mlp", None, "fp32", steps=4, checkpoint_dir=tmp_path, resume=True, **FAST)
+    assert path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.FILENAME]
+    monkeypatch.undo()
+    assert checkpoint.load(path)["step"] == 2
+
+
+# --- every kind of bad file -------------------------------------------------------------------
+
+class Payload:
+    """A pickled object that would run code when unpickled without weights_only."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _write_good(tmp_path) -> Path:
+    """A real checkpoint in tmp_path/good, to corrupt."""
+    d = tmp_path / "good"
+    train("mlp", None, "fp32", steps=1, checkpoint_dir=d, **FAST)
+    return checkpoint.path_in(d)
+
+
+BAD_FILES = {
+    "empty": (lambda tmp, good: b"", "empty"),
+    "truncated": (lambda tmp, good: good[: len(good) // 2], "truncated or not a torch file"),
+    "random bytes": (lambda tmp, good: random.Random(0).randbytes(4096), "truncated or not a torch file"),
+    "random bytes 2": (lambda tmp, good: random.Random(1).randbytes(4096), "truncated or not a torch file"),
+    "text": (lambda tmp, good: b"step=4\n", "truncated or not a torch file"),
+    "plain pickle": (lambda tmp, good: pickle.dumps({"model": 1}), "truncated or not a torch file"),
+    "plain pickle of an object": (lambda tmp, good: pickle.dumps(Payload(tmp / "pwned")), "not a torch file"),
+}
+
+
+def _write_bad(kind, tmp_path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    path = checkpoint.path_in(run)
+    if kind in BAD_FILES:
+        path.write_bytes(BAD_FILES[kind][0](tmp_path, _write_good(tmp_path).read_bytes()))
+    elif kind == "code-running pickle":
+        torch.save({"format": checkpoint.FORMAT, "evil": Payload(tmp_path / "pwned")}, path)
+    elif kind == "foreign torch file":
+        torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 3}, path)
+    elif kind == "other version":
+        state = torch.load(_write_good(tmp_path), weights_only=True)
+        torch.save({**state, "version": 99}, path)
+    elif kind == "missing pieces":
+        torch.save({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": 1}, path)
+    elif kind == "a directory":
+        path.mkdir()
+    return path
+
+
+KINDS = [*BAD_FILES, "code-running pickle", "foreign torch file", "other version", "missing pieces", "a directory"]
+WHY = {**{k: v[1] for k, v in BAD_FILES.items()}, "code-running pickle": "weights_only=True\\) refused it",
+       "foreign torch file": "not an ampcourse.checkpoint file", "other version": "format version 99",
+       "missing pieces": "lacks model, optimizer", "a directory": "not a regular file"}
+
+
+def _snapshot(path: Path):
+    return path.read_bytes() if path.is_file() else "dir"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_file_gives_a_clear_error_and_stays_untouched(kind, tmp_path):
+    path = _write_bad(kind, tmp_path)
+    before = _snapshot(path)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load(path)
+    msg = str(info.value)
+    assert str(path) in msg and "left untouched" in msg and "move it aside" in msg
+    assert re.search(WHY[kind], msg), msg
+    assert isinstance(info.value, ValueError)
+    # the same through train(resume=True): an error before any work, nothing deleted or overwritten
+    with pytest.raises(CheckpointError, match=WHY[kind]):
+        train("mlp", None, "fp32", steps=3, checkpoint_dir=path.parent, resume=True, **FAST)
+    assert _snapshot(path) == before
+    assert sorted(p.name for p in path.parent.iterdir()) == [checkpoint.FILENAME]
+    assert not (tmp_path / "pwned").exists()  # the payload never ran
+
+
+def test_missing_file():
+    with pytest.raises(CheckpointError, match="no checkpoint at 'nowhere/checkpoint.pt'"):
+        checkpoint.load("nowhere/checkpoint.pt")
+
+
+def test_the_payload_would_have_run_without_weights_only(tmp_path):
+    """The control for the test above: the pickle really is dangerous."""
+    path = _write_bad("code-running pickle", tmp_path)
+    torch.load(path, weights_only=False)
+    assert (tmp_path / "pwned").exists()
+
+
+def test_restore_checks_scaler_and_scheduler_presence(tmp_path):
+    train("mlp", None, "bf16", steps=1, checkpoint_dir=tmp_path, **FAST)
+    with pytest.raises(CheckpointError, match="no GradScaler state"):
+        train("mlp", None, "bf16", steps=2, checkpoint_dir=tmp_path, resume=True, **FAST,
+              scaler_kwargs={"enabled": True})
+    with pytest.raises(CheckpointError, match="no scheduler state"):
+        train("mlp", None, "bf16", steps=1, checkpoint_dir=tmp_path, resume=True, scheduler="cosine", **FAST)
+
+
+def test_rng_state_round_trip():
+    state = checkpoint.rng_state()
+    a = torch.rand(3)
+    checkpoint.set_rng_state(state)
+    assert torch.equal(torch.rand(3), a)

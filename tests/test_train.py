@@ -1,0 +1,378 @@
+"""ampcourse.train: determinism, batches, accumulation, clipping after unscale_, skipped steps, bad arguments."""
+
+import contextlib
+import math
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ampcourse import models
+from ampcourse import train as train_mod
+from ampcourse.train import History, batch_indices, local_indices, state_checksum, train
+
+FAST = dict(steps=4, lr=1e-2, seed=0, batch_size=32, n_samples=256, progress=False)
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def inject_inf(model: torch.nn.Module, at_calls: set[int]) -> list[int]:
+    """Make the first weight's gradient inf on the given backward calls (0-based); returns the call log."""
+    calls = []
+
+    def hook(grad):
+        calls.append(len(calls))
+        return grad * math.inf if calls[-1] in at_calls else grad
+
+    next(model.parameters()).register_hook(hook)
+    return calls
+
+
+# --- determinism and history ---------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_same_seed_same_run(precision):
+    a = train("mlp", None, precision, **FAST)
+    b = train("mlp", None, precision, **FAST)
+    assert a.loss == b.loss and a.grad_norm == b.grad_norm and a.scale == b.scale
+    assert state_checksum(a.model) == state_checksum(b.model)
+
+
+def test_other_seed_other_run():
+    a = train("mlp", None, "fp32", **FAST)
+    b = train("mlp", None, "fp32", **{**FAST, "seed": 1})
+    assert state_checksum(a.model) != state_checksum(b.model) and a.loss != b.loss
+
+
+def test_caller_rng_is_left_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    train("mlp", None, "fp32", **FAST)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_history_contents():
+    h = train("cnn", None, "fp16", **FAST)
+    assert isinstance(h, History) and h.steps_done == 4 and h.start_step == 0
+    for name in ("loss", "scale", "skipped", "grad_norm", "lr", "step_time"):
+        assert len(getattr(h, name)) == 4, name
+    assert all(math.isfinite(x) and x > 0 for x in h.loss + h.grad_norm)
+    assert h.scale == [65536.0] * 4 and h.final_scale == 65536.0  # torch's default init_scale, no overflow
+    assert h.skipped == [False] * 4 and h.skipped_steps == 0 and h.nonfinite == [False] * 4
+    assert h.lr == [1e-2] * 4 and all(t > 0 for t in h.step_time)
+    assert h.precision == "fp16" and h.device_type == "cpu" and h.world_size == 1 and h.backend == "none"
+    assert h.final_loss == h.loss[-1] and isinstance(h.model, models.SmallCNN)
+    s = h.summary()
+    assert s["checksum"] == state_checksum(h.model) and s["steps_done"] == 4 and s["final_loss_scale"] == 65536.0
+
+
+def test_loss_goes_down_in_every_precision():
+    for precision in ("fp32", "fp16", "bf16"):
+        h = train("mlp", None, precision, **{**FAST, "steps": 30})
+        assert sum(h.loss[-5:]) < 0.9 * sum(h.loss[:5]), precision
+
+
+def test_scale_is_one_without_scaler():
+    for precision in ("fp32", "bf16"):
+        h = train("mlp", None, precision, **FAST)
+        assert h.scale == [1.0] * 4 and h.final_scale == 1.0
+
+
+def test_trains_a_given_module_in_place():
+    model = models.make_model("transformer")
+    before = flat_params(model).clone()
+    h = train(model, None, "fp32", **FAST)
+    assert h.model is model and not torch.equal(before, flat_params(model))
+
+
+def test_own_model_and_data():
+    x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5]]))
+    model = torch.nn.Linear(3, 1)
+    h = train(model, data, "fp32", steps=20, lr=0.1, batch_size=16, progress=False,
+              loss_fn=torch.nn.functional.mse_loss)
+    assert h.steps_done == 20 and h.loss[-1] < 0.1 * h.loss[0]
+
+
+def test_progress_bar_goes_to_stderr(capsys):
+    train("mlp", None, "fp32", **{**FAST, "progress": True})
+    err = capsys.readouterr().err
+    assert "train fp32" in err and "4/4" in err
+
+
+# --- which samples each step sees -------------------------------------------------------------
+
+def test_batch_indices_depend_only_on_their_arguments():
+    a = batch_indices(7, seed=3, dataset_size=100, batch_size=10)
+    torch.manual_seed(999)  # the global RNG plays no part
+    assert torch.equal(a, batch_indices(7, seed=3, dataset_size=100, batch_size=10))
+    assert not torch.equal(a, batch_indices(7, seed=4, dataset_size=100, batch_size=10))
+    assert not torch.equal(a, batch_indices(8, seed=3, dataset_size=100, batch_size=10))
+
+
+def test_an_epoch_is_a_permutation():
+    idx = torch.cat([batch_indices(k, 0, 100, 10) for k in range(10)])
+    assert sorted(idx.tolist()) == list(range(100))
+    nxt = torch.cat([batch_indices(k, 0, 100, 10) for k in range(10, 20)])
+    assert sorted(nxt.tolist()) == list(range(100)) and not torch.equal(idx, nxt)  # reshuffled
+
+
+def test_remainder_is_dropped():
+    idx = [batch_indices(k, 0, 25, 10) for k in range(2)]
+    assert all(len(i) == 10 and len(set(i.tolist())) == 10 for i in idx)
+    assert len(set(torch.cat(idx).tolist())) == 20
+
+
+def test_rank_slices_make_up_the_global_batch():
+    for world in (1, 2, 4):
+        parts = [local_indices(5, 0, 256, 32, rank, world) for rank in range(world)]
+        assert torch.equal(torch.cat(parts), batch_indices(5, 0, 256, 32))
+
+
+# --- accumulation, clipping, scaler skips -------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_accumulation_matches_one_big_batch(optimizer):
+    """Same global batch of 64 as 1 x 64, 2 x 32 and 4 x 16 micro-batches: equal up to fp32 rounding."""
+    cfg = {**FAST, "steps": 8, "batch_size": 64, "optimizer": optimizer}
+    runs = [train("mlp", None, "fp32", **cfg, accum_steps=k) for k in (1, 2, 4)]
+    ref = flat_params(runs[0].model)
+    for h in runs[1:]:
+        assert torch.allclose(flat_params(h.model), ref, rtol=0, atol=1e-5)  # observed <= 2e-7
+        assert max(abs(a - b) for a, b in zip(h.loss, runs[0].loss)) < 1e-5
+
+
+def test_accumulation_tolerance_is_tight_enough_to_catch_a_bug():
+    """Forgetting to divide by accum_steps=2 doubles SGD's step (same as lr x 2): far outside 1e-5."""
+    cfg = {**FAST, "steps": 8, "batch_size": 64, "optimizer": "sgd"}
+    good = flat_params(train("mlp", None, "fp32", **cfg).model)
+    undivided = flat_params(train("mlp", None, "fp32", **{**cfg, "lr": 2 * cfg["lr"]}).model)
+    assert (good - undivided).abs().max() > 1e-3
+
+
+def test_accumulation_divides_the_loss(monkeypatch):
+    """Each micro-batch's loss is divided by accum_steps before backward."""
+    seen = []
+    real_scale = torch.amp.GradScaler.scale
+
+    def spy(self, outputs):
+        seen.append(outputs.detach().clone())
+        return real_scale(self, outputs)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "scale", spy)
+    h = train("mlp", None, "fp32", **{**FAST, "steps": 1, "accum_steps": 4})
+    assert len(seen) == 4 and abs(sum(float(s) for s in seen) - h.loss[0]) < 1e-6
+
+
+def test_clipping_acts_on_unscaled_gradients():
+    """fp16 + scaler + SGD: the update is lr * grad_clip, not lr * grad_clip / scale."""
+    model = models.make_model("mlp")
+    before = flat_params(model).clone()
+    h = train(model, None, "fp16", steps=1, lr=0.1, seed=0, batch_size=32, n_samples=256, optimizer="sgd",
+              grad_clip=0.05, progress=False)
+    step = (flat_params(model) - before).norm().item()
+    assert h.grad_norm[0] > 0.05 * 2  # the clip was active
+    assert step == pytest.approx(0.1 * 0.05, rel=1e-3)
+    # the recorded norm is the true gradient norm: the fp32 run agrees to fp16 accuracy
+    ref = train("mlp", None, "fp32", steps=1, lr=0.1, seed=0, batch_size=32, n_samples=256, optimizer="sgd",
+                progress=False)
+    assert h.grad_norm[0] == pytest.approx(ref.grad_norm[0], rel=1e-2)
+
+
+def test_no_clip_updates_by_the_full_gradient():
+    model = models.make_model("mlp")
+    before = flat_params(model).clone()
+    h = train(model, None, "fp32", steps=1, lr=0.1, seed=0, batch_size=32, n_samples=256, optimizer="sgd",
+              progress=False)
+    assert (flat_params(model) - before).norm().item() == pytest.approx(0.1 * h.grad_norm[0], rel=1e-5)
+
+
+def step_lr(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def test_scheduler_is_not_stepped_on_skipped_steps():
+    model = models.make_model("mlp")
+    inject_inf(model, {0, 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = train(model, None, "fp16", **{**FAST, "steps": 5, "lr": 0.1}, scheduler=step_lr)
+    assert h.skipped == [True, False, True, False, False]
+    assert h.scale == [65536.0, 32768.0, 32768.0, 16384.0, 16384.0] and h.final_scale == 16384.0
+    # the LR only moves after a step that happened
+    assert h.lr == [0.1, 0.1, 0.05, 0.05, 0.025]
+    assert h.nonfinite == h.skipped
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
+def test_naive_loop_would_warn():
+    """The control: stepping the scheduler after a skipped first step triggers torch's UserWarning."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = step_lr(opt)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum() * math.inf).backward()
+    with pytest.warns(UserWarning, match=r"lr_scheduler\.step\(\)` before `optimizer\.step\(\)"):
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+
+def test_skipped_step_leaves_the_weights_alone():
+    model = models.make_model("mlp")
+    before = flat_params(model).clone()
+    inject_inf(model, {0})
+    h = train(model, None, "fp16", **{**FAST, "steps": 1})
+    assert h.skipped == [True] and torch.equal(flat_params(model), before)
+
+
+def test_bf16_has_no_scaler_to_skip():
+    model = models.make_model("mlp")
+    inject_inf(model, {1})
+    h = train(model, None, "bf16", **{**FAST, "steps": 2})
+    assert h.skipped == [False, False] and h.nonfinite == [False, True]
+
+
+def test_cosine_schedule():
+    h = train("mlp", None, "fp32", **{**FAST, "steps": 4}, scheduler="cosine")
+    assert h.lr[0] == 1e-2 and h.lr[1] < h.lr[0] and h.lr[2] == pytest.approx(0.5e-2)
+
+
+def test_scaler_kwargs_reach_the_scaler():
+    h = train("mlp", None, "fp16", **FAST, scaler_kwargs={"init_scale": 2.0**10, "growth_interval": 2})
+    assert h.scale == [1024.0, 1024.0, 2048.0, 2048.0] and h.final_scale == 4096.0
+
+
+# --- hooks for the distributed follow-up -------------------------------------------------------
+
+class CountingWrapper(torch.nn.Module):
+    """Stands in for DDP: forwards to the module and counts no_sync() windows."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.no_sync_calls = module, 0
+
+    def forward(self, x):
+        return self.module(x)
+
+    def no_sync(self):
+        self.no_sync_calls += 1
+        return contextlib.nullcontext()
+
+
+def test_wrap_hook_and_no_sync_for_all_but_the_last_micro_batch():
+    wrappers = []
+
+    def wrap(module):
+        wrappers.append(CountingWrapper(module))
+        return wrappers[-1]
+
+    h = train("mlp", None, "fp32", **{**FAST, "steps": 2, "accum_steps": 4}, wrap=wrap)
+    assert wrappers[0].no_sync_calls == 2 * 3
+    assert isinstance(h.model, models.MLP)  # the checksum and checkpoints use the unwrapped model
+
+
+def test_rank_takes_its_slice(monkeypatch):
+    seen = []
+    real = train_mod.train_step
+
+    def spy(model, micro, *args, **kwargs):
+        seen.append(torch.cat([x for x, _ in micro]))
+        return real(model, micro, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "train_step", spy)
+    data = models.make_dataset("mlp", n=256)
+    train("mlp", data, "fp32", **{**FAST, "steps": 1}, rank=1, world_size=2)
+    assert torch.equal(seen[0], data.tensors[0][local_indices(0, 0, 256, 32, 1, 2)])
+
+
+# --- bad arguments: ValueError saying what is allowed, before any work -------------------------
+
+BAD = [
+    (dict(precision="fp64"), "fp32, fp16, bf16"),
+    (dict(steps=0), "steps must be an int >= 1"),
+    (dict(steps=2.5), "steps must be an int"),
+    (dict(steps=True), "steps must be an int"),
+    (dict(accum_steps=0), "accum_steps must be an int >= 1"),
+    (dict(lr=0.0), "lr must be a finite number > 0"),
+    (dict(lr=-1e-3), "lr must be a finite number > 0"),
+    (dict(lr=float("nan")), "lr must be a finite number > 0"),
+    (dict(lr=float("inf")), "lr must be a finite number > 0"),
+    (dict(seed=-1), "seed must be an int >= 0"),
+    (dict(model="resnet"), "choose one of mlp, cnn, transformer"),
+    (dict(model=42), "nn.Module or one of mlp"),
+    (dict(batch_size=0), "batch_size must be an int >= 1"),
+    (dict(batch_size=512), r"larger than the dataset \(256 samples\); use at most 256"),
+    (dict(batch_size=30, accum_steps=4), "must divide by world_size \\* accum_steps"),
+    (dict(batch_size=30, world_size=4), "must divide by world_size \\* accum_steps"),
+    (dict(rank=2, world_size=2), "rank must be an int in 0..1"),
+    (dict(grad_clip=0.0), "grad_clip must be a finite number > 0"),
+    (dict(weight_decay=-0.1), "weight_decay must be a finite number >= 0"),
+    (dict(optimizer="lamb"), "adamw, adam, sgd"),
+    (dict(scheduler="onecycle"), "cosine"),
+    (dict(size="huge"), "tiny, small, large"),
+    (dict(device="cuda"), "CUDA is not available"),
+    (dict(device="tpu"), "unknown device"),
+    (dict(resume=True), "need a checkpoint_dir"),
+    (dict(checkpoint_every=5), "need a checkpoint_dir"),
+    (dict(data=[1, 2, 3]), "TensorDataset"),
+    (dict(model=torch.nn.Linear(2, 2)), "data=None only works for the reference models"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[str(k) for k, _ in BAD])
+def test_bad_arguments(kwargs, message, monkeypatch):
+    def no_work(*a, **k):
+        raise AssertionError("work started before validation")
+
+    monkeypatch.setattr(train_mod, "train_step", no_work)
+    args = {"model": "mlp", "data": None, **{k: v for k, v in FAST.items()}, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        train(**args)
+
+
+def test_checkpoint_every_zero():
+    with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1"):
+        train("mlp", None, "fp32", **FAST, checkpoint_dir="unused", checkpoint_every=0)
+
+
+def test_fp16_on_a_device_that_cannot_run_it(monkeypatch):
+    monkeypatch.setattr(train_mod, "_amp_works", lambda device_type, precision:
+                        "no fp16 kernels" if precision == "fp16" else None)
+    with pytest.raises(ValueError, match="precision 'fp16' cannot run on cpu .*no fp16 kernels.*use bf16 or fp32"):
+        train("mlp", None, "fp16", **FAST)
+    train("mlp", None, "bf16", **FAST)  # the other precisions still work
+
+
+def test_amp_probe_on_this_cpu():
+    assert train_mod._amp_works("cpu", "fp16") is None and train_mod._amp_works("cpu", "bf16") is None
+
+
+def test_checkpoint_dir_not_writable(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot be created.*is a file"):
+        train("mlp", None, "fp32", **FAST, checkpoint_dir=blocker / "run")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        train("mlp", None, "fp32", **FAST, checkpoint_dir=blocker)
+    assert blocker.read_text() == "x"
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint at .*run once without resume"):
+        train("mlp", None, "fp32", **FAST, checkpoint_dir=tmp_path / "run", resume=True)
+    assert not (tmp_path / "run").exists()  # validation created nothing
+
+
+def test_state_checksum_sees_every_bit():
+    model = models.make_model("cnn")
+    a = state_checksum(model)
+    assert a == state_checksum(models.make_model("cnn")) and len(a) == 64
+    with torch.no_grad():
+        w = next(model.parameters())
+        w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(math.inf))
+    assert state_checksum(model) != a

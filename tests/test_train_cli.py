@@ -1,0 +1,110 @@
+"""python -m ampcourse.train: a run writes its JSON summary; resume works; bad flags exit with one line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ampcourse import train as train_mod
+from ampcourse.train import main, state_checksum, train
+
+BASE = ["--model", "mlp", "--steps", "3", "--global-batch-size", "32", "--samples", "256", "--no-progress"]
+SUMMARY_KEYS = {"world_size", "backend", "device_type", "precision", "steps_done", "skipped_steps", "final_loss",
+                "final_loss_scale", "checksum", "strategy", "model", "seed", "global_batch_size", "resumed_from_step"}
+
+
+def test_module_runs_and_writes_a_summary(tmp_path):
+    """The real entry point, as a learner types it (one subprocess: importing torch takes seconds)."""
+    out = tmp_path / "summary.json"
+    run = subprocess.run([sys.executable, "-m", "ampcourse.train", *BASE, "--precision", "fp16", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "3 steps" in run.stdout and "summary in" in run.stdout
+    summary = json.loads(out.read_text())
+    assert set(summary) == SUMMARY_KEYS
+    assert summary | {"final_loss": None, "checksum": None} == {
+        "world_size": 1, "backend": "none", "device_type": "cpu", "precision": "fp16", "steps_done": 3,
+        "skipped_steps": 0, "final_loss": None, "final_loss_scale": 65536.0, "checksum": None, "strategy": "single",
+        "model": "mlp", "seed": 0, "global_batch_size": 32, "resumed_from_step": 0}
+    # the same run from Python gives the same weights
+    h = train("mlp", None, "fp16", steps=3, lr=1e-3, seed=0, batch_size=32, n_samples=256, progress=False)
+    assert summary["checksum"] == state_checksum(h.model) and summary["final_loss"] == h.final_loss
+
+
+def test_summary_to_stdout(capsys):
+    assert main([*BASE, "--precision", "bf16"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["precision"] == "bf16" and summary["final_loss_scale"] == 1.0 and summary["steps_done"] == 3
+
+
+def test_default_precision_is_the_devices(capsys):
+    main(BASE)
+    assert json.loads(capsys.readouterr().out)["precision"] == "bf16"  # pick()'s default on a CPU
+
+
+def test_resume_from_the_command_line(tmp_path, capsys):
+    ckpt = str(tmp_path / "run")
+    main([*BASE, "--precision", "fp16", "--checkpoint-dir", ckpt, "--checkpoint-every", "1"])
+    capsys.readouterr()
+    main([*BASE[:2], "--steps", "5", *BASE[4:], "--precision", "fp16", "--checkpoint-dir", ckpt, "--resume"])
+    resumed = json.loads(capsys.readouterr().out)
+    main([*BASE[:2], "--steps", "5", *BASE[4:], "--precision", "fp16"])
+    whole = json.loads(capsys.readouterr().out)
+    assert resumed["resumed_from_step"] == 3 and resumed["steps_done"] == 5
+    assert resumed["checksum"] == whole["checksum"] and resumed["final_loss"] == whole["final_loss"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--precision", "fp64"], "argument --precision: invalid choice: 'fp64'"),
+    (["--strategy", "ddp"], "argument --strategy: invalid choice: 'ddp'"),
+    (["--model", "resnet"], "argument --model: invalid choice: 'resnet'"),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_argparse_rejects_bad_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*BASE, *flags])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--steps", "0"], "steps must be an int >= 1"),
+    (["--lr", "nan"], "lr must be a finite number > 0"),
+    (["--lr", "-1"], "lr must be a finite number > 0"),
+    (["--accum-steps", "0"], "accum_steps must be an int >= 1"),
+    (["--global-batch-size", "1000"], "larger than the dataset (256 samples)"),
+    (["--global-batch-size", "30", "--accum-steps", "4"], "must divide by world_size * accum_steps"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--resume"], "need a checkpoint_dir"),
+    (["--checkpoint-every", "2"], "need a checkpoint_dir"),
+    (["--out", "no/such/folder/s.json"], "its folder does not exist"),
+])
+def test_bad_values_exit_with_one_line(flags, message, monkeypatch):
+    monkeypatch.setattr(train_mod, "train_step", lambda *a, **k: pytest.fail("trained despite a bad flag"))
+    with pytest.raises(SystemExit) as info:
+        main([*BASE, *flags])
+    text = str(info.value.code)
+    assert text.startswith("ampcourse.train: error: ") and message in text and "\n" not in text
+
+
+def test_resume_with_no_checkpoint(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint at .*run once without resume"):
+        main([*BASE, "--checkpoint-dir", str(tmp_path), "--resume"])
+
+
+def test_corrupt_checkpoint_exits_with_one_line_and_no_traceback(tmp_path):
+    (tmp_path / "checkpoint.pt").write_bytes(b"\x00" * 100)
+    run = subprocess.run([sys.executable, "-m", "ampcourse.train", *BASE, "--checkpoint-dir", str(tmp_path),
+                          "--resume"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.startswith("ampcourse.train: error: cannot resume from") and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"\x00" * 100
+
+
+def test_docstring_has_the_launch_commands():
+    doc = train_mod.__doc__
+    assert "python -m ampcourse.train --model mlp --precision bf16" in doc
+    assert "torchrun --standalone --nproc-per-node N -m ampcourse.train" in doc
+    assert "--nnodes" in doc
