@@ -10,7 +10,8 @@ because absolute timings on a shared machine drift; the ratios are what to read.
 
 JSON schema (``"schema": "ampcourse.bench/1"``): ``env`` (torch, device, CPU flags), ``config``,
 ``matmul`` (one row per dtype and size: seconds, tflops), ``train_step`` (one row per model: fp32 and
-AMP milliseconds per step, their ratio), ``saved_bytes`` (one row per model and size: activation bytes
+AMP milliseconds per step, their ratio), ``trainer_overhead`` (one row per model: ms per step of
+``ampcourse.train`` and of a bare AMP loop, the overhead), ``saved_bytes`` (one row per model and size: activation bytes
 saved for backward in fp32 and under autocast, weight copies, the fp32 tensors that remain), and
 ``targets`` (each with value, limit and whether it is met).
 """
@@ -33,12 +34,15 @@ import torch
 from . import memory, models
 from .device import AmpSetup, cpu_flags, pick
 
-__all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "saved_bytes",
+__all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
+           "trainer_overhead", "saved_bytes",
            "run", "plot", "plot_matmul", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
 
 SCHEMA = "ampcourse.bench/1"
 #: Bytes saved for backward under AMP, as a fraction of fp32, that the transformer should reach.
 SAVED_BYTES_TARGET = 0.55
+#: Extra time per step that ampcourse.train may spend over a bare hand-written AMP loop.
+TRAINER_OVERHEAD_TARGET = 0.03
 
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -203,6 +207,59 @@ def train_step_times(model_names: Sequence[str] = models.MODELS, device: str | t
     return rows
 
 
+def bare_amp_loop(model: torch.nn.Module, data, amp: AmpSetup, steps: int, lr: float = 1e-3, batch: int = 32,
+                  seed: int = 0) -> list[float]:
+    """A hand-written AMP loop (chapter 3's recipe, AdamW, shuffled batches, loss logged): seconds per step."""
+    xs, ys = data.tensors
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = amp.make_scaler()
+    gen = torch.Generator().manual_seed(seed)
+    per_epoch = len(xs) // batch
+    times, perm = [], None
+    for step in range(steps):
+        start = time.perf_counter()
+        if step % per_epoch == 0:
+            perm = torch.randperm(len(xs), generator=gen)
+        idx = perm[(step % per_epoch) * batch:(step % per_epoch + 1) * batch]
+        loss = bare_step(model, opt, scaler, amp, xs[idx].to(amp.device), ys[idx].to(amp.device), models.loss_fn)
+        loss.item()  # every real loop logs its loss (and this waits for the GPU)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device: str | torch.device | None = None,
+                     precision: str | None = None, size: str = "tiny", batch: int = 32, steps: int = 30,
+                     repeats: int = 5, warmup: int = 5, lr: float = 1e-3, seed: int = 0) -> list[dict]:
+    """Per-step time of ampcourse.train.train over a bare AMP loop on the same model: interleaved repeats.
+
+    Each repeat trains a fresh model with both (alternating who goes first) and compares the median step
+    time after `warmup` steps; the overhead is the median over repeats of trainer/bare - 1.
+    """
+    from .train import train
+
+    amp = pick(device, precision)
+    if warmup >= steps:
+        raise ValueError(f"warmup ({warmup}) must be smaller than steps ({steps})")
+    rows = []
+    for name in model_names:
+        data = models.make_dataset(name, n=1024, seed=seed, size=size)
+        times = {"trainer": [], "bare": []}
+        for r in range(repeats):
+            for who in ("trainer", "bare") if r % 2 == 0 else ("bare", "trainer"):
+                if who == "trainer":
+                    step_s = train(name, data, amp.precision, steps=steps, lr=lr, seed=seed, device=amp.device,
+                                   batch_size=batch, optimizer="adamw", progress=False, size=size).step_time
+                else:
+                    model = models.make_model(name, size=size, seed=seed).to(amp.device)
+                    step_s = bare_amp_loop(model, data, amp, steps, lr=lr, batch=batch, seed=seed)
+                times[who].append(statistics.median(step_s[warmup:]) * 1e3)
+        ratios = [t / b for t, b in zip(times["trainer"], times["bare"])]
+        rows.append({"model": name, "size": size, "batch": batch, "precision": amp.precision,
+                     "trainer_ms": statistics.median(times["trainer"]), "bare_ms": statistics.median(times["bare"]),
+                     "overhead": statistics.median(ratios) - 1, "repeats_ms": times})
+    return rows
+
+
 def saved_bytes(model_names: Sequence[str] = models.MODELS, sizes: Sequence[str] = ("tiny",),
                 device: str | torch.device = "cpu", precision: str | None = None, batch: int = 32,
                 seed: int = 0) -> list[dict]:
@@ -247,6 +304,10 @@ def _targets(report: dict) -> list[dict]:
             out.append({"name": f"saved activation bytes AMP/fp32, transformer {row['size']}",
                         "value": row["activation_ratio"], "limit": SAVED_BYTES_TARGET,
                         "met": row["activation_ratio"] <= SAVED_BYTES_TARGET})
+    for row in report.get("trainer_overhead", []):
+        out.append({"name": f"trainer per-step overhead over a bare AMP loop, {row['model']} {row['size']}",
+                    "value": row["overhead"], "limit": TRAINER_OVERHEAD_TARGET,
+                    "met": row["overhead"] <= TRAINER_OVERHEAD_TARGET})
     return out
 
 
@@ -263,13 +324,18 @@ def run(device: str | torch.device | None = None, precision: str | None = None, 
               "step_size": "tiny" if dev.type == "cpu" else "small",
               "batch": 32, "steps": 3 if quick else 20, "repeats": 2 if quick else 7,
               "matmul_sizes": list(matmul_sizes(dev, quick)), "matmul_min_run_time": 0.01 if quick else 0.05,
-              "matmul_repeats": 1 if quick else 3}
+              "matmul_repeats": 1 if quick else 3,
+              "overhead_models": ["mlp"] if quick else ["mlp", "transformer"],
+              "overhead_steps": 6 if quick else 40, "overhead_warmup": 2 if quick else 5}
     torch.manual_seed(seed)
     report = {"schema": SCHEMA, "env": _env(dev), "config": config}
     report["matmul"] = matmul_tflops(dev, sizes=config["matmul_sizes"], min_run_time=config["matmul_min_run_time"],
                                      repeats=config["matmul_repeats"])
     report["train_step"] = train_step_times(config["models"], dev, amp.precision, size=config["step_size"],
                                             batch=config["batch"], steps=config["steps"], repeats=config["repeats"])
+    report["trainer_overhead"] = trainer_overhead(config["overhead_models"], dev, amp.precision, size=config["step_size"],
+                                                  batch=config["batch"], steps=config["overhead_steps"],
+                                                  repeats=config["repeats"], warmup=config["overhead_warmup"])
     report["saved_bytes"] = saved_bytes(["transformer"] if quick else config["models"], config["saved_sizes"],
                                         dev, amp.precision, batch=config["batch"])
     report["targets"] = _targets(report)
@@ -377,6 +443,10 @@ def summary(report: dict) -> str:
     lines += ["", f"train step (ms, median of interleaved repeats), fp32 vs {prec}:"]
     for r in report["train_step"]:
         lines.append(f"  {r['model']:12} {r['size']:6} fp32 {r['fp32_ms']:7.2f}  {prec} {r['amp_ms']:7.2f}  ratio {r['amp_over_fp32']:.2f}")
+    lines += ["", "ampcourse.train vs a bare AMP loop (ms per step, median of interleaved repeats):"]
+    for r in report.get("trainer_overhead", []):
+        lines.append(f"  {r['model']:12} {r['size']:6} trainer {r['trainer_ms']:7.2f}  bare {r['bare_ms']:7.2f}  "
+                     f"overhead {r['overhead']:+.1%}")
     lines += ["", "bytes saved for backward (one forward, activations; + autocast's weight copies):"]
     for r in report["saved_bytes"]:
         lines.append(f"  {r['model']:12} {r['size']:6} fp32 {r['fp32_activation_bytes']:>10,}  {prec} {r['amp_activation_bytes']:>10,}"

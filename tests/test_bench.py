@@ -30,7 +30,7 @@ def test_quick_run_writes_json_and_png(quick_run):
 def test_json_schema(quick_run):
     report = json.loads((quick_run[0] / "bench.json").read_text())
     assert report["schema"] == bench.SCHEMA
-    assert set(report) >= {"env", "config", "matmul", "train_step", "saved_bytes", "targets"}
+    assert set(report) >= {"env", "config", "matmul", "train_step", "trainer_overhead", "saved_bytes", "targets"}
     assert report["env"]["device"] == "cpu" and report["config"]["quick"] is True
     assert {r["dtype"] for r in report["matmul"]} == {"fp32", "bf16", "fp16"}
     for r in report["matmul"]:
@@ -42,6 +42,13 @@ def test_json_schema(quick_run):
     for r in report["saved_bytes"]:
         assert r["activation_ratio"] == pytest.approx(r["amp_activation_bytes"] / r["fp32_activation_bytes"])
         assert sum(r["amp_by_dtype"].values()) == r["amp_activation_bytes"]
+    for r in report["trainer_overhead"]:
+        trainer, bare = r["repeats_ms"]["trainer"], r["repeats_ms"]["bare"]
+        assert len(trainer) == len(bare) == report["config"]["repeats"]
+        ratios = sorted(t / b for t, b in zip(trainer, bare))
+        assert ratios[0] - 1 <= r["overhead"] <= ratios[-1] - 1  # the median of the per-repeat ratios
+    names = [t["name"] for t in report["targets"]]
+    assert any("trainer per-step overhead" in n for n in names) and any("saved activation bytes" in n for n in names)
     for t in report["targets"]:
         assert t["met"] == (t["value"] <= t["limit"])
 
@@ -90,3 +97,21 @@ def test_bad_threads_is_rejected_with_a_clear_message():
     run = subprocess.run([sys.executable, "-m", "ampcourse.bench", "--threads", "0", "--out", "unused"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "--threads must be >= 1, got 0" in run.stderr
+
+
+def test_bare_amp_loop_trains_the_model():
+    import torch
+
+    from ampcourse import models
+    from ampcourse.device import pick
+
+    model = models.make_model("mlp")
+    before = [p.detach().clone() for p in model.parameters()]
+    times = bench.bare_amp_loop(model, models.make_dataset("mlp", n=64), pick("cpu", "bf16"), steps=3, batch=16)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_trainer_overhead_rejects_warmup_longer_than_the_run():
+    with pytest.raises(ValueError, match="warmup"):
+        bench.trainer_overhead(["mlp"], "cpu", steps=3, warmup=3)
