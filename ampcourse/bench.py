@@ -11,9 +11,10 @@ because absolute timings on a shared machine drift; the ratios are what to read.
 JSON schema (``"schema": "ampcourse.bench/1"``): ``env`` (torch, device, CPU flags), ``config``,
 ``matmul`` (one row per dtype and size: seconds, tflops), ``train_step`` (one row per model: fp32 and
 AMP milliseconds per step, their ratio), ``trainer_overhead`` (one row per model: ms per step of
-``ampcourse.train`` and of a bare AMP loop, the overhead), ``saved_bytes`` (one row per model and size: activation bytes
-saved for backward in fp32 and under autocast, weight copies, the fp32 tensors that remain), and
-``targets`` (each with value, limit and whether it is met).
+``ampcourse.train`` and of a bare AMP loop, the overhead as a fraction and in ms, its range over repeats),
+``saved_bytes`` (one row per model and size: activation bytes saved for backward in fp32 and under
+autocast, weight copies, the fp32 tensors that remain), and ``targets`` (each with value, limit and
+whether it is met).
 """
 
 from __future__ import annotations
@@ -256,7 +257,9 @@ def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device
         ratios = [t / b for t, b in zip(times["trainer"], times["bare"])]
         rows.append({"model": name, "size": size, "batch": batch, "precision": amp.precision,
                      "trainer_ms": statistics.median(times["trainer"]), "bare_ms": statistics.median(times["bare"]),
-                     "overhead": statistics.median(ratios) - 1, "repeats_ms": times})
+                     "overhead": statistics.median(ratios) - 1,
+                     "overhead_ms": statistics.median(t - b for t, b in zip(times["trainer"], times["bare"])),
+                     "overhead_range": [min(ratios) - 1, max(ratios) - 1], "repeats_ms": times})
     return rows
 
 
@@ -446,7 +449,8 @@ def summary(report: dict) -> str:
     lines += ["", "ampcourse.train vs a bare AMP loop (ms per step, median of interleaved repeats):"]
     for r in report.get("trainer_overhead", []):
         lines.append(f"  {r['model']:12} {r['size']:6} trainer {r['trainer_ms']:7.2f}  bare {r['bare_ms']:7.2f}  "
-                     f"overhead {r['overhead']:+.1%}")
+                     f"overhead {r['overhead']:+.1%} ({r['overhead_ms']:+.3f} ms; repeats {r['overhead_range'][0]:+.1%}"
+                     f" to {r['overhead_range'][1]:+.1%})")
     lines += ["", "bytes saved for backward (one forward, activations; + autocast's weight copies):"]
     for r in report["saved_bytes"]:
         lines.append(f"  {r['model']:12} {r['size']:6} fp32 {r['fp32_activation_bytes']:>10,}  {prec} {r['amp_activation_bytes']:>10,}"
