@@ -428,7 +428,7 @@ def plot(report: dict):
           f"{prec} bytes / fp32 bytes", f"saved for backward: {prec} / fp32 (batch {report['config']['batch']})")
     axes[2].axhline(SAVED_BYTES_TARGET, color="grey", ls="--", lw=1)
     axes[2].axhline(1.0, color="black", lw=0.8)
-    fig.suptitle(f"{report['env']['device_name']}, torch {report['env']['torch']}", fontsize=9)
+    fig.suptitle(f"{report['env']['device_name']}, torch {report['env']['torch']}, {report['env']['threads']} thread(s)", fontsize=9)
     fig.tight_layout()
     return fig
 
