@@ -10,6 +10,9 @@ Modules, one idea each:
     scaling    loss scaling written out: LossScaler (== GradScaler), scale simulations, range counts
     policy     per-module precision policies on top of autocast
     widgets    ipywidgets + matplotlib explorers used in the chapters
+    autocast_ops  the autocast op table, measured live per device and dtype
+    memory     bytes saved for backward, weights, gradients, optimizer state
+    bench      matmul/train-step/memory benchmark (python -m ampcourse.bench)
     exercises  checkers for the chapter exercises
     course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.

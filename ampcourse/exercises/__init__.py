@@ -7,12 +7,16 @@ expected, what came back and a hint when it is wrong.
 
 from ._core import ExerciseError, failed, passed
 from .ch01 import check_fp16_ulp, check_largest_exact_integer, check_subnormal_example
+from .ch02 import check_adam_bytes, check_saved_bytes
+from .ch03 import check_autocast_dtypes, check_scale_update
 from .ch04 import check_clip_after_unscale, check_scheduler_skip
 from .ch05 import check_fp8_scale, check_rms_norm, check_square_function
 from .ch06 import check_no_flush_scale, check_scale_prediction, check_update_rule
 
 __all__ = ["ExerciseError", "passed", "failed",
            "check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example",
+           "check_adam_bytes", "check_saved_bytes",
+           "check_autocast_dtypes", "check_scale_update",
            "check_clip_after_unscale", "check_scheduler_skip",
            "check_rms_norm", "check_square_function", "check_fp8_scale",
            "check_no_flush_scale", "check_scale_prediction", "check_update_rule"]

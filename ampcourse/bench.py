@@ -1,0 +1,493 @@
+"""Measure what mixed precision buys on this device: matmul throughput, train-step time, saved bytes.
+
+    python -m ampcourse.bench --out benchmarks/cpu            # full run (under a minute on a laptop CPU)
+    python -m ampcourse.bench --out /tmp/bench --quick        # a few seconds: the test suite's smoke run
+    python -m ampcourse.bench --device cuda --out benchmarks/cuda
+
+Writes ``bench.json`` (schema below) and ``bench.png`` into ``--out`` and prints a summary.
+Every comparison is measured side by side in one run, with the variants interleaved and repeated,
+because absolute timings on a shared machine drift; the ratios are what to read.
+
+JSON schema (``"schema": "ampcourse.bench/1"``): ``env`` (torch, device, CPU flags), ``config``,
+``matmul`` (one row per dtype and size: seconds, tflops), ``train_step`` (one row per model: fp32 and
+AMP milliseconds per step, their ratio), ``trainer_overhead`` (one row per model: ms per step of
+``ampcourse.train`` and of a bare AMP loop, the overhead as a fraction and in ms, its range over repeats),
+``saved_bytes`` (one row per model and size: activation bytes saved for backward in fp32 and under
+autocast, weight copies, the fp32 tensors that remain), and ``targets`` (each with value, limit and
+whether it is met).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from . import memory, models
+from .device import AmpSetup, cpu_flags, pick
+
+__all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
+           "trainer_overhead", "saved_bytes",
+           "run", "plot", "plot_matmul", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
+
+SCHEMA = "ampcourse.bench/1"
+#: Bytes saved for backward under AMP, as a fraction of fp32, that the transformer should reach.
+SAVED_BYTES_TARGET = 0.55
+#: Extra time per step that ampcourse.train may spend over a bare hand-written AMP loop.
+TRAINER_OVERHEAD_TARGET = 0.03
+
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued kernels, so wall-clock time covers the work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def matmul_sizes(device: torch.device, quick: bool = False) -> tuple[int, ...]:
+    """Square matrix sizes to time: small on CPU (low precision can be 200x slower there), large on GPUs."""
+    if device.type == "cuda":
+        return (1024, 2048) if quick else (1024, 2048, 4096, 8192)
+    return (64, 128) if quick else (64, 128, 256, 512)
+
+
+def matmul_dtypes(device: torch.device) -> tuple[str, ...]:
+    """The dtypes worth timing: tf32 only exists on CUDA; bf16 only where the GPU supports it."""
+    if device.type == "cuda":
+        return ("fp32", "tf32", "bf16", "fp16") if torch.cuda.is_bf16_supported() else ("fp32", "tf32", "fp16")
+    return ("fp32", "bf16", "fp16")
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor, min_run_time: float) -> float:
+    """Median seconds per a @ b, from torch.utils.benchmark (which syncs CUDA for us)."""
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+@contextlib.contextmanager
+def _matmul_precision(name: str):
+    """Let fp32 matmuls use tf32 tensor cores for 'tf32' only; restore the previous setting after."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if name == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _measure(a: torch.Tensor, b: torch.Tensor, min_run_time: float, budget_s: float) -> tuple[float, bool]:
+    """Seconds per a @ b, and whether one call took over budget_s (then that one call is the measurement)."""
+    for _ in range(3):  # warm-up (library initialisation, kernel selection, allocator), timed one by one
+        _sync(a.device)
+        start = time.perf_counter()
+        a @ b
+        _sync(a.device)
+        once = time.perf_counter() - start
+        if once > budget_s:
+            return once, True
+    return _time_matmul(a, b, min_run_time), False
+
+
+def matmul_tflops(device: str | torch.device = "cpu", dtypes: Sequence[str] | None = None,
+                  sizes: Sequence[int] | None = None, min_run_time: float = 0.05, repeats: int = 3,
+                  budget_s: float = 0.25, seed: int = 0) -> list[dict]:
+    """TFLOP/s of an n x n matmul per dtype and size: dtypes interleaved, fastest of `repeats` medians.
+
+    A dtype stops growing once a single call exceeds budget_s, so slow emulated low precision (AVX2 CPUs)
+    never runs a big matmul. Other programs can only slow a measurement down, hence the fastest repeat.
+    """
+    device = torch.device(device)
+    dtypes = tuple(dtypes or matmul_dtypes(device))
+    unknown = [d for d in dtypes if d not in _DTYPES]
+    if unknown:
+        raise ValueError(f"unknown matmul dtype(s) {unknown}; choose from {', '.join(_DTYPES)}")
+    if "tf32" in dtypes and device.type != "cuda":
+        raise ValueError("tf32 exists only on CUDA (Ampere or newer); drop it on this device")
+    sizes = tuple(sizes or matmul_sizes(device))
+    gen = torch.Generator().manual_seed(seed)
+    rows, active = [], list(dtypes)
+    for n in sizes:
+        a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+        pairs = {name: (a.to(device, _DTYPES[name]), b.to(device, _DTYPES[name])) for name in active}
+        best, over = dict.fromkeys(active, math.inf), set()
+        for rep in range(repeats):
+            for name in active if rep % 2 == 0 else active[::-1]:  # alternate who goes first
+                if name in over:
+                    continue
+                with _matmul_precision(name):
+                    seconds, bounded = _measure(*pairs[name], min_run_time, budget_s)
+                best[name] = min(best[name], seconds)
+                if bounded:
+                    over.add(name)
+        rows += [{"dtype": name, "n": n, "seconds": best[name], "tflops": 2 * n**3 / best[name] / 1e12,
+                  "bounded": name in over} for name in active]
+        active = [name for name in active if name not in over]
+    return sorted(rows, key=lambda r: (dtypes.index(r["dtype"]), r["n"]))
+
+
+def speedup_sentence(rows: Sequence[dict], dtype: str, baseline: str = "fp32") -> str:
+    """'bf16 is 3.1x faster than fp32 here (n=512)': read from the largest size both dtypes measured (+-10%: 'about as fast')."""
+    by = {(r["dtype"], r["n"]): r["seconds"] for r in rows}
+    common = [n for (d, n) in by if d == dtype and (baseline, n) in by]
+    if not common:
+        return f"{dtype} was not measured at a size {baseline} was"
+    n = max(common)
+    ratio = by[(baseline, n)] / by[(dtype, n)]
+    if 0.9 <= ratio <= 1.1:
+        return f"{dtype} is about as fast as {baseline} here ({ratio:.2f}x, n={n})"
+    if ratio > 1:
+        return f"{dtype} is {ratio:.1f}x faster than {baseline} here (n={n})"
+    return f"{dtype} is {1 / ratio:.1f}x slower than {baseline} here (n={n})"
+
+
+def _batch(data, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `batch` examples as fresh tensors on device (fresh storages: counted on their own)."""
+    x, y = data.tensors
+    return x[:batch].clone().to(device), y[:batch].clone().to(device)
+
+
+def bare_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+              amp: AmpSetup, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+    """One hand-written AMP training step: the baseline every trainer is compared with."""
+    opt.zero_grad(set_to_none=True)
+    with amp.autocast():
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss
+
+
+def train_step_times(model_names: Sequence[str] = models.MODELS, device: str | torch.device = "cpu",
+                     precision: str | None = None, size: str = "tiny", batch: int = 32, steps: int = 20,
+                     repeats: int = 7, warmup: int = 3, seed: int = 0) -> list[dict]:
+    """Milliseconds per train step, fp32 vs AMP, per model: interleaved repeats of `steps` steps each."""
+    amp = pick(device, precision)
+    if not amp.enabled:
+        raise ValueError("compare fp32 with an AMP precision: pass precision='fp16' or 'bf16'")
+    setups = {"fp32": pick(device, "fp32"), amp.precision: amp}
+    rows = []
+    for name in model_names:
+        x, y = _batch(models.make_dataset(name, n=batch, seed=seed, size=size), batch, amp.device)
+        runs = {}
+        for prec, setup in setups.items():
+            model = models.make_model(name, size=size, seed=seed).to(amp.device)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            runs[prec] = (model, opt, setup.make_scaler(), setup)
+            for _ in range(warmup):
+                bare_step(model, opt, runs[prec][2], setup, x, y, models.loss_fn)
+        times = {prec: [] for prec in setups}
+        for r in range(repeats):
+            order = list(setups) if r % 2 == 0 else list(setups)[::-1]  # alternate who goes first
+            for prec in order:
+                model, opt, scaler, setup = runs[prec]
+                _sync(amp.device)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    bare_step(model, opt, scaler, setup, x, y, models.loss_fn)
+                _sync(amp.device)
+                times[prec].append((time.perf_counter() - start) / steps * 1e3)
+        ratios = [a / f for a, f in zip(times[amp.precision], times["fp32"])]
+        rows.append({"model": name, "size": size, "batch": batch, "precision": amp.precision,
+                     "fp32_ms": statistics.median(times["fp32"]), "amp_ms": statistics.median(times[amp.precision]),
+                     "amp_over_fp32": statistics.median(ratios), "repeats_ms": times})
+    return rows
+
+
+def bare_amp_loop(model: torch.nn.Module, data, amp: AmpSetup, steps: int, lr: float = 1e-3, batch: int = 32,
+                  seed: int = 0) -> list[float]:
+    """A hand-written AMP loop (chapter 3's recipe, AdamW, shuffled batches, loss logged): seconds per step."""
+    xs, ys = data.tensors
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = amp.make_scaler()
+    gen = torch.Generator().manual_seed(seed)
+    per_epoch = len(xs) // batch
+    times, perm = [], None
+    for step in range(steps):
+        start = time.perf_counter()
+        if step % per_epoch == 0:
+            perm = torch.randperm(len(xs), generator=gen)
+        idx = perm[(step % per_epoch) * batch:(step % per_epoch + 1) * batch]
+        loss = bare_step(model, opt, scaler, amp, xs[idx].to(amp.device), ys[idx].to(amp.device), models.loss_fn)
+        loss.item()  # every real loop logs its loss (and this waits for the GPU)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device: str | torch.device | None = None,
+                     precision: str | None = None, size: str = "tiny", batch: int = 32, steps: int = 30,
+                     repeats: int = 5, warmup: int = 5, lr: float = 1e-3, seed: int = 0) -> list[dict]:
+    """Per-step time of ampcourse.train.train over a bare AMP loop on the same model: interleaved repeats.
+
+    Each repeat trains a fresh model with both (alternating who goes first) and compares the median step
+    time after `warmup` steps; the overhead is the median over repeats of trainer/bare - 1.
+    """
+    from .train import train
+
+    amp = pick(device, precision)
+    if warmup >= steps:
+        raise ValueError(f"warmup ({warmup}) must be smaller than steps ({steps})")
+    rows = []
+    for name in model_names:
+        data = models.make_dataset(name, n=1024, seed=seed, size=size)
+        times = {"trainer": [], "bare": []}
+        for r in range(repeats):
+            for who in ("trainer", "bare") if r % 2 == 0 else ("bare", "trainer"):
+                if who == "trainer":
+                    step_s = train(name, data, amp.precision, steps=steps, lr=lr, seed=seed, device=amp.device,
+                                   batch_size=batch, optimizer="adamw", progress=False, size=size).step_time
+                else:
+                    model = models.make_model(name, size=size, seed=seed).to(amp.device)
+                    step_s = bare_amp_loop(model, data, amp, steps, lr=lr, batch=batch, seed=seed)
+                times[who].append(statistics.median(step_s[warmup:]) * 1e3)
+        ratios = [t / b for t, b in zip(times["trainer"], times["bare"])]
+        rows.append({"model": name, "size": size, "batch": batch, "precision": amp.precision,
+                     "trainer_ms": statistics.median(times["trainer"]), "bare_ms": statistics.median(times["bare"]),
+                     "overhead": statistics.median(ratios) - 1,
+                     "overhead_ms": statistics.median(t - b for t, b in zip(times["trainer"], times["bare"])),
+                     "overhead_range": [min(ratios) - 1, max(ratios) - 1], "repeats_ms": times})
+    return rows
+
+
+def saved_bytes(model_names: Sequence[str] = models.MODELS, sizes: Sequence[str] = ("tiny",),
+                device: str | torch.device = "cpu", precision: str | None = None, batch: int = 32,
+                seed: int = 0) -> list[dict]:
+    """Bytes saved for backward by one forward pass, fp32 vs autocast, per model and size."""
+    amp = pick(device, precision)
+    if not amp.enabled:
+        raise ValueError("compare fp32 with an AMP precision: pass precision='fp16' or 'bf16'")
+    rows = []
+    for size in sizes:
+        for name in model_names:
+            task = models.make_task(name, n=batch, seed=seed, size=size)
+            model = task.model.to(amp.device)
+            x, y = _batch(task.data, batch, amp.device)
+            fp32 = memory.forward_saved_bytes(model, task.loss_fn, x, y)
+            low = memory.forward_saved_bytes(model, task.loss_fn, x, y, amp.autocast())
+            rows.append({
+                "model": name, "size": size, "batch": batch, "precision": amp.precision,
+                "fp32_activation_bytes": fp32.activation_bytes,
+                "amp_activation_bytes": low.activation_bytes,
+                "amp_weight_copy_bytes": low.weight_copy_bytes,
+                "activation_ratio": low.activation_bytes / fp32.activation_bytes,
+                "with_weight_copies_ratio": low.extra_bytes / fp32.extra_bytes,
+                "amp_by_dtype": low.by_dtype(),
+                "amp_fp32_by_saver": low.by_saver("float32"),
+            })
+    return rows
+
+
+def _env(device: torch.device) -> dict:
+    """What the numbers depend on: torch, device, CPU vector units, threads."""
+    flags = sorted(f for f in cpu_flags() if f in {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile"})
+    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "device": str(device), "device_name": pick(device, "fp32").describe_device(),
+            "cpu_flags": flags, "threads": torch.get_num_threads()}
+
+
+def _targets(report: dict) -> list[dict]:
+    """The benchmark targets: each with its measured value, limit and whether it is met."""
+    out = []
+    for row in report["saved_bytes"]:
+        if row["model"] == "transformer":
+            out.append({"name": f"saved activation bytes AMP/fp32, transformer {row['size']}",
+                        "value": row["activation_ratio"], "limit": SAVED_BYTES_TARGET,
+                        "met": row["activation_ratio"] <= SAVED_BYTES_TARGET})
+    for row in report.get("trainer_overhead", []):
+        out.append({"name": f"trainer per-step overhead over a bare AMP loop, {row['model']} {row['size']}",
+                    "value": row["overhead"], "limit": TRAINER_OVERHEAD_TARGET,
+                    "met": row["overhead"] <= TRAINER_OVERHEAD_TARGET})
+    return out
+
+
+def run(device: str | torch.device | None = None, precision: str | None = None, quick: bool = False,
+        seed: int = 0) -> dict:
+    """Run every measurement and return the report (see the module docstring for its schema)."""
+    amp = pick(device, precision)
+    if not amp.enabled:
+        raise ValueError("the benchmark compares fp32 with AMP: pass precision='fp16' or 'bf16'")
+    dev = amp.device
+    config = {"quick": quick, "precision": amp.precision, "seed": seed,
+              "models": ["mlp"] if quick else list(models.MODELS),
+              "saved_sizes": ["tiny"] if quick else ["tiny", "small"],
+              "step_size": "tiny" if dev.type == "cpu" else "small",
+              "batch": 32, "steps": 3 if quick else 20, "repeats": 2 if quick else 7,
+              "matmul_sizes": list(matmul_sizes(dev, quick)), "matmul_min_run_time": 0.01 if quick else 0.05,
+              "matmul_repeats": 1 if quick else 3,
+              "overhead_models": ["mlp"] if quick else ["mlp", "transformer"],
+              "overhead_steps": 6 if quick else 40, "overhead_warmup": 2 if quick else 5}
+    torch.manual_seed(seed)
+    report = {"schema": SCHEMA, "env": _env(dev), "config": config}
+    report["matmul"] = matmul_tflops(dev, sizes=config["matmul_sizes"], min_run_time=config["matmul_min_run_time"],
+                                     repeats=config["matmul_repeats"])
+    report["train_step"] = train_step_times(config["models"], dev, amp.precision, size=config["step_size"],
+                                            batch=config["batch"], steps=config["steps"], repeats=config["repeats"])
+    report["trainer_overhead"] = trainer_overhead(config["overhead_models"], dev, amp.precision, size=config["step_size"],
+                                                  batch=config["batch"], steps=config["overhead_steps"],
+                                                  repeats=config["repeats"], warmup=config["overhead_warmup"])
+    report["saved_bytes"] = saved_bytes(["transformer"] if quick else config["models"], config["saved_sizes"],
+                                        dev, amp.precision, batch=config["batch"])
+    report["targets"] = _targets(report)
+    return report
+
+
+def plot_matmul(rows: Sequence[dict], ax=None):
+    """TFLOP/s against matrix size, one line per dtype."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3.2), dpi=80)
+    for name in dict.fromkeys(r["dtype"] for r in rows):
+        pts = [(r["n"], r["tflops"]) for r in rows if r["dtype"] == name]
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set(xscale="log", xlabel="matrix size n (n x n @ n x n)", ylabel="TFLOP/s", title="matmul throughput")
+    ax.set_xticks([r["n"] for r in rows if r["dtype"] == rows[0]["dtype"]],
+                  [str(r["n"]) for r in rows if r["dtype"] == rows[0]["dtype"]])
+    ax.set_xticks([], minor=True)  # the log axis's minor labels would overlap the sizes
+    ax.legend(fontsize=8)
+    return ax
+
+
+_SAVER_GROUPS = (("NativeLayerNorm", "layer norm"), ("NativeBatchNorm", "batch norm"), ("ScaledDotProduct", "attention"),
+                 ("Addmm", "matmul / linear"), ("Mm", "matmul / linear"), ("Bmm", "matmul / linear"),
+                 ("Convolution", "convolution"), ("Gelu", "activation fn"), ("Relu", "activation fn"),
+                 ("Threshold", "activation fn"), ("NllLoss", "loss"), ("LogSoftmax", "loss"), ("Embedding", "embedding"))
+
+
+def saver_group(saver: str) -> str:
+    """A readable group for an autograd node name: 'NativeLayerNormBackward0' -> 'layer norm'."""
+    for prefix, group in _SAVER_GROUPS:
+        if saver.startswith(prefix):
+            return group
+    return saver.removesuffix("Backward0")
+
+
+def plot_saved(runs: dict[str, memory.SavedBytes], ax=None):
+    """Stacked bars of bytes saved for backward, one bar per run, split by the layer type that saved them."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.7 * len(runs) + 1.4), dpi=80)
+    grouped = {}
+    for label, saved in runs.items():
+        totals = {}
+        for saver, nbytes in saved.by_saver().items():
+            totals[saver_group(saver)] = totals.get(saver_group(saver), 0) + nbytes
+        grouped[label] = totals
+    groups = list(dict.fromkeys(g for totals in grouped.values() for g in totals))
+    labels = list(runs)[::-1]  # first run on top
+    left = [0.0] * len(labels)
+    for group in groups:
+        widths = [grouped[label].get(group, 0) / 2**10 for label in labels]
+        ax.barh(labels, widths, left=left, label=group)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set(xlabel="KiB saved for backward (activations)", title="what the forward pass keeps for backward")
+    ax.legend(fontsize=8, ncol=min(4, len(groups)), loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
+    ax.figure.tight_layout()
+    return ax
+
+
+def _bars(ax, labels: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, title: str) -> None:
+    """Grouped bars: one group per label, one bar per series."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([j + i * width for j in range(len(labels))], values, width, label=name)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(labels))], labels, fontsize=8)
+    ax.set(ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+
+
+def plot(report: dict):
+    """Three panels: matmul TFLOP/s, ms per train step, saved-for-backward bytes as a fraction of fp32."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), dpi=80)
+    plot_matmul(report["matmul"], axes[0])
+    steps, prec = report["train_step"], report["config"]["precision"]
+    _bars(axes[1], [r["model"] for r in steps], {"fp32": [r["fp32_ms"] for r in steps],
+                                                 prec: [r["amp_ms"] for r in steps]},
+          "ms per step (median)", f"train step, {steps[0]['size'] if steps else ''} models")
+    saved = report["saved_bytes"]
+    _bars(axes[2], [f"{r['model']}\n{r['size']}" for r in saved],
+          {"activations": [r["activation_ratio"] for r in saved],
+           "+ weight copies": [r["with_weight_copies_ratio"] for r in saved]},
+          f"{prec} bytes / fp32 bytes", f"saved for backward: {prec} / fp32 (batch {report['config']['batch']})")
+    axes[2].axhline(SAVED_BYTES_TARGET, color="grey", ls="--", lw=1)
+    axes[2].axhline(1.0, color="black", lw=0.8)
+    fig.suptitle(f"{report['env']['device_name']}, torch {report['env']['torch']}, {report['env']['threads']} thread(s)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def summary(report: dict) -> str:
+    """The report as a few human-readable lines."""
+    prec = report["config"]["precision"]
+    lines = [f"device: {report['env']['device_name']}  torch {report['env']['torch']}  "
+             f"cpu flags: {' '.join(report['env']['cpu_flags']) or '-'}", "", "matmul TFLOP/s:"]
+    for r in report["matmul"]:
+        lines.append(f"  {r['dtype']:5} n={r['n']:<5} {r['tflops']:8.3f}" + ("  (one call over budget: stopped here)" if r["bounded"] else ""))
+    for name in dict.fromkeys(r["dtype"] for r in report["matmul"]):
+        if name != "fp32":
+            lines.append("  " + speedup_sentence(report["matmul"], name))
+    lines += ["", f"train step (ms, median of interleaved repeats), fp32 vs {prec}:"]
+    for r in report["train_step"]:
+        lines.append(f"  {r['model']:12} {r['size']:6} fp32 {r['fp32_ms']:7.2f}  {prec} {r['amp_ms']:7.2f}  ratio {r['amp_over_fp32']:.2f}")
+    lines += ["", "ampcourse.train vs a bare AMP loop (ms per step, median of interleaved repeats):"]
+    for r in report.get("trainer_overhead", []):
+        lines.append(f"  {r['model']:12} {r['size']:6} trainer {r['trainer_ms']:7.2f}  bare {r['bare_ms']:7.2f}  "
+                     f"overhead {r['overhead']:+.1%} ({r['overhead_ms']:+.3f} ms; repeats {r['overhead_range'][0]:+.1%}"
+                     f" to {r['overhead_range'][1]:+.1%})")
+    lines += ["", "bytes saved for backward (one forward, activations; + autocast's weight copies):"]
+    for r in report["saved_bytes"]:
+        lines.append(f"  {r['model']:12} {r['size']:6} fp32 {r['fp32_activation_bytes']:>10,}  {prec} {r['amp_activation_bytes']:>10,}"
+                     f"  ratio {r['activation_ratio']:.3f}  (+ weight copies {r['amp_weight_copy_bytes']:,}: {r['with_weight_copies_ratio']:.3f})")
+    lines += ["", "targets:"]
+    for t in report["targets"]:
+        lines.append(f"  {'met ' if t['met'] else 'MISS'} {t['name']}: {t['value']:.3f} (limit {t['limit']})")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run the benchmark, write bench.json and bench.png into --out, print a summary."""
+    ap = argparse.ArgumentParser(prog="python -m ampcourse.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for bench.json and bench.png")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: best available)")
+    ap.add_argument("--precision", default=None, help="fp16 or bf16 (default: the device's AMP dtype)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: a few seconds")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: torch's choice); 1 is steadier on a shared machine")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    try:
+        report = run(args.device, args.precision, quick=args.quick, seed=args.seed)
+    except ValueError as err:
+        ap.error(str(err))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(report).savefig(args.out / "bench.png")
+    print(summary(report))
+    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Chapter 3 exercises: predict autocast's output dtypes; reimplement GradScaler's scale update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._core import call_learner, failed, passed
+
+__all__ = ["AUTOCAST_QUESTIONS", "autocast_answers", "check_autocast_dtypes", "check_scale_update"]
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    """The fp32 tensors every question starts from: x (4x8), w (8x8), b (8,), y (4,) class targets."""
+    gen = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(4, 8, generator=gen), "w": torch.randn(8, 8, generator=gen),
+            "b": torch.randn(8, generator=gen), "y": torch.arange(4)}
+
+
+#: Expressions (as a learner would write them) -> how to run them; x, w, b are fp32, y holds class indices.
+AUTOCAST_QUESTIONS: dict[str, Callable[[dict], torch.Tensor]] = {
+    "x @ w": lambda t: t["x"] @ t["w"],
+    "x + b": lambda t: t["x"] + t["b"],
+    "(x @ w) + x": lambda t: (t["x"] @ t["w"]) + t["x"],
+    "torch.softmax(x @ w, dim=-1)": lambda t: torch.softmax(t["x"] @ t["w"], dim=-1),
+    "F.layer_norm(x @ w, (8,))": lambda t: F.layer_norm(t["x"] @ t["w"], (8,)),
+    "F.cross_entropy(x @ w, y)": lambda t: F.cross_entropy(t["x"] @ t["w"], t["y"]),
+    "F.relu(x @ w).sum()": lambda t: F.relu(t["x"] @ t["w"]).sum(),
+}
+
+
+def autocast_answers(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.dtype]:
+    """Run every question under torch.amp.autocast(device_type, dtype) and return the output dtypes."""
+    tensors = {k: v.to(device_type) for k, v in _inputs().items()}
+    with torch.amp.autocast(device_type=device_type, dtype=dtype):
+        return {q: fn(tensors).dtype for q, fn in AUTOCAST_QUESTIONS.items()}
+
+
+def _as_dtype(value: Any) -> torch.dtype | None:
+    """Accept torch.bfloat16 or a name such as 'bfloat16', 'bf16', 'torch.float32'."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.strip().removeprefix("torch.")
+        key = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(key, key)
+        found = getattr(torch, key, None)
+        return found if isinstance(found, torch.dtype) else None
+    return None
+
+
+def check_autocast_dtypes(predictions: Mapping[str, Any], device_type: str = "cpu",
+                          dtype: torch.dtype = torch.bfloat16) -> None:
+    """Exercise 3.1: predict the output dtype of each AUTOCAST_QUESTIONS expression under CPU bf16 autocast."""
+    title = f"Exercise 3.1 (dtypes under {device_type} {str(dtype).removeprefix('torch.')} autocast)"
+    if not isinstance(predictions, Mapping):
+        failed(title, "a dict {expression: dtype}", type(predictions).__name__, "fill in the dict in the cell above")
+    missing = [q for q in AUTOCAST_QUESTIONS if q not in predictions]
+    if missing:
+        failed(title, "a prediction for every expression", f"missing {missing}", "copy the keys from AUTOCAST_QUESTIONS")
+    truth = autocast_answers(device_type, dtype)
+    wrong = {q: predictions[q] for q in truth if _as_dtype(predictions[q]) != truth[q]}
+    if wrong:
+        q, got = next(iter(wrong.items()))
+        hints = {
+            torch.float32: "a loss or an op on mixed inputs: autocast casts up, or type promotion picks the widest",
+            dtype: "matmul-like ops run in low precision, and ops autocast leaves alone keep their input's dtype",
+        }
+        failed(title, f"{q} -> {truth[q]}", f"{got} ({len(wrong)} of {len(truth)} wrong)",
+               hints.get(truth[q], "run the expression under autocast and print .dtype"))
+    passed(title, "You can read an autocast region the way torch runs it.")
+
+
+def _torch_scales(found_inf: list[bool], init_scale: float, growth_interval: int) -> list[float]:
+    """Scale after each step of a real GradScaler('cpu'), given which steps had inf gradients."""
+    param = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([param], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    scales = []
+    for bad in found_inf:
+        opt.zero_grad()
+        scaler.scale((param * (float("inf") if bad else 1.0)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def check_scale_update(update: Callable[[float, int, bool, int], tuple[float, int]]) -> None:
+    """Exercise 3.2: update(scale, tracker, found_inf, growth_interval) -> (new scale, new tracker), like GradScaler."""
+    title = "Exercise 3.2 (GradScaler's scale update)"
+    cases = [
+        ([False] * 5, 1024.0, 2),
+        ([False, True, False, False, False], 1024.0, 3),
+        ([True, True, False, True, False, False], 65536.0, 2),
+        ([False, False, True, False, False, False, False], 8.0, 1),
+    ]
+    for found_inf, init, interval in cases:
+        want = _torch_scales(found_inf, init, interval)
+        scale, tracker, got = init, 0, []
+        for bad in found_inf:
+            result = call_learner(title, update, scale, tracker, bad, interval)
+            if not (isinstance(result, tuple) and len(result) == 2):
+                failed(title, "a tuple (scale, tracker)", repr(result), "return both the new scale and the new tracker")
+            scale, tracker = result
+            got.append(scale)
+        if [float(s) for s in got] != want:
+            failed(title, f"scales {want} for found_inf={found_inf}, growth_interval={interval}", got,
+                   "on inf: scale * 0.5 and tracker back to 0; otherwise tracker + 1, and when it reaches "
+                   "growth_interval: scale * 2 and tracker back to 0")
+    passed(title, "Your update matches torch.amp.GradScaler step for step.")

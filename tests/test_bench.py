@@ -1,0 +1,117 @@
+"""ampcourse.bench: behaviour and output schema (not timings: performance lives in benchmarks/)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampcourse import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    run = subprocess.run([sys.executable, "-m", "ampcourse.bench", "--quick", "--device", "cpu", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out, run.stdout
+
+
+def test_quick_run_writes_json_and_png(quick_run):
+    out, stdout = quick_run
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in stdout and "targets:" in stdout
+
+
+def test_json_schema(quick_run):
+    report = json.loads((quick_run[0] / "bench.json").read_text())
+    assert report["schema"] == bench.SCHEMA
+    assert set(report) >= {"env", "config", "matmul", "train_step", "trainer_overhead", "saved_bytes", "targets"}
+    assert report["env"]["device"] == "cpu" and report["config"]["quick"] is True
+    assert {r["dtype"] for r in report["matmul"]} == {"fp32", "bf16", "fp16"}
+    for r in report["matmul"]:
+        assert set(r) == {"dtype", "n", "seconds", "tflops", "bounded"}
+        assert r["seconds"] > 0 and r["tflops"] == pytest.approx(2 * r["n"] ** 3 / r["seconds"] / 1e12)
+    for r in report["train_step"]:
+        assert r["fp32_ms"] > 0 and r["amp_ms"] > 0 and r["precision"] == "bf16"
+        assert len(r["repeats_ms"]["fp32"]) == len(r["repeats_ms"]["bf16"]) == report["config"]["repeats"]
+    for r in report["saved_bytes"]:
+        assert r["activation_ratio"] == pytest.approx(r["amp_activation_bytes"] / r["fp32_activation_bytes"])
+        assert sum(r["amp_by_dtype"].values()) == r["amp_activation_bytes"]
+    for r in report["trainer_overhead"]:
+        trainer, bare = r["repeats_ms"]["trainer"], r["repeats_ms"]["bare"]
+        assert len(trainer) == len(bare) == report["config"]["repeats"]
+        ratios = sorted(t / b for t, b in zip(trainer, bare))
+        assert ratios[0] - 1 <= r["overhead"] <= ratios[-1] - 1  # the median of the per-repeat ratios
+    names = [t["name"] for t in report["targets"]]
+    assert any("trainer per-step overhead" in n for n in names) and any("saved activation bytes" in n for n in names)
+    for t in report["targets"]:
+        assert t["met"] == (t["value"] <= t["limit"])
+
+
+def test_saved_bytes_are_deterministic_and_lower_under_autocast():
+    a = bench.saved_bytes(["mlp"], batch=4)
+    b = bench.saved_bytes(["mlp"], batch=4)
+    assert a == b
+    # mlp, batch 4, by hand: the inputs of three Linears (32, 64, 64 features) and two GELUs (64 each),
+    # fp32; the loss's fp32 log-probs (4 x 10 classes), its 4 int64 targets and a scalar total weight
+    by_hand = 4 * 4 * (32 + 64 + 64 + 64 + 64) + 4 * 4 * 10 + 4 * 8 + 4
+    assert a[0]["fp32_activation_bytes"] == by_hand
+
+
+def test_matmul_budget_stops_growing_sizes():
+    rows = bench.matmul_tflops("cpu", dtypes=["fp32"], sizes=[16, 32, 64], min_run_time=0.001, budget_s=0.0)
+    assert [r["n"] for r in rows] == [16] and rows[0]["bounded"]
+
+
+def test_speedup_sentence_reads_the_numbers():
+    rows = [{"dtype": "fp32", "n": 8, "seconds": 3.0}, {"dtype": "bf16", "n": 8, "seconds": 1.0},
+            {"dtype": "fp16", "n": 8, "seconds": 6.0}]
+    assert bench.speedup_sentence(rows, "bf16") == "bf16 is 3.0x faster than fp32 here (n=8)"
+    assert bench.speedup_sentence(rows, "fp16") == "fp16 is 2.0x slower than fp32 here (n=8)"
+    assert "not measured" in bench.speedup_sentence(rows, "tf32")
+    rows.append({"dtype": "tf32", "n": 8, "seconds": 2.9})
+    assert bench.speedup_sentence(rows, "tf32") == "tf32 is about as fast as fp32 here (1.03x, n=8)"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtypes": ["fp8"]}, "unknown matmul dtype"),
+    ({"dtypes": ["tf32"]}, "tf32 exists only on CUDA"),
+])
+def test_matmul_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bench.matmul_tflops("cpu", **kwargs)
+
+
+def test_fp32_only_is_rejected_with_a_clear_message():
+    run = subprocess.run([sys.executable, "-m", "ampcourse.bench", "--precision", "fp32", "--out", "unused"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "compares fp32 with AMP" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_bad_threads_is_rejected_with_a_clear_message():
+    run = subprocess.run([sys.executable, "-m", "ampcourse.bench", "--threads", "0", "--out", "unused"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "--threads must be >= 1, got 0" in run.stderr
+
+
+def test_bare_amp_loop_trains_the_model():
+    import torch
+
+    from ampcourse import models
+    from ampcourse.device import pick
+
+    model = models.make_model("mlp")
+    before = [p.detach().clone() for p in model.parameters()]
+    times = bench.bare_amp_loop(model, models.make_dataset("mlp", n=64), pick("cpu", "bf16"), steps=3, batch=16)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_trainer_overhead_rejects_warmup_longer_than_the_run():
+    with pytest.raises(ValueError, match="warmup"):
+        bench.trainer_overhead(["mlp"], "cpu", steps=3, warmup=3)
