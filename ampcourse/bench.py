@@ -11,7 +11,8 @@ because absolute timings on a shared machine drift; the ratios are what to read.
 JSON schema (``"schema": "ampcourse.bench/1"``): ``env`` (torch, device, CPU flags), ``config``,
 ``matmul`` (one row per dtype and size: seconds, tflops), ``train_step`` (one row per model: fp32 and
 AMP milliseconds per step, their ratio), ``trainer_overhead`` (one row per model: ms per step of
-``ampcourse.train`` and of a bare AMP loop, the overhead as a fraction and in ms, its range over repeats),
+``ampcourse.train`` and of a bare AMP loop, the overhead as a fraction and in ms, its range over repeats,
+the clock: ``thread_time`` on a 1-thread CPU run, else ``perf_counter``),
 ``saved_bytes`` (one row per model and size: activation bytes saved for backward in fp32 and under
 autocast, weight copies, the fp32 tensors that remain), and ``targets`` (each with value, limit and
 whether it is met).
@@ -27,7 +28,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from . import memory, models
 from .device import AmpSetup, cpu_flags, pick
 
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
+           "overhead_clock",
            "trainer_overhead", "saved_bytes",
            "run", "plot", "plot_matmul", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
 
@@ -209,10 +211,11 @@ def train_step_times(model_names: Sequence[str] = models.MODELS, device: str | t
 
 
 def bare_amp_loop(model: torch.nn.Module, data, amp: AmpSetup, steps: int, lr: float = 1e-3, batch: int = 32,
-                  seed: int = 0) -> list[float]:
+                  seed: int = 0, loss_fn=models.loss_fn) -> list[float]:
     """A hand-written AMP loop (chapter 3's recipe, AdamW, shuffled batches, loss logged): seconds per step."""
     xs, ys = data.tensors
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    # weight_decay=0: what train() uses by default (AdamW's own default, 0.01, would add work to this side only)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scaler = amp.make_scaler()
     gen = torch.Generator().manual_seed(seed)
     per_epoch = len(xs) // batch
@@ -222,10 +225,29 @@ def bare_amp_loop(model: torch.nn.Module, data, amp: AmpSetup, steps: int, lr: f
         if step % per_epoch == 0:
             perm = torch.randperm(len(xs), generator=gen)
         idx = perm[(step % per_epoch) * batch:(step % per_epoch + 1) * batch]
-        loss = bare_step(model, opt, scaler, amp, xs[idx].to(amp.device), ys[idx].to(amp.device), models.loss_fn)
+        loss = bare_step(model, opt, scaler, amp, xs[idx].to(amp.device), ys[idx].to(amp.device), loss_fn)
         loss.item()  # every real loop logs its loss (and this waits for the GPU)
         times.append(time.perf_counter() - start)
     return times
+
+
+def overhead_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
+    """The clock for trainer-vs-bare timings: this thread's CPU time on a 1-thread CPU run, else wall time.
+
+    On a CPU with one torch thread every kernel runs in the calling thread, so its CPU time is the
+    work done, and time the scheduler gives to other programs on a shared machine does not count.
+    """
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return "thread_time", time.thread_time
+    return "perf_counter", time.perf_counter
+
+
+def _stamping(loss_fn, stamps: list[float], clock):
+    """loss_fn, recording the clock at each call: consecutive calls are one whole loop iteration apart."""
+    def stamped(out, y):
+        stamps.append(clock())
+        return loss_fn(out, y)
+    return stamped
 
 
 def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device: str | torch.device | None = None,
@@ -234,28 +256,34 @@ def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device
     """Per-step time of ampcourse.train.train over a bare AMP loop on the same model: interleaved repeats.
 
     Each repeat trains a fresh model with both (alternating who goes first) and compares the median step
-    time after `warmup` steps; the overhead is the median over repeats of trainer/bare - 1.
+    time after `warmup` steps; the overhead is the median over repeats of trainer/bare - 1. Both are timed
+    the same way, from one call of the loss function to the next (one whole loop iteration: batch,
+    forward, backward, step, bookkeeping), on :func:`overhead_clock`.
     """
     from .train import train
 
     amp = pick(device, precision)
     if warmup >= steps:
         raise ValueError(f"warmup ({warmup}) must be smaller than steps ({steps})")
+    clock_name, clock = overhead_clock(amp.device)
     rows = []
     for name in model_names:
         data = models.make_dataset(name, n=1024, seed=seed, size=size)
         times = {"trainer": [], "bare": []}
         for r in range(repeats):
             for who in ("trainer", "bare") if r % 2 == 0 else ("bare", "trainer"):
+                stamps: list[float] = []
+                loss_fn = _stamping(models.loss_fn, stamps, clock)
                 if who == "trainer":
-                    step_s = train(name, data, amp.precision, steps=steps, lr=lr, seed=seed, device=amp.device,
-                                   batch_size=batch, optimizer="adamw", progress=False, size=size).step_time
+                    train(name, data, amp.precision, steps=steps, lr=lr, seed=seed, device=amp.device, batch_size=batch,
+                          optimizer="adamw", progress=False, size=size, loss_fn=loss_fn)
                 else:
                     model = models.make_model(name, size=size, seed=seed).to(amp.device)
-                    step_s = bare_amp_loop(model, data, amp, steps, lr=lr, batch=batch, seed=seed)
-                times[who].append(statistics.median(step_s[warmup:]) * 1e3)
+                    bare_amp_loop(model, data, amp, steps, lr=lr, batch=batch, seed=seed, loss_fn=loss_fn)
+                gaps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
+                times[who].append(statistics.median(gaps) * 1e3)
         ratios = [t / b for t, b in zip(times["trainer"], times["bare"])]
-        rows.append({"model": name, "size": size, "batch": batch, "precision": amp.precision,
+        rows.append({"model": name, "size": size, "batch": batch, "precision": amp.precision, "clock": clock_name,
                      "trainer_ms": statistics.median(times["trainer"]), "bare_ms": statistics.median(times["bare"]),
                      "overhead": statistics.median(ratios) - 1,
                      "overhead_ms": statistics.median(t - b for t, b in zip(times["trainer"], times["bare"])),

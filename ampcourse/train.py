@@ -149,6 +149,12 @@ def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(mixed)
 
 
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(seed: int, epoch: int, dataset_size: int) -> torch.Tensor:
+    """One epoch's permutation, computed once per epoch instead of once per step (it is a pure function)."""
+    return torch.randperm(dataset_size, generator=_epoch_generator(seed, epoch))
+
+
 def batch_indices(step: int, seed: int, dataset_size: int, batch_size: int) -> torch.Tensor:
     """Dataset indices of the GLOBAL batch for `step`: a function of these four numbers only.
 
@@ -159,15 +165,18 @@ def batch_indices(step: int, seed: int, dataset_size: int, batch_size: int) -> t
     if per_epoch < 1:
         raise ValueError(f"batch_size {batch_size} is larger than the dataset ({dataset_size} samples)")
     epoch, pos = divmod(step, per_epoch)
-    perm = torch.randperm(dataset_size, generator=_epoch_generator(seed, epoch))
-    return perm[pos * batch_size:(pos + 1) * batch_size]
+    # A copy: the cached permutation must not change if a caller writes into the batch it got.
+    return _epoch_permutation(seed, epoch, dataset_size)[pos * batch_size:(pos + 1) * batch_size].clone()
 
 
 def local_indices(step: int, seed: int, dataset_size: int, batch_size: int, rank: int = 0,
                   world_size: int = 1) -> torch.Tensor:
     """This rank's contiguous slice of the global batch for `step`."""
+    indices = batch_indices(step, seed, dataset_size, batch_size)
+    if world_size == 1:
+        return indices
     local = batch_size // world_size
-    return batch_indices(step, seed, dataset_size, batch_size)[rank * local:(rank + 1) * local]
+    return indices[rank * local:(rank + 1) * local]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,26 +214,65 @@ def _grad_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManage
     return model.no_sync()
 
 
+#: Up to this many gradient values on a CPU, the norm is taken over one concatenated copy (see _squared_norm_parts).
+_CPU_CONCAT_NORM_MAX = 1 << 20
+
+
+def _squared_norm_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-dim tensors whose sum is the squared total L2 norm of the gradients, computed without a host sync.
+
+    Why not get_total_norm: on every step it sorts the tensors into (device, dtype) groups and launches
+    one kernel per tensor plus two more; on a CPU, where each extra kernel of a training step costs
+    microseconds, that was several percent of a tiny model's step (benchmarks/README.md). So: plain
+    dense float32 gradients on a CPU, up to _CPU_CONCAT_NORM_MAX values: one concatenated copy and one
+    BLAS dot product. Plain dense gradients on one device and dtype otherwise: the per-tensor norms from
+    the fused kernel get_total_norm uses, squared. Anything else (DTensor shards, sparse or mixed
+    gradients): get_total_norm itself, squared. Like torch's norms, this accumulates in the gradients' dtype.
+    """
+    if not grads:
+        return []
+    first = grads[0]
+    device, dtype = first.device, first.dtype
+    if not all(type(g) is torch.Tensor and g.layout == torch.strided and g.device == device and g.dtype == dtype
+               for g in grads):
+        return [torch.nn.utils.get_total_norm(grads).square()]
+    if device.type == "cpu" and dtype == torch.float32 and sum(g.numel() for g in grads) <= _CPU_CONCAT_NORM_MAX:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        return [torch.dot(flat, flat)]
+    norms = torch._foreach_norm(grads, 2.0)
+    return list(torch._foreach_mul(norms, norms))
+
+
+def _read_back(tensors: list[torch.Tensor]) -> list[float]:
+    """0-dim tensors as Python floats: on a GPU stacked into one device-to-host copy, on a CPU one by one."""
+    first = tensors[0]
+    if first.device.type != "cpu" and all(type(t) is torch.Tensor and t.device == first.device for t in tensors):
+        with torch.no_grad():
+            return torch.stack(tensors).tolist()  # stack promotes mixed dtypes to the widest
+    return [t.item() for t in tensors]  # a CPU has no sync to save, and .item() is cheaper than a stack there
+
+
 def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, amp: AmpSetup, *,
                grad_clip: float | None = None, scheduler: Any = None) -> StepStats:
     """One optimizer step over an accumulation window: autocast forward, scaled backward, unscale, clip, step."""
     optimizer.zero_grad(set_to_none=True)
     n = len(micro_batches)
-    total = 0.0
+    losses = []
     for i, (x, y) in enumerate(micro_batches):
         with _grad_sync(model, sync=i == n - 1):
             with amp.autocast():  # forward and loss only; backward runs outside autocast
                 loss = loss_fn(model(x), y)
-            # Divide by n so the summed gradient is the mean over the whole window, as with one big batch.
-            scaler.scale(loss / n).backward()
-        total += loss.detach().float().item()
+            # Divide by n so the summed gradient is the mean over the whole window, as with one big batch
+            # (n == 1: no division, which is exact anyway, and one kernel less).
+            scaler.scale(loss / n if n > 1 else loss).backward()
+        losses.append(loss)
     scaler.unscale_(optimizer)  # from here on .grad holds true gradients: norms and clipping mean what they say
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if grad_clip is None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if grad_clip is None:  # the norm is only recorded: its squared parts are summed on the host, after the sync
+        norm_parts = _squared_norm_parts([p.grad for p in params])
     else:
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        norm_parts = [torch.nn.utils.clip_grad_norm_(params, grad_clip)]
     scale, lr = scaler.get_scale(), optimizer.param_groups[0]["lr"]
     scaler.step(optimizer)  # skips optimizer.step() if unscale_ found inf/nan
     scaler.update()
@@ -233,7 +281,10 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
     skipped = scaler.get_scale() < scale
     if scheduler is not None and not skipped:
         scheduler.step()
-    return StepStats(loss=total / n, grad_norm=float(norm), scale=scale, skipped=skipped, lr=float(lr))
+    # Losses and norms reach the host together: on a GPU one sync per step, not one per micro-batch and norm.
+    values = _read_back([*losses, *norm_parts])
+    norm = values[n] if grad_clip is not None else math.sqrt(sum(values[n:], 0.0))  # inf or nan if a gradient was
+    return StepStats(loss=sum(values[:n], 0.0) / n, grad_norm=norm, scale=scale, skipped=skipped, lr=float(lr))
 
 
 def state_checksum(model: nn.Module) -> str:
@@ -468,12 +519,15 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
                    unit="step")
         for step in range(start, steps):
             t0 = time.perf_counter()
-            idx = local_indices(step, seed, n, batch_size, rank, world_size).view(accum_steps, -1)
-            micro = [(xs[i].to(amp.device, non_blocking=True), ys[i].to(amp.device, non_blocking=True)) for i in idx]
+            idx = local_indices(step, seed, n, batch_size, rank, world_size)
+            micro = [(xs[i].to(amp.device, non_blocking=True), ys[i].to(amp.device, non_blocking=True))
+                     for i in (idx.view(accum_steps, -1) if accum_steps > 1 else (idx,))]
             stats = train_step(net, micro, loss_fn, opt, scaler, amp, grad_clip=grad_clip, scheduler=sched)
+            if not bar.disable:
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats.loss:.4g}", scale=f"{stats.scale:g}", refresh=False)
+            # The step's wall time covers everything the loop does per step except writing a checkpoint.
             hist.append(stats, time.perf_counter() - t0)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats.loss:.4g}", scale=f"{stats.scale:g}", refresh=False)
             done = step + 1
             if ckpt_path is not None and rank == 0 and _checkpoint_due(done, steps, checkpoint_every):
                 checkpoint.save(checkpoint.capture(done, module, opt, scaler, sched, device=amp.device,

@@ -376,3 +376,30 @@ def test_state_checksum_sees_every_bit():
         w = next(model.parameters())
         w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(math.inf))
     assert state_checksum(model) != a
+
+
+# --- the per-step gradient norm and batch indices, after their speed-ups ---------------------------
+
+@pytest.mark.parametrize("path", ["cpu concat", "fused per-tensor", "get_total_norm"])
+def test_recorded_norm_equals_get_total_norm(path, monkeypatch):
+    """Each way _squared_norm_parts takes gives the norm torch.nn.utils.get_total_norm gives."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen) * s for shape, s in [((7, 5), 1e-3), ((64,), 3.0), ((3, 3, 3), 1e2)]]
+    if path == "fused per-tensor":
+        monkeypatch.setattr(train_mod, "_CPU_CONCAT_NORM_MAX", 0)
+    if path == "get_total_norm":
+        grads[1] = grads[1].double()  # mixed dtypes take the general route
+    parts = train_mod._squared_norm_parts(grads)
+    assert len(parts) == {"cpu concat": 1, "fused per-tensor": 3, "get_total_norm": 1}[path]
+    norm = math.sqrt(sum(float(p) for p in parts))
+    assert norm == pytest.approx(float(torch.nn.utils.get_total_norm(grads)), rel=1e-6)
+    grads[0][0, 0] = math.inf
+    assert math.isinf(math.sqrt(sum(float(p) for p in train_mod._squared_norm_parts(grads))))
+
+
+def test_batch_indices_are_a_copy():
+    """The epoch permutation is cached: writing into a returned batch must not change later batches."""
+    a = batch_indices(3, 0, 100, 10)
+    expected = a.clone()
+    a.fill_(0)
+    assert torch.equal(batch_indices(3, 0, 100, 10), expected)
