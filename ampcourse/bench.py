@@ -120,6 +120,9 @@ def matmul_tflops(device: str | torch.device = "cpu", dtypes: Sequence[str] | No
     if "tf32" in dtypes and device.type != "cuda":
         raise ValueError("tf32 exists only on CUDA (Ampere or newer); drop it on this device")
     sizes = tuple(sizes or matmul_sizes(device))
+    bad = [n for n in sizes if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad:
+        raise ValueError(f"matrix sizes must be ints >= 1, got {bad}; e.g. {list(matmul_sizes(device))}")
     gen = torch.Generator().manual_seed(seed)
     rows, active = [], list(dtypes)
     for n in sizes:
@@ -501,6 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="CPU threads for torch (default: torch's choice); 1 is steadier on a shared machine")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():  # say so now, not after a minute of measuring
+        ap.error(f"--out {str(args.out)!r} is a file; give a folder for bench.json and bench.png")
     if args.threads is not None:
         if args.threads < 1:
             ap.error(f"--threads must be >= 1, got {args.threads}")

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import socket
 import tempfile
 import warnings
 from pathlib import Path
@@ -40,7 +42,7 @@ _REQUIRED = ("format", "version", "step", "model", "optimizer", "scaler", "sched
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and what to do about it."""
+    """A checkpoint that cannot be read or written; the message names the file and what to do about it."""
 
 
 def path_in(directory: str | os.PathLike) -> Path:
@@ -79,10 +81,66 @@ def capture(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     }
 
 
+def _temp_prefix(path: Path) -> str:
+    """Temp files name their writer (host and pid), so a later save can tell a dead writer's leftovers."""
+    return f".{path.name}.{socket.gethostname()}.{os.getpid()}."
+
+
+def _writer_is_dead(host: str, pid: int) -> bool:
+    """True only when the writer ran on this host and that process no longer exists (POSIX; never on Windows)."""
+    if os.name != "posix" or host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # e.g. it exists but belongs to another user
+        return False
+    return False
+
+
+def _remove_stale_temps(path: Path) -> list[Path]:
+    """Delete temp files that writers of this checkpoint left when they were killed mid-write; return them.
+
+    Such a file was never renamed into place, so no run resumes from it; the checkpoint just saved
+    is newer. Files of live writers, of other hosts (a shared filesystem) and of other names stay.
+    """
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?P<host>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
+    removed = []
+    for candidate in path.parent.iterdir():
+        m = pattern.match(candidate.name)
+        if m and _writer_is_dead(m["host"], int(m["pid"])):
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
+
+def _check_writable_folder(path: Path) -> None:
+    """CheckpointError naming the path unless its folder exists and is a directory (before any bytes are written)."""
+    folder = path.parent
+    if path.is_dir():
+        raise CheckpointError(f"cannot save a checkpoint to {str(path)!r}: it is a directory; give a file path "
+                              f"such as {str(path / FILENAME)!r}")
+    if not folder.exists():
+        raise CheckpointError(f"cannot save a checkpoint to {str(path)!r}: the folder {str(folder)!r} does not exist; "
+                              "create it first (train() creates its checkpoint_dir itself)")
+    if not folder.is_dir():
+        raise CheckpointError(f"cannot save a checkpoint to {str(path)!r}: {str(folder)!r} is not a directory")
+
+
 def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write atomically: a temp file in the same directory, fsync, then os.replace over the old file."""
+    """Write atomically: a temp file in the same directory, fsync, then os.replace over the old file.
+
+    A writer killed mid-write (SIGKILL, power loss) leaves the previous checkpoint intact and a temp file
+    named after its host and pid; the next successful save here deletes such leftovers of dead writers.
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _check_writable_folder(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise CheckpointError(f"cannot save a checkpoint to {str(path)!r}: cannot create a file in "
+                              f"{str(path.parent)!r} ({err.strerror}); choose a folder you can write to") from err
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)
@@ -93,6 +151,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)  # only our own temp file; the previous checkpoint stays
         raise
     _fsync_dir(path.parent)
+    _remove_stale_temps(path)
     return path
 
 

@@ -139,6 +139,34 @@ def spec(fmt: str | torch.dtype | FormatSpec) -> FormatSpec:
     raise ValueError(f"unknown format {fmt!r}; valid names: {', '.join(FORMATS)} (or a torch dtype)")
 
 
+def _real(x, name: str = "x") -> float:
+    """x as a Python float: a real number or a one-element tensor/array; ValueError naming it otherwise."""
+    if isinstance(x, (str, bytes)) or isinstance(x, complex) or getattr(x, "is_complex", lambda: False)():
+        raise ValueError(f"{name} must be a real number (a float, an int or a one-element tensor), got {x!r}")
+    try:
+        return float(x)
+    except (TypeError, ValueError, RuntimeError):  # None, lists, tensors with several elements, ...
+        raise ValueError(f"{name} must be a real number (a float, an int or a one-element tensor), got {x!r}") from None
+
+
+def _real_array(values, name: str = "values") -> np.ndarray:
+    """values (a number, a sequence, an array or a tensor of real numbers) as float64 numpy; ValueError otherwise."""
+    if isinstance(values, torch.Tensor):
+        if values.is_complex():
+            raise ValueError(f"{name} must be real numbers; got a complex tensor ({values.dtype}): "
+                             "a floating-point format stores real values only")
+        return values.detach().cpu().to(torch.float64).numpy()
+    try:
+        with np.errstate(invalid="ignore"):  # signalling NaNs in float32 input warn on conversion
+            arr = np.asarray(values)
+            if arr.dtype.kind == "c":
+                raise TypeError("complex")
+            return arr.astype(np.float64)
+    except (TypeError, ValueError):
+        shown = repr(values) if len(repr(values)) <= 60 else repr(values)[:57] + "..."
+        raise ValueError(f"{name} must be real numbers (a float, a sequence, an array or a tensor), got {shown}") from None
+
+
 def _round_unbounded(a: np.ndarray, f: FormatSpec) -> np.ndarray:
     """Round non-negative finite float64 values to f's precision, ignoring the top of the range."""
     _, e2 = np.frexp(a)  # a = m * 2**e2 with m in [0.5, 1), so the leading bit is 2**(e2-1)
@@ -151,10 +179,7 @@ def _round_unbounded(a: np.ndarray, f: FormatSpec) -> np.ndarray:
 def quantize(values, fmt: str | torch.dtype | FormatSpec) -> np.ndarray:
     """Round values to fmt (nearest, ties to even) and return them as float64 numpy."""
     f = spec(fmt)
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().to(torch.float64).numpy()
-    with np.errstate(invalid="ignore"):  # signalling NaNs in float32 input warn on conversion
-        x = np.asarray(values, dtype=np.float64)
+    x = _real_array(values)
     a = np.abs(x)
     finite = np.isfinite(a)
     out = np.where(finite, _round_unbounded(np.where(finite, a, 0.0), f), a)
@@ -200,7 +225,7 @@ class Decomposed:
 def decompose(x: float, fmt: str | torch.dtype | FormatSpec) -> Decomposed:
     """Round x to fmt and return its fields, its kind and what the rounding did."""
     f = spec(fmt)
-    x = float(x)
+    x = _real(x)
     value = float(quantize(np.array([x]), f)[0])
     sign = 1 if math.copysign(1.0, value) < 0 else 0
     top = 2**f.exponent_bits - 1
@@ -229,7 +254,7 @@ def decompose(x: float, fmt: str | torch.dtype | FormatSpec) -> Decomposed:
 def ulp(x: float, fmt: str | torch.dtype | FormatSpec) -> float:
     """Spacing between |x| rounded to fmt and the next larger representable magnitude."""
     f = spec(fmt)
-    a = abs(float(quantize(np.array([x]), f)[0]))
+    a = abs(float(quantize(np.array([_real(x)]), f)[0]))
     if not math.isfinite(a):
         return math.nan
     e = max(math.frexp(a)[1] - 1, f.emin) if a > 0 else f.emin

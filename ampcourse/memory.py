@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .models import data_errors
+
 __all__ = ["SavedTensor", "SavedBytes", "saved_for_backward", "forward_saved_bytes",
            "training_state_bytes", "dtype_name"]
 
@@ -160,7 +162,8 @@ def forward_saved_bytes(model: torch.nn.Module, loss_fn: Callable, x: torch.Tens
 
     def forward() -> torch.Tensor:
         with autocast if autocast is not None else contextlib.nullcontext():  # noqa: SIM117
-            return loss_fn(model(x), y)
+            with data_errors(model, x, y):
+                return loss_fn(model(x), y)
 
     return saved_for_backward(forward, params=list(model.parameters()) + list(model.buffers()))
 

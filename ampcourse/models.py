@@ -11,7 +11,9 @@ where autocast has enough work to show tensor-core speedups).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-__all__ = ["MODELS", "SIZES", "Task", "make_task", "make_model", "make_dataset", "loss_fn",
-           "MLP", "SmallCNN", "TinyTransformer"]
+__all__ = ["MODELS", "SIZES", "Task", "make_task", "make_model", "make_dataset", "loss_fn", "expected_data",
+           "check_data", "data_errors", "MLP", "SmallCNN", "TinyTransformer"]
 
 #: width multipliers per size name
 SIZES = {"tiny": 1, "small": 4, "large": 32}
@@ -137,10 +139,18 @@ def _check_size(size: str) -> int:
     return SIZES[size]
 
 
+def _check_seed(seed: int) -> int:
+    """Validate a seed: an int >= 0 (torch would wrap a negative one and truncate a float without a word)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    return seed
+
+
 def make_model(name: str, size: str = "tiny", seed: int = 0) -> nn.Module:
     """A freshly initialised reference model ('mlp', 'cnn' or 'transformer'), seeded."""
     _check_name(name)
     w = _check_size(size)
+    _check_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name == "mlp":
@@ -155,8 +165,9 @@ def make_dataset(name: str, n: int = 1024, seed: int = 0, size: str = "tiny") ->
     """A synthetic dataset for a reference model; the same seed gives the same data."""
     _check_name(name)
     w = _check_size(size)
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"dataset size must be a positive int, got {n!r}")
+    _check_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     if name == "mlp":
         return _mlp_data(n, gen)
@@ -167,7 +178,88 @@ def make_dataset(name: str, n: int = 1024, seed: int = 0, size: str = "tiny") ->
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross entropy for class logits (B, C) or token logits (B, T, V)."""
+    if logits.shape[:-1] != target.shape:  # else torch fails deep inside, or broadcasts a wrong loss
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(target.shape)} do not match: targets must "
+                         f"have the logits' shape without the last (class) dimension, {tuple(logits.shape[:-1])}")
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _layout(model: nn.Module) -> tuple[tuple, torch.dtype, int, int] | None:
+    """For a reference model: (input shape after N, input dtype kind, classes, tokens per sequence or 0)."""
+    if isinstance(model, MLP):
+        return (model.net[0].in_features,), torch.float32, model.net[-1].out_features, 0
+    if isinstance(model, SmallCNN):
+        return (1, 16, 16), torch.float32, model.head.out_features, 0
+    if isinstance(model, TinyTransformer):
+        return (), torch.int64, model.tok.num_embeddings, model.pos.num_embeddings
+    return None
+
+
+def expected_data(model: nn.Module) -> str | None:
+    """What a reference model takes, in words ('inputs (N, 32) float, targets (N,) int64 in 0..9'); None for others."""
+    layout = _layout(model)
+    if layout is None:
+        return None
+    shape, _, classes, seq = layout
+    if seq:
+        return (f"inputs (N, T) int64 token ids in 0..{classes - 1} with 1 <= T <= {seq}, "
+                f"targets (N, T) int64 in 0..{classes - 1}")
+    dims = ", ".join(map(str, ("N", *shape)))
+    return f"inputs ({dims}) float, targets (N,) int64 class indices in 0..{classes - 1}"
+
+
+def _describe(t: torch.Tensor) -> str:
+    """'(64, 7) float32': a tensor's shape and dtype, as error messages show them."""
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def check_data(model: nn.Module, data: TensorDataset, targets: bool = True) -> None:
+    """ValueError, naming the tensor and what is expected, if data cannot feed this model (reference models only).
+
+    targets=False checks the inputs only (for a loss function of your own, which may take other targets).
+    """
+    layout = _layout(model)
+    if layout is None:
+        return
+    shape, kind, classes, seq = layout
+    x, y = data.tensors
+    want = expected_data(model)
+    name = type(model).__name__
+    if seq:
+        ok_x = x.dim() == 2 and 1 <= x.shape[1] <= seq and not x.is_floating_point() and not x.is_complex()
+        ok_y = y.shape == x.shape
+    else:
+        ok_x = tuple(x.shape[1:]) == shape and x.is_floating_point()
+        ok_y = y.dim() == 1
+    ok_y = ok_y and y.dtype == torch.int64  # what cross_entropy takes as class indices
+    if not ok_x:
+        raise ValueError(f"data inputs {_describe(x)} do not fit {name}: it takes {want}")
+    if targets and not ok_y:
+        raise ValueError(f"data targets {_describe(y)} do not fit {name}: it takes {want}")
+    checked = ((("targets", y),) if targets else ()) + ((("inputs", x),) if seq else ())
+    for what, t in checked:
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= classes):
+            raise ValueError(f"data {what} hold values from {int(t.min())} to {int(t.max())}; {name} takes {want}")
+
+
+@contextlib.contextmanager
+def data_errors(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None) -> Iterator[None]:
+    """Re-raise what a model (or its loss) raises on a batch as a ValueError naming the batch and what the model takes.
+
+    Shape, dtype and index errors otherwise surface deep inside torch (``mat1 and mat2 shapes cannot be
+    multiplied``); out-of-memory errors pass through unchanged.
+    """
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, IndexError, ValueError, TypeError, AssertionError) as err:
+        batch = f"inputs {_describe(x) if isinstance(x, torch.Tensor) else type(x).__name__}"
+        if y is not None:
+            batch += f", targets {_describe(y) if isinstance(y, torch.Tensor) else type(y).__name__}"
+        expected = expected_data(model)
+        raise ValueError(f"{type(model).__name__} cannot run on this data (a batch of {batch}): {type(err).__name__}: "
+                         f"{(str(err).splitlines() or [''])[0]}" + (f"; it takes {expected}" if expected else "")) from err
 
 
 @dataclass

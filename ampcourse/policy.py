@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from .device import AmpSetup, PRECISIONS, parse_precision
+from .models import data_errors
 
 __all__ = ["apply_policy", "remove_policy", "policy_of", "precision_report", "cast_floats"]
 
@@ -118,7 +119,7 @@ def precision_report(model: nn.Module, *inputs, amp: AmpSetup | None = None) -> 
                if n and not any(True for _ in m.children())]
     ctx = amp.autocast() if amp is not None else contextlib.nullcontext()
     try:
-        with torch.no_grad(), ctx:
+        with torch.no_grad(), ctx, data_errors(model, inputs[0] if inputs else None):
             model(*inputs)
     finally:
         for h in handles:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from . import formats
+from .models import data_errors
 
 __all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
            "zone_thresholds", "RangeCounter",
@@ -89,10 +90,18 @@ def _next_scale(scale: float, tracker: int, overflow: bool, growth_factor: float
     return scale, tracker + 1
 
 
+def _sequence(values, name: str, what: str) -> Iterable:
+    """values if it is an iterable other than a string; ValueError naming it otherwise."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a sequence of {what}, got {values!r}")
+    return values
+
+
 def simulate_scale(overflows: Iterable[bool], init_scale: float = 2.0**16, growth_factor: float = 2.0,
                    backoff_factor: float = 0.5, growth_interval: int = 2000) -> list[float]:
     """The scale after each update() for a sequence of steps (True: that step overflowed), as GradScaler computes it."""
     check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+    overflows = _sequence(overflows, "overflows", "booleans (True: that step overflowed)")
     scale, tracker, out = _float32(init_scale), 0, []
     for overflow in overflows:
         scale, tracker = _next_scale(scale, tracker, bool(overflow), growth_factor, backoff_factor, growth_interval)
@@ -106,6 +115,8 @@ def simulate_training(max_grads: Iterable[float], init_scale: float = 2.0**16, g
     """Dynamic scaling with feedback: step i overflows when scale * max_grads[i] overflows fmt; (scales, overflows)."""
     check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
     limit = zone_thresholds(fmt)[2]
+    max_grads = formats._real_array(_sequence(max_grads, "max_grads", "numbers (each step's largest |gradient|)"),
+                                    "max_grads").ravel().tolist()
     scale, tracker, scales, overflows = _float32(init_scale), 0, [], []
     for g in max_grads:
         overflow = not (abs(g) * scale < limit)  # NaN and inf gradients overflow too
@@ -322,6 +333,8 @@ class LossScaler:
             return
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
             raise ValueError(f"new_scale must be a number or a one-element tensor, got {new_scale!r}")
+        if not (math.isfinite(new_scale) and new_scale > 0):
+            raise ValueError(f"new_scale must be a positive finite number, got {new_scale!r}")
         self._scale.fill_(float(new_scale))
 
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
@@ -391,12 +404,8 @@ RANGE_CATEGORIES = ("overflow", "fine", "subnormal", "underflow", "zero")
 def range_counts(values, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
     """Count how values * scale land in fmt: overflow (or already inf/NaN), fine, subnormal, underflow (flushed to 0), zero."""
     f = formats.spec(fmt)
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().double().numpy()
-    x = np.abs(np.asarray(values, dtype=np.float64)).ravel()
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    x = np.abs(formats._real_array(values)).ravel()
+    scale = _positive_scale(scale)
     zero = x == 0
     finite = np.isfinite(x)
     with np.errstate(over="ignore"):
@@ -411,6 +420,14 @@ def range_counts(values, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int
             "underflow": int(underflow.sum()), "zero": int(zero.sum())}
 
 
+def _positive_scale(scale) -> float:
+    """A loss scale as a float; ValueError unless it is a positive finite number."""
+    value = formats._real(scale, "scale")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return value
+
+
 def zone_thresholds(fmt: str = "fp16") -> tuple[float, float, float]:
     """The magnitudes where rounding to fmt flushes to zero, leaves the subnormals, and overflows."""
     f = formats.spec(fmt)
@@ -421,9 +438,7 @@ class RangeCounter:
     """range_counts for many scales of one set of values: sort once, then each count is a binary search."""
 
     def __init__(self, values) -> None:
-        if isinstance(values, torch.Tensor):
-            values = values.detach().cpu().double().numpy()
-        x = np.abs(np.asarray(values, dtype=np.float64)).ravel()
+        x = np.abs(formats._real_array(values)).ravel()
         self.size = x.size
         self.zero = int((x == 0).sum())
         self.nonfinite = int((~np.isfinite(x)).sum())
@@ -432,9 +447,7 @@ class RangeCounter:
     def counts(self, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
         """Same result as range_counts(values, scale, fmt); fast when scale is a power of two."""
         f = formats.spec(fmt)
-        scale = float(scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        scale = _positive_scale(scale)
         # Each category is an interval of |x| * scale (rounding is monotone), so binary search finds its ends.
         # A power of two divides the thresholds exactly; any other scale multiplies the values instead.
         power_of_two = math.frexp(scale)[0] == 0.5
@@ -490,7 +503,8 @@ def record_gradients(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
                    if n and not any(True for _ in m.children())]
     model.zero_grad(set_to_none=True)
     try:
-        loss = loss_fn(model(inputs), targets)
+        with data_errors(model, inputs, targets):
+            loss = loss_fn(model(inputs), targets)
         loss.backward()
     finally:
         for h in handles:

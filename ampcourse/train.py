@@ -54,7 +54,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from . import checkpoint, models
+from . import checkpoint, models, scaling
 from .device import AmpSetup, parse_precision, pick
 
 __all__ = ["History", "StepStats", "train", "train_step", "batch_indices", "local_indices", "make_optimizer",
@@ -433,6 +433,53 @@ def _check_arguments(*, steps, lr, seed, accum_steps, batch_size, rank, world_si
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
 
 
+_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+
+
+def _check_scaler_kwargs(scaler_kwargs: dict | None) -> None:
+    """scaler_kwargs holds only GradScaler's settings, each one sensible (GradScaler itself accepts a negative scale)."""
+    if scaler_kwargs is None:
+        return
+    if not isinstance(scaler_kwargs, dict):
+        raise ValueError(f"scaler_kwargs must be a dict or None, got {scaler_kwargs!r}")
+    unknown = sorted(set(scaler_kwargs) - {*_SCALER_DEFAULTS, "enabled"})
+    if unknown:
+        raise ValueError(f"unknown scaler_kwargs {unknown}; GradScaler takes {', '.join([*_SCALER_DEFAULTS, 'enabled'])}")
+    settings = {**_SCALER_DEFAULTS, **{k: v for k, v in scaler_kwargs.items() if k != "enabled"}}
+    scaling.check_scaler_args(**settings)
+
+
+def _check_finite(data: TensorDataset) -> None:
+    """ValueError if a floating-point input or target is nan or inf: every step would give a nan loss."""
+    for what, t in zip(("inputs", "targets"), data.tensors):
+        if t.is_floating_point():
+            bad = ~torch.isfinite(t)
+            if bad.any():
+                first = int(bad.reshape(len(t), -1).any(1).nonzero()[0])
+                raise ValueError(f"data {what} hold {int(bad.sum())} nan/inf values (the first in sample {first}); "
+                                 "every step would give a nan loss: clean or drop those samples")
+
+
+def _preflight(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None, amp: AmpSetup) -> None:
+    """Run the model (and the course's loss) once on one micro-batch: data that does not fit fails now, clearly.
+
+    Eval mode, no gradients and a forked RNG: no parameter, running statistic or random stream changes,
+    so the run that follows is exactly the one without this check. A loss function of your own is not
+    called here (it may count its calls); pass loss_fn=None to check only the model.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[amp.device] if amp.device_type == "cuda" else []), torch.no_grad():
+            with models.data_errors(model, x, y), amp.autocast():
+                out = model(x)
+                if loss_fn is not None:
+                    loss_fn(out, y)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
 def _checkpoint_due(done: int, steps: int, every: int | None) -> bool:
     """Write a checkpoint after the last step and after every `every`-th one."""
     return done == steps or (every is not None and done % every == 0)
@@ -477,11 +524,16 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     module, name = _resolve_model(model, size, seed)
     data = _resolve_data(data, name, n_samples, seed, size)
     n = len(data)
+    if n == 0:
+        raise ValueError("data is empty (0 samples); pass a TensorDataset with at least batch_size samples")
     if batch_size > n:
         raise ValueError(f"batch_size {batch_size} is larger than the dataset ({n} samples); use at most {n}")
     if batch_size % (world_size * accum_steps):
         raise ValueError(f"batch_size {batch_size} must divide by world_size * accum_steps = "
                          f"{world_size} * {accum_steps}, so every micro-batch has the same size")
+    _check_scaler_kwargs(scaler_kwargs)
+    models.check_data(module, data, targets=loss_fn is None)
+    _check_finite(data)
     config = {"precision": amp.precision, "seed": seed, "batch_size": batch_size, "dataset_size": n, "steps": steps,
               "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size}
     state, ckpt_path = None, None
@@ -494,11 +546,14 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
 
     # --- build ---
     module = module.to(amp.device)
+    first = local_indices(0, seed, n, batch_size, rank, world_size)[:batch_size // (world_size * accum_steps)]
+    _preflight(module, data.tensors[0][first].to(amp.device), data.tensors[1][first].to(amp.device),
+               models.loss_fn if loss_fn is None else None, amp)
+    loss_fn = loss_fn or models.loss_fn
     net = wrap(module) if wrap is not None else module
     opt = make_optimizer(optimizer, net.parameters(), lr, weight_decay)
     sched = make_scheduler(scheduler, opt, steps)
     scaler = amp.make_scaler(**(scaler_kwargs or {}))
-    loss_fn = loss_fn or models.loss_fn
     hist = History(precision=amp.precision, device_type=amp.device_type, world_size=world_size, model=module)
     if checkpoint_dir is not None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,8 @@ class FormatExplorer(W.VBox):
 
     def __init__(self, value: float = 1.0001, fmts: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")):
         self.fmts = tuple(formats.spec(f).name for f in fmts)
-        self.text = W.Text(value=repr(float(value)), description="value", continuous_update=False)
+        value = parse_number(value)
+        self.text = W.Text(value=repr(value), description="value", continuous_update=False)
         self.slider = W.FloatSlider(value=_log10_or(value, 0.0), min=-9.0, max=6.0, step=0.05,
                                     description="log10 |x|", readout_format=".2f", continuous_update=True)
         self.message = W.HTML()
@@ -206,7 +207,10 @@ def parse_scale(text: str) -> float:
     """Parse a loss scale ('65536', '2**16', '2^-3', '1e4'); ValueError with a hint unless positive and finite."""
     m = _SCALE_RE.match(str(text))
     if m:
-        value = 2.0 ** float(m.group(1))
+        try:
+            value = 2.0 ** float(m.group(1))
+        except OverflowError:
+            value = math.inf  # 2**2000: reported below as not finite
     else:
         try:
             value = parse_number(text)
@@ -377,10 +381,22 @@ def parse_steps(text: str, n_steps: int) -> list[int]:
     return sorted(s for s in steps if 1 <= s <= n_steps)
 
 
+def _check_simulator_args(steps: int, probability: float, seed: int) -> None:
+    """ValueError naming the argument unless each fits its control (a slider would clamp it without a word)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 10 <= steps <= 20000:
+        raise ValueError(f"steps must be an int from 10 to 20000 (the steps slider's range), got {steps!r}")
+    ok = isinstance(probability, (int, float)) and not isinstance(probability, bool) and 1e-5 <= probability <= 1
+    if not ok:
+        raise ValueError(f"probability must be a number from 1e-05 to 1 (the P(overflow) slider's range), got {probability!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+
+
 class ScalerSimulator(W.VBox):
     """GradScaler's four settings and an overflow pattern in, the scale over steps (skipped steps marked) out."""
 
     def __init__(self, steps: int = 6000, probability: float = 5e-4, burst: str = "3000-3005", seed: int = 0):
+        _check_simulator_args(steps, probability, seed)
         self.init_log2 = W.IntSlider(value=16, min=-24, max=40, description="log2 init_scale")
         self.growth_factor = W.FloatSlider(value=2.0, min=1.05, max=8.0, step=0.05, description="growth_factor")
         self.backoff_factor = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="backoff_factor")
@@ -512,6 +528,8 @@ def scaler_simulator(steps: int = 6000, probability: float = 5e-4, burst: str = 
 
 def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
     """Milliseconds per slider move (median, p90) while dragging each control, cached axes vs full redraws, interleaved."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     drag = lambda lo, hi, step: [round(lo + i * step, 10) for i in range(int(round((hi - lo) / step)) + 1)]
     cases = {"range_explorer: log2 scale slider": (range_explorer(), "slider", drag(-24, 40, 1)),
              "scaler_simulator: backoff_factor": (scaler_simulator(), "backoff_factor", drag(0.05, 0.95, 0.05)),
@@ -541,10 +559,12 @@ def _main(argv: list[str] | None = None) -> int:
     import os
     import platform
 
-    ap = argparse.ArgumentParser(description=_main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m ampcourse.widgets", description=_main.__doc__)
     ap.add_argument("--bench", action="store_true", help="time slider moves of the figure widgets")
     ap.add_argument("--repeats", type=int, default=60)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if not args.bench:
         ap.print_help()
         return 0
