@@ -245,7 +245,9 @@ def _as_values(grads) -> np.ndarray:
     try:
         return np.asarray(grads, dtype=np.float64).ravel()
     except (TypeError, ValueError):
-        raise ValueError("grads must be a tensor, an array of numbers, a list of tensors or a GradientRecord") from None
+        shown = repr(grads) if len(repr(grads)) <= 60 else repr(grads)[:57] + "..."
+        raise ValueError("grads must be a tensor, an array of numbers, a list of tensors or a GradientRecord, "
+                         f"got {shown}") from None
 
 
 class RangeExplorer(W.VBox):
