@@ -37,7 +37,7 @@ from . import memory, models
 from .device import AmpSetup, cpu_flags, pick
 
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
-           "overhead_clock",
+           "overhead_clock", "fraction_of_peak",
            "trainer_overhead", "saved_bytes",
            "run", "plot", "plot_matmul", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
 
@@ -46,6 +46,15 @@ SCHEMA = "ampcourse.bench/1"
 SAVED_BYTES_TARGET = 0.55
 #: Extra time per step that ampcourse.train may spend over a bare hand-written AMP loop.
 TRAINER_OVERHEAD_TARGET = 0.03
+#: On a GPU: bf16 TFLOP/s of an n x n matmul at PEAK_REFERENCE_N, as a fraction of the measured peak.
+BF16_PEAK_TARGET = 0.85
+#: On a GPU: AMP/fp32 step-time speedup of the transformer reference (size="large") an H200 should reach.
+GPU_STEP_SPEEDUP_TARGET = 3.0
+#: The square sizes whose best bf16 TFLOP/s is "the measured peak", and the size compared with it.
+PEAK_SIZES = (4096, 8192, 12288, 16384)
+PEAK_REFERENCE_N = 4096
+#: NVIDIA datasheet dense bf16 tensor-core TFLOP/s (the sparsity figures halved), SXM parts, for context only.
+DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100 80GB HBM3": 989.0}
 
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -142,6 +151,24 @@ def matmul_tflops(device: str | torch.device = "cpu", dtypes: Sequence[str] | No
                   "bounded": name in over} for name in active]
         active = [name for name in active if name not in over]
     return sorted(rows, key=lambda r: (dtypes.index(r["dtype"]), r["n"]))
+
+
+def fraction_of_peak(rows: Sequence[dict], dtype: str = "bf16", reference_n: int = PEAK_REFERENCE_N,
+                     device_name: str = "") -> dict:
+    """TFLOP/s of one matmul size as a fraction of the best size measured in the same run (the attainable peak).
+
+    rows: matmul_tflops() output. The peak is measured, not looked up, so the fraction says how much of what
+    this GPU and library can do the reference size gets. The datasheet figure, where known, is context.
+    """
+    mine = {r["n"]: r["tflops"] for r in rows if r["dtype"] == dtype}
+    if reference_n not in mine:
+        raise ValueError(f"no {dtype} row for n={reference_n}; measured sizes: {sorted(mine)}")
+    peak_n = max(mine, key=mine.get)
+    sheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in device_name), None) if dtype == "bf16" else None
+    return {"dtype": dtype, "tflops_by_n": mine, "peak_n": peak_n, "peak_tflops": mine[peak_n],
+            "reference_n": reference_n, "reference_tflops": mine[reference_n],
+            "fraction_of_peak": mine[reference_n] / mine[peak_n], "datasheet_tflops": sheet,
+            "peak_fraction_of_datasheet": None if sheet is None else mine[peak_n] / sheet}
 
 
 def speedup_sentence(rows: Sequence[dict], dtype: str, baseline: str = "fp32") -> str:

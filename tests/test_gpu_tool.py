@@ -108,3 +108,47 @@ def test_gpu_workflow_runs_make_gpu_test_on_a_self_hosted_gpu_runner():
 @pytest.mark.parametrize("path", sorted((ROOT / "tests/gpu").glob("test_*.py")), ids=lambda p: p.name)
 def test_gpu_test_files_declare_the_marker(path):
     assert "pytestmark = pytest.mark.gpu" in path.read_text()
+
+
+GPU_BENCH = {
+    "transformer_large_train_step": {"what": "TinyTransformer size=large", "seconds_fp32": 0.09, "seconds_fp16": 0.02,
+                                     "speedup_fp16": 4.5},
+    "bf16_matmul_peak": {"what": "bf16", "dtype": "bf16", "tflops_by_n": {4096: 600.0, 8192: 700.0}, "peak_n": 8192,
+                         "peak_tflops": 700.0, "reference_n": 4096, "reference_tflops": 600.0,
+                         "fraction_of_peak": 600 / 700, "datasheet_tflops": 989.0, "peak_fraction_of_datasheet": 700 / 989},
+}
+
+
+def test_the_two_gpu_goals_are_read_from_the_benchmark():
+    step, peak = gpu_test.goals(GPU_BENCH)
+    assert step["value"] == 4.5 and step["met"] and step["goal"] == ">= 3x"
+    assert peak["value"] == pytest.approx(0.857, abs=1e-3) and peak["met"] and "n=4096" in peak["name"]
+    slow = gpu_test.goals({**GPU_BENCH, "transformer_large_train_step": {**GPU_BENCH["transformer_large_train_step"],
+                                                                        "speedup_fp16": 2.0}})
+    assert slow[0]["met"] is False
+    missing = gpu_test.goals({})
+    assert [g["value"] for g in missing] == [None, None] and [g["met"] for g in missing] == [None, None]
+
+
+def test_markdown_shows_the_goals_and_the_peak_sweep():
+    report = {"status": "passed", "command": "python tools/gpu_test.py", "commit": "abc", "started": "now",
+              "machine": {"cuda_available": True, "device": "NVIDIA H200", "capability": "sm_90", "memory_gib": 139.8,
+                          "gpus": 1, "torch": "2.11.0", "cuda": "12.8", "python": "3.11.9"},
+              "budget_seconds": 480, "seconds": 12.5, "steps": [], "bench": GPU_BENCH, "goals": gpu_test.goals(GPU_BENCH)}
+    md = gpu_test.markdown(report)
+    assert "| transformer (size=large) train step, fp16 AMP vs fp32: speedup | 4.50x | >= 3x | yes |" in md
+    assert "| 86% | >= 85% | yes |" in md and "| 8192 | 700.0 |" in md
+    assert "| TinyTransformer size=large | 90 | 20 | 4.50x |" in md  # the peak sweep is not a fp32/fp16 pair
+    assert "Datasheet dense bf16 for this GPU: 989 TFLOP/s; the measured peak is 71% of it" in md
+
+
+def test_fraction_of_peak_on_cpu_rows():
+    """The function the GPU benchmark uses, on real (CPU) matmul rows."""
+    from ampcourse import bench
+
+    rows = bench.matmul_tflops("cpu", dtypes=["fp32"], sizes=[64, 128], min_run_time=0.01, repeats=1)
+    result = bench.fraction_of_peak(rows, "fp32", 64)
+    assert result["peak_n"] in (64, 128) and 0 < result["fraction_of_peak"] <= 1
+    assert result["datasheet_tflops"] is None
+    with pytest.raises(ValueError, match="no fp32 row for n=4096; measured sizes: \\[64, 128\\]"):
+        bench.fraction_of_peak(rows, "fp32", 4096)

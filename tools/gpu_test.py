@@ -7,8 +7,11 @@
 Steps, each a pytest run with a JUnit XML file the report is built from:
   1. notebooks: every chapters/*.ipynb through nbval in lax mode (on a GPU the numbers differ from the
      CPU outputs stored in the notebooks, so cells must run without error, outputs are not compared);
-  2. gpu tests: tests/gpu (marker `gpu`): CUDA fp16 autocast + GradScaler, and the fp32-vs-fp16
-     benchmark, whose figures (ratios measured side by side in one run) go into the report.
+  2. gpu tests: tests/gpu (marker `gpu`): CUDA fp16 autocast + GradScaler, and the benchmarks, whose
+     figures go into the report with the two GPU goals of benchmarks/README.md: the transformer
+     (size="large") train step with fp16 AMP vs fp32 (speedup, goal >= 3x on an H200; measured side by
+     side, interleaved) and the bf16 n=4096 matmul as a fraction of the measured peak (the best TFLOP/s
+     of bf16 n x n matmuls, n = 4096..16384, in the same run; goal >= 85%).
 The whole run has a budget of 8 minutes on one GPU; a step still running then is stopped and fails.
 Without CUDA this is a dry run: it says what it skips and why, and exits 0 (`make test` checks that).
 """
@@ -171,12 +174,45 @@ def markdown(report: dict) -> str:
         for t in s["tests"]:
             note = f" ({t['message']})" if t["message"] else ""
             lines.append(f"| `{t['name']}` | {t['outcome']}{note} | {t['seconds']} |")
-    if report.get("bench"):
+    if report.get("goals"):
+        lines += ["", "## Goals (benchmarks/README.md)", "", "| figure | measured | goal | met |", "|---|---|---|---|"]
+        for g in report["goals"]:
+            shown = "not measured" if g["value"] is None else g["shown"]
+            met = "-" if g["met"] is None else ("yes" if g["met"] else "**no**")
+            lines.append(f"| {g['name']} | {shown} | {g['goal']} | {met} |")
+    pairs = {k: b for k, b in (report.get("bench") or {}).items() if "seconds_fp32" in b}
+    if pairs:
         lines += ["", "## Benchmark (fp32 vs fp16 autocast, interleaved, medians)", "",
                   "| workload | fp32 ms | fp16 ms | fp16 speed-up |", "|---|---|---|---|"]
-        for name, b in report["bench"].items():
+        for name, b in pairs.items():
             lines.append(f"| {b.get('what', name)} | {b['seconds_fp32'] * 1e3:.3g} | {b['seconds_fp16'] * 1e3:.3g} | {b['speedup_fp16']:.2f}x |")
+    peak = (report.get("bench") or {}).get("bf16_matmul_peak")
+    if peak:
+        lines += ["", "## bf16 matmul TFLOP/s by size (the best is the measured peak)", "",
+                  "| n | TFLOP/s |", "|---|---|"]
+        lines += [f"| {n} | {t:.1f} |" for n, t in peak["tflops_by_n"].items()]
+        if peak.get("datasheet_tflops"):
+            lines += ["", f"Datasheet dense bf16 for this GPU: {peak['datasheet_tflops']:g} TFLOP/s; the measured peak is "
+                          f"{peak['peak_fraction_of_datasheet']:.0%} of it (context, not the goal)."]
     return "\n".join(lines) + "\n"
+
+
+def goals(bench: dict) -> list[dict]:
+    """The two GPU goals of benchmarks/README.md, read from the benchmark figures (value None: not measured)."""
+    from ampcourse.bench import BF16_PEAK_TARGET, GPU_STEP_SPEEDUP_TARGET
+
+    step = bench.get("transformer_large_train_step", {}).get("speedup_fp16")
+    peak = bench.get("bf16_matmul_peak", {})
+    frac = peak.get("fraction_of_peak")
+    ref = f"n={peak['reference_n']} vs the best of n={list(peak['tflops_by_n'])} ({peak['peak_tflops']:.0f} TFLOP/s at n={peak['peak_n']})" if peak else "n=4096 vs the best large size"
+    return [
+        {"name": "transformer (size=large) train step, fp16 AMP vs fp32: speedup", "value": step,
+         "shown": f"{step:.2f}x" if step is not None else "", "goal": f">= {GPU_STEP_SPEEDUP_TARGET:g}x",
+         "met": None if step is None else step >= GPU_STEP_SPEEDUP_TARGET},
+        {"name": f"bf16 matmul TFLOP/s as a fraction of the measured peak ({ref})", "value": frac,
+         "shown": f"{frac:.0%}" if frac is not None else "", "goal": f">= {BF16_PEAK_TARGET:.0%}",
+         "met": None if frac is None else frac >= BF16_PEAK_TARGET},
+    ]
 
 
 def write_report(report: dict, out: Path) -> list[Path]:
@@ -230,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = round(time.monotonic() - start, 1)
         bench = json.loads(bench_json.read_text()) if bench_json.exists() else {}
     ok = all(r.ok for r in results) and elapsed <= BUDGET_S
-    report.update(status="passed" if ok else "failed", seconds=elapsed, bench=bench,
+    report.update(status="passed" if ok else "failed", seconds=elapsed, bench=bench, goals=goals(bench),
                   steps=[{**asdict(r), "counts": r.counts, "ok": r.ok} for r in results])
     for p in write_report(report, args.out or DEFAULT_OUT):
         print(f"wrote {p}")

@@ -81,7 +81,19 @@ def test_bench_training_step(amp):
         step(p)
     t = interleaved({"fp32": lambda: step("fp32"), "fp16": lambda: step("fp16")}, min_run_time=0.5)
     params = sum(p.numel() for p in model.parameters())
-    record("transformer_large_train_step", {
+    record("transformer_large_train_step", {"tf32_allowed": torch.backends.cuda.matmul.allow_tf32,
         "what": f"TinyTransformer size=large ({params / 1e6:.1f} M params), batch {x.shape[0]}x{x.shape[1]}, AdamW step",
         "seconds_fp32": t["fp32"], "seconds_fp16": t["fp16"], "speedup_fp16": t["fp32"] / t["fp16"]})
     assert torch.isfinite(step("fp16"))
+
+
+def test_bench_bf16_matmul_fraction_of_peak(amp):
+    """bf16 n x n matmuls at several large sizes: the best is the measured peak; n=4096 as a fraction of it."""
+    from ampcourse import bench
+
+    rows = bench.matmul_tflops(amp.device, dtypes=["bf16"], sizes=bench.PEAK_SIZES, min_run_time=0.2, repeats=3,
+                               budget_s=5.0)
+    result = bench.fraction_of_peak(rows, "bf16", bench.PEAK_REFERENCE_N, torch.cuda.get_device_name(amp.device))
+    record("bf16_matmul_peak", {"what": f"bf16 n x n matmul, n={bench.PEAK_REFERENCE_N}, as a fraction of the best "
+                                        f"of n={list(bench.PEAK_SIZES)}", **result})
+    assert 0 < result["fraction_of_peak"] <= 1
