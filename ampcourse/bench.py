@@ -37,7 +37,7 @@ from . import memory, models
 from .device import AmpSetup, cpu_flags, pick
 
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
-           "overhead_clock", "fraction_of_peak",
+           "overhead_clock", "fraction_of_peak", "BareLoop", "paired_step_times",
            "trainer_overhead", "saved_bytes",
            "run", "plot", "plot_matmul", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
 
@@ -240,23 +240,40 @@ def train_step_times(model_names: Sequence[str] = models.MODELS, device: str | t
     return rows
 
 
+class BareLoop:
+    """A hand-written AMP loop (chapter 3's recipe, AdamW, shuffled batches, loss logged), one iteration per call."""
+
+    def __init__(self, model: torch.nn.Module, data, amp: AmpSetup, lr: float = 1e-3, batch: int = 32, seed: int = 0,
+                 loss_fn=models.loss_fn):
+        self.model, self.amp, self.batch, self.loss_fn = model, amp, batch, loss_fn
+        self.xs, self.ys = data.tensors
+        # weight_decay=0: what train() uses by default (AdamW's own default, 0.01, would add work to this side only)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        self.scaler = amp.make_scaler()
+        self.gen = torch.Generator().manual_seed(seed)
+        self.per_epoch = len(self.xs) // batch
+        self.step_count, self.perm = 0, None
+
+    def step(self) -> float:
+        """One iteration: pick the batch, step, read the loss back (as every real loop logs it)."""
+        pos = self.step_count % self.per_epoch
+        if pos == 0:
+            self.perm = torch.randperm(len(self.xs), generator=self.gen)
+        idx = self.perm[pos * self.batch:(pos + 1) * self.batch]
+        loss = bare_step(self.model, self.opt, self.scaler, self.amp, self.xs[idx].to(self.amp.device),
+                         self.ys[idx].to(self.amp.device), self.loss_fn)
+        self.step_count += 1
+        return loss.item()  # (this also waits for the GPU)
+
+
 def bare_amp_loop(model: torch.nn.Module, data, amp: AmpSetup, steps: int, lr: float = 1e-3, batch: int = 32,
                   seed: int = 0, loss_fn=models.loss_fn) -> list[float]:
-    """A hand-written AMP loop (chapter 3's recipe, AdamW, shuffled batches, loss logged): seconds per step."""
-    xs, ys = data.tensors
-    # weight_decay=0: what train() uses by default (AdamW's own default, 0.01, would add work to this side only)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    scaler = amp.make_scaler()
-    gen = torch.Generator().manual_seed(seed)
-    per_epoch = len(xs) // batch
-    times, perm = [], None
-    for step in range(steps):
+    """`steps` iterations of :class:`BareLoop`: seconds per step."""
+    loop = BareLoop(model, data, amp, lr, batch, seed, loss_fn)
+    times = []
+    for _ in range(steps):
         start = time.perf_counter()
-        if step % per_epoch == 0:
-            perm = torch.randperm(len(xs), generator=gen)
-        idx = perm[(step % per_epoch) * batch:(step % per_epoch + 1) * batch]
-        loss = bare_step(model, opt, scaler, amp, xs[idx].to(amp.device), ys[idx].to(amp.device), loss_fn)
-        loss.item()  # every real loop logs its loss (and this waits for the GPU)
+        loop.step()
         times.append(time.perf_counter() - start)
     return times
 
@@ -272,46 +289,33 @@ def overhead_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
     return "perf_counter", time.perf_counter
 
 
-def _stamping(loss_fn, stamps: list[float], clock):
-    """loss_fn, recording the clock at each call: consecutive calls are one whole loop iteration apart."""
-    def stamped(out, y):
-        stamps.append(clock())
-        return loss_fn(out, y)
-    return stamped
-
-
 def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device: str | torch.device | None = None,
                      precision: str | None = None, size: str = "tiny", batch: int = 32, steps: int = 30,
                      repeats: int = 5, warmup: int = 5, lr: float = 1e-3, seed: int = 0) -> list[dict]:
-    """Per-step time of ampcourse.train.train over a bare AMP loop on the same model: interleaved repeats.
+    """Per-step time of ampcourse.train.train over a bare AMP loop on the same model, interleaved step by step.
 
-    Each repeat trains a fresh model with both (alternating who goes first) and compares the median step
-    time after `warmup` steps; the overhead is the median over repeats of trainer/bare - 1. Both are timed
-    the same way, from one call of the loss function to the next (one whole loop iteration: batch,
-    forward, backward, step, bookkeeping), on :func:`overhead_clock`.
+    Each repeat runs one train() and, before each of its steps, one step of a :class:`BareLoop` on a
+    second copy of the model: bare, trainer, bare, trainer, ... So both see the same machine state at
+    millisecond granularity, and slow drifts (other jobs, clock changes) cancel. A trainer step is timed
+    from the end of one bare step to the start of the next (one whole iteration of train()'s loop: batch,
+    forward, backward, step, bookkeeping); a bare step from its start to its end, on :func:`overhead_clock`.
+    Per repeat: the median of each after `warmup` steps; the overhead is the median over repeats of
+    trainer/bare - 1.
     """
-    from .train import train
+    from . import train as train_module
 
     amp = pick(device, precision)
-    if warmup >= steps:
-        raise ValueError(f"warmup ({warmup}) must be smaller than steps ({steps})")
-    clock_name, clock = overhead_clock(amp.device)
+    if warmup >= steps - 1:
+        raise ValueError(f"warmup ({warmup}) must be smaller than steps - 1 ({steps - 1})")
+    clock_name, _ = overhead_clock(amp.device)
     rows = []
     for name in model_names:
         data = models.make_dataset(name, n=1024, seed=seed, size=size)
         times = {"trainer": [], "bare": []}
-        for r in range(repeats):
-            for who in ("trainer", "bare") if r % 2 == 0 else ("bare", "trainer"):
-                stamps: list[float] = []
-                loss_fn = _stamping(models.loss_fn, stamps, clock)
-                if who == "trainer":
-                    train(name, data, amp.precision, steps=steps, lr=lr, seed=seed, device=amp.device, batch_size=batch,
-                          optimizer="adamw", progress=False, size=size, loss_fn=loss_fn)
-                else:
-                    model = models.make_model(name, size=size, seed=seed).to(amp.device)
-                    bare_amp_loop(model, data, amp, steps, lr=lr, batch=batch, seed=seed, loss_fn=loss_fn)
-                gaps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
-                times[who].append(statistics.median(gaps) * 1e3)
+        for _ in range(repeats):
+            trainer_ms, bare_ms = paired_step_times(train_module, name, data, amp, steps, warmup, lr, batch, seed, size)
+            times["trainer"].append(trainer_ms)
+            times["bare"].append(bare_ms)
         ratios = [t / b for t, b in zip(times["trainer"], times["bare"])]
         rows.append({"model": name, "size": size, "batch": batch, "precision": amp.precision, "clock": clock_name,
                      "trainer_ms": statistics.median(times["trainer"]), "bare_ms": statistics.median(times["bare"]),
@@ -319,6 +323,35 @@ def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device
                      "overhead_ms": statistics.median(t - b for t, b in zip(times["trainer"], times["bare"])),
                      "overhead_range": [min(ratios) - 1, max(ratios) - 1], "repeats_ms": times})
     return rows
+
+
+def paired_step_times(train_module, name: str, data, amp: AmpSetup, steps: int, warmup: int, lr: float = 1e-3,
+                      batch: int = 32, seed: int = 0, size: str = "tiny") -> tuple[float, float]:
+    """One train_module.train() run with a BareLoop step before each of its steps: median ms per step of each.
+
+    train() calls its module's local_indices at the start of every step, so wrapping it puts one bare
+    step exactly between two trainer steps (the same wrapper works for any version of ampcourse.train).
+    """
+    from unittest import mock
+
+    _, clock = overhead_clock(amp.device)
+    bare = BareLoop(models.make_model(name, size=size, seed=seed).to(amp.device), data, amp, lr, batch, seed)
+    marks: list[tuple[float, float]] = []
+    real_local_indices = train_module.local_indices
+
+    def bare_step_first(*args, **kwargs):
+        start = clock()
+        bare.step()
+        marks.append((start, clock()))
+        return real_local_indices(*args, **kwargs)
+
+    with mock.patch.object(train_module, "local_indices", bare_step_first):
+        train_module.train(name, data, amp.precision, steps=steps, lr=lr, seed=seed, device=amp.device,
+                           batch_size=batch, optimizer="adamw", progress=False, size=size)
+    marks = marks[-steps:]  # one per step (train() may call local_indices once more while it checks the data)
+    bare_s = [end - start for start, end in marks]
+    trainer_s = [start - end for (_, end), (start, _) in zip(marks, marks[1:])]
+    return statistics.median(trainer_s[warmup:]) * 1e3, statistics.median(bare_s[warmup:]) * 1e3
 
 
 def saved_bytes(model_names: Sequence[str] = models.MODELS, sizes: Sequence[str] = ("tiny",),
@@ -387,7 +420,8 @@ def run(device: str | torch.device | None = None, precision: str | None = None, 
               "matmul_sizes": list(matmul_sizes(dev, quick)), "matmul_min_run_time": 0.01 if quick else 0.05,
               "matmul_repeats": 1 if quick else 3,
               "overhead_models": ["mlp"] if quick else ["mlp", "transformer"],
-              "overhead_steps": 6 if quick else 40, "overhead_warmup": 2 if quick else 5}
+              "overhead_steps": 6 if quick else 60, "overhead_warmup": 2 if quick else 5,
+              "overhead_repeats": 2 if quick else 15}
     torch.manual_seed(seed)
     report = {"schema": SCHEMA, "env": _env(dev), "config": config}
     report["matmul"] = matmul_tflops(dev, sizes=config["matmul_sizes"], min_run_time=config["matmul_min_run_time"],
@@ -396,7 +430,7 @@ def run(device: str | torch.device | None = None, precision: str | None = None, 
                                             batch=config["batch"], steps=config["steps"], repeats=config["repeats"])
     report["trainer_overhead"] = trainer_overhead(config["overhead_models"], dev, amp.precision, size=config["step_size"],
                                                   batch=config["batch"], steps=config["overhead_steps"],
-                                                  repeats=config["repeats"], warmup=config["overhead_warmup"])
+                                                  repeats=config["overhead_repeats"], warmup=config["overhead_warmup"])
     report["saved_bytes"] = saved_bytes(["transformer"] if quick else config["models"], config["saved_sizes"],
                                         dev, amp.precision, batch=config["batch"])
     report["targets"] = _targets(report)
@@ -504,7 +538,7 @@ def summary(report: dict) -> str:
     lines += ["", f"train step (ms, median of interleaved repeats), fp32 vs {prec}:"]
     for r in report["train_step"]:
         lines.append(f"  {r['model']:12} {r['size']:6} fp32 {r['fp32_ms']:7.2f}  {prec} {r['amp_ms']:7.2f}  ratio {r['amp_over_fp32']:.2f}")
-    lines += ["", "ampcourse.train vs a bare AMP loop (ms per step, median of interleaved repeats):"]
+    lines += ["", "ampcourse.train vs a bare AMP loop (ms per step, interleaved step by step, median of repeats):"]
     for r in report.get("trainer_overhead", []):
         lines.append(f"  {r['model']:12} {r['size']:6} trainer {r['trainer_ms']:7.2f}  bare {r['bare_ms']:7.2f}  "
                      f"overhead {r['overhead']:+.1%} ({r['overhead_ms']:+.3f} ms; repeats {r['overhead_range'][0]:+.1%}"
