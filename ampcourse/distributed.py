@@ -516,17 +516,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def torchrun_command(args: Sequence[str] = (), *, nproc_per_node: int = 2, nnodes: int = 1,
                      rdzv_endpoint: str | None = None, rdzv_id: str = "ampcourse", max_restarts: int = 0,
-                     local_addr: str | None = "127.0.0.1", module: str | None = "ampcourse.train",
+                     local_addr: str | None = "127.0.0.1", module: str | None = None,
                      script: str | os.PathLike | None = None, python: str | None = None,
                      monitor_interval: float | None = None) -> list[str]:
     """The torchrun command line (as ``python -m torch.distributed.run``, torchrun's own entry point).
 
     One node: ``--standalone`` (a private rendezvous on a free local port). Several nodes: c10d rendezvous
     at `rdzv_endpoint` (HOST:PORT on the first node). `local_addr` pins the address workers publish to
-    loopback (the default; pass None on a real cluster). Runs ``-m module`` or a script, with `args`.
+    loopback (the default; pass None on a real cluster). Runs ``-m module`` (default ampcourse.train) or
+    `script`, with `args`.
     """
-    if (module is None) == (script is None):
-        raise ValueError("pass exactly one of module= and script=")
+    if module is not None and script is not None:
+        raise ValueError("pass module= or script=, not both")
+    if script is None:
+        module = module or "ampcourse.train"
     for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -605,12 +608,46 @@ def launch(args: Sequence[str] = (), *, timeout: float = 120.0, cwd: str | os.Pa
     return LaunchResult(cmd, proc.returncode, out, err, time.perf_counter() - start)
 
 
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every descendant of `pid`, from /proc (Linux); empty where /proc does not exist."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group we started (torchrun and every worker it spawned)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Stop torchrun and every worker it spawned.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process group alone would
+    orphan them. Where /proc lists them we SIGKILL torchrun's group and each descendant; elsewhere we
+    SIGTERM torchrun (it then stops its workers) and SIGKILL it if it has not exited after 10 s.
+    """
+    family = _descendants(proc.pid)
+    if not family and not Path("/proc").is_dir():
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    for pid, group in [(proc.pid, True)] + [(pid, False) for pid in family]:
+        try:
+            if group:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 _SLURM_FIELDS = ("job_name", "nodes", "gpus_per_node", "cpus_per_task", "time", "port", "max_restarts", "train_args")

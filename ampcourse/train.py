@@ -629,6 +629,9 @@ def _plan(args: argparse.Namespace, env) -> _Plan:
         if args.resume and not here and other.path(args.checkpoint_dir).exists():
             raise ValueError(f"--resume: {args.checkpoint_dir!r} holds a {other.kind}, and --strategy {args.strategy} "
                              f"resumes from a {store.kind}; resume with the strategy that wrote it")
+        if args.resume and not here:  # now, not after every rank has joined a process group
+            raise ValueError(f"--resume: there is no checkpoint at {str(store.path(args.checkpoint_dir))!r}; "
+                             "run once without resume (with this --checkpoint-dir) to create one")
         if env.restart_count > 0 and here:
             resume = True  # torchrun restarted the workers after a failure: continue from the last checkpoint
     return _Plan(device=device, resume=resume, checkpointer=store)
