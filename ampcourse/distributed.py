@@ -31,6 +31,7 @@ What lives here, and why:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -57,9 +58,10 @@ from . import checkpoint, models
 from .device import AmpSetup
 
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
-           "worker_device", "shared_store_warning", "init", "teardown", "wrap_model", "mixed_precision_policy",
-           "fsdp_problem", "ShardedCheckpointer", "gather", "local_state_bytes", "memory_per_gpu",
-           "torchrun_command", "launch", "LaunchResult", "LaunchTimeout", "render_slurm", "free_port"]
+           "worker_device", "shared_store_warning", "init", "teardown", "single_process_group", "wrap_model",
+           "mixed_precision_policy", "fsdp_problem", "ShardedCheckpointer", "gather", "local_state_bytes",
+           "memory_per_gpu", "torchrun_command", "launch", "launch_env", "LaunchResult", "LaunchTimeout",
+           "render_slurm", "free_port"]
 
 #: The environment variable that makes every torchrun restart round use a fresh TCPStore.
 STORE_FIX_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -209,6 +211,19 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def single_process_group(device: str = "cpu"):
+    """A one-process gloo group over an in-memory store (no sockets, no torchrun): to look inside DDP and FSDP2
+    from a notebook. Yields a Context; the group is destroyed on exit."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already running in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield Context(env=TorchrunEnv(), backend="gloo", device=torch.device(device))
+    finally:
+        dist.destroy_process_group()
+
+
 def gather(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank (a collective; [obj] without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -242,7 +257,8 @@ def fsdp_problem(device_type: str) -> str | None:
     Needs a process group on CPU: it tries one tiny reduce-scatter, the collective FSDP2 needs.
     """
     try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        del MixedPrecisionPolicy, fully_shard  # only checking that they exist
     except ImportError as err:
         return f"torch {torch.__version__} has no FSDP2 (fully_shard): {err}"
     if device_type != "cpu":

@@ -608,8 +608,9 @@ def _plan(args: argparse.Namespace, env) -> _Plan:
         device = args.device
     else:
         if not env.launched:
-            raise ValueError(f"--strategy {args.strategy} runs under torchrun: torchrun --standalone --nproc-per-node N "
-                             f"-m ampcourse.train --strategy {args.strategy} ... (see the module docstring)")
+            raise ValueError(f"--strategy {args.strategy} runs under torchrun: torchrun --standalone "
+                             f"--nproc-per-node N -m ampcourse.train --strategy {args.strategy} ... "
+                             "(see the module docstring)")
         device = distributed.worker_device(env, args.device)
     if not math.isfinite(args.dist_timeout) or args.dist_timeout <= 0:
         raise ValueError(f"--dist-timeout must be a number of seconds > 0, got {args.dist_timeout!r}")
@@ -703,7 +704,6 @@ def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]
     from . import distributed
 
     ctx, wrap = None, None
-    amp = None
     if args.strategy != "single":
         ctx = distributed.init(plan.device, env, timeout_s=args.dist_timeout)
         if args.strategy == "fsdp":
@@ -711,9 +711,7 @@ def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]
             if problem:
                 raise ValueError(f"--strategy fsdp cannot run here: {problem}; use --strategy ddp")
         amp = pick(plan.device, args.precision)
-
-        def wrap(module: nn.Module) -> nn.Module:
-            return distributed.wrap_model(module, args.strategy, amp, ctx)
+        wrap = functools.partial(distributed.wrap_model, strategy=args.strategy, amp=amp, ctx=ctx)
     made: list[torch.optim.Optimizer] = []
 
     def optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -739,6 +737,8 @@ def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]
     if args.history_out is not None:
         mine = {"rank": env.rank, **hist.series(), "final_scale": hist.final_scale,
                 "state_bytes": distributed.local_state_bytes(hist.model, made[0]),
+                "peak_cuda_bytes": (torch.cuda.max_memory_allocated(plan.device)
+                                    if str(plan.device).startswith("cuda") else None),
                 # DDP replicas must stay identical; FSDP2 ranks hold different shards, so no per-rank checksum
                 "replica_checksum": None if args.strategy == "fsdp" else state_checksum(hist.model)}
         ranks = distributed.gather(mine)

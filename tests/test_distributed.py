@@ -10,9 +10,7 @@ agents acting as two nodes. Every launch has a hard timeout and kills its proces
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -23,8 +21,7 @@ import pytest
 import torch
 
 from ampcourse import checkpoint, distributed, models
-from ampcourse.device import pick
-from ampcourse.train import main, state_checksum, train
+from ampcourse.train import main, train
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
@@ -152,7 +149,8 @@ def as_worker(monkeypatch, **change) -> None:
      "--global-batch-size 33 must divide by world size x accum steps = 2 x 1"),
     (["--strategy", "ddp", "--device", "cuda"], "CUDA is not available"),
     (["--strategy", "ddp", "--inject-inf", "2:0"], "there is no rank 2 in a world of 2"),
-    (["--strategy", "ddp", "--resume", "--checkpoint-dir", "nowhere"], "there is no checkpoint at 'nowhere/checkpoint.pt'"),
+    (["--strategy", "ddp", "--resume", "--checkpoint-dir", "nowhere"],
+     "there is no checkpoint at 'nowhere/checkpoint.pt'"),
 ])
 def test_bad_launch_exits_with_one_line(flags, message, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
