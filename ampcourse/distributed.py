@@ -60,7 +60,7 @@ from .device import AmpSetup
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
            "worker_device", "shared_store_warning", "init", "teardown", "single_process_group", "wrap_model",
            "mixed_precision_policy", "fsdp_problem", "ShardedCheckpointer", "gather", "local_state_bytes",
-           "memory_per_gpu", "torchrun_command", "launch", "launch_env", "LaunchResult", "LaunchTimeout",
+           "memory_per_gpu", "torchrun_command", "as_shell", "launch", "launch_env", "LaunchResult", "LaunchTimeout",
            "render_slurm", "free_port"]
 
 #: The environment variable that makes every torchrun restart round use a fresh TCPStore.
@@ -566,6 +566,13 @@ def torchrun_command(args: Sequence[str] = (), *, nproc_per_node: int = 2, nnode
         cmd += ["--monitor-interval", str(monitor_interval)]
     cmd += ["-m", module] if module is not None else [str(script)]
     return cmd + [str(a) for a in args]
+
+
+def as_shell(cmd: Sequence[str]) -> str:
+    """A torchrun_command() as you would type it: the store fix in front, `torchrun` for the interpreter."""
+    if list(cmd[1:3]) != ["-m", "torch.distributed.run"]:
+        raise ValueError("expected a command from torchrun_command()")
+    return f"{STORE_FIX_ENV}=1 " + shlex.join(["torchrun", *cmd[3:]])
 
 
 @dataclass

@@ -10,6 +10,7 @@ agents acting as two nodes. Every launch has a hard timeout and kills its proces
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -577,3 +578,57 @@ def test_two_nodes_on_one_machine_match_one_node(ddp_sgd, tmp_path):
     summary = read_json(tmp_path / "summary.json")  # written by global rank 0, on whichever agent it landed
     assert summary["world_size"] == 2
     assert summary["checksum"] == read_json(tmp / "summary.json")["checksum"]  # bit-identical
+
+
+# ---------------------------------------------------------------------------------------------
+# The documented launch commands
+# ---------------------------------------------------------------------------------------------
+
+def readme_commands() -> list[str]:
+    """The shell commands in README.md's torchrun section, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Several processes, GPUs and nodes (torchrun)", 1)[1].split("```bash", 1)[1]
+    block = section.split("```", 1)[0].replace("\\\n", " ")
+    return [" ".join(line.split()) for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_every_documented_torchrun_has_the_store_fix():
+    commands = readme_commands()
+    torchruns = [c for c in commands if "torchrun" in c]
+    assert len(torchruns) == 3  # N processes, CPU, M nodes
+    assert all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun" in c for c in torchruns)
+    assert any(c.startswith("python -m ampcourse.train") for c in commands)  # 1 process
+    assert any("render_slurm" in c for c in commands) and "sbatch train.slurm" in commands
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun" in " ".join(distributed.__doc__.replace("\\\n", " ").split())
+
+
+def test_as_shell():
+    cmd = distributed.torchrun_command(["--strategy", "ddp", "--checkpoint-dir", "my run"])
+    assert distributed.as_shell(cmd) == ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 "
+                                         "--max-restarts 0 --local-addr 127.0.0.1 -m ampcourse.train --strategy ddp "
+                                         "--checkpoint-dir 'my run'")
+
+
+def test_readme_slurm_command_writes_a_valid_script(tmp_path):
+    command = next(c for c in readme_commands() if "render_slurm" in c).replace("python ", f"{sys.executable} ", 1)
+    run_ = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run_.returncode == 0, run_.stderr
+    assert subprocess.run(["bash", "-n", "train.slurm"], cwd=tmp_path, timeout=30).returncode == 0
+    assert "--nnodes 2" in (tmp_path / "train.slurm").read_text()
+
+
+@pytest.mark.slow
+def test_readme_cpu_command_runs_as_written(tmp_path):
+    """The README's CPU launch, typed into bash as it stands (torchrun from the virtual environment)."""
+    command = next(c for c in readme_commands() if "--device cpu" in c)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        distributed._kill_group(proc)  # bash, torchrun and the workers
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out[out.index("{"):])  # rank 0 prints the summary (no --out)
+    assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["steps_done"] == 200
