@@ -104,7 +104,7 @@ class History:
     precision: str
     device_type: str
     world_size: int = 1
-    backend: str = "none"  # the process-group backend (nccl, gloo) once distributed strategies exist
+    backend: str = "none"  # the process-group backend (nccl, gloo) under --strategy ddp/fsdp
     start_step: int = 0  # the step this call started from (> 0 after a resume)
     loss: list[float] = field(default_factory=list)
     scale: list[float] = field(default_factory=list)

@@ -301,6 +301,34 @@ def test_non_tensor_items_are_never_written():
         distributed._tensor_leaves_only({"model": {"w": torch.ones(1)}, "optim": {"lr": 0.1}})
 
 
+def test_fsdp_problem_names_the_missing_collective(monkeypatch):
+    """Where gloo lacks reduce-scatter (older torch), FSDP2 is refused with torch's own reason, not a crash."""
+    import torch.distributed as dist
+
+    with distributed.single_process_group():
+        assert distributed.fsdp_problem("cpu") is None  # this torch can
+
+        def missing(*args, **kwargs):
+            raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+
+        monkeypatch.setattr(dist, "reduce_scatter_single", missing, raising=False)
+        monkeypatch.setattr(dist, "reduce_scatter_tensor", missing)
+        reason = distributed.fsdp_problem("cpu")
+    assert reason.startswith("gloo in torch ") and reason.endswith(
+        "has no reduce-scatter (ProcessGroupGloo does not support reduce_scatter)")
+
+
+def test_single_process_group_is_torn_down_and_not_nested():
+    import torch.distributed as dist
+
+    with distributed.single_process_group() as ctx:
+        assert dist.is_initialized() and ctx.world_size == 1 and ctx.backend == "gloo"
+        with pytest.raises(RuntimeError, match="already running"):
+            with distributed.single_process_group():
+                pass
+    assert not dist.is_initialized()
+
+
 def test_launch_timeout_kills_the_whole_group(tmp_path):
     """A hung job: torchrun and its workers all go on timeout (none survives as an orphan)."""
     sleeper = tmp_path / "sleeper.py"
