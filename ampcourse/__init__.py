@@ -7,6 +7,7 @@ Modules, one idea each:
     models     reference models (mlp, cnn, transformer) and synthetic datasets
     train      one AMP training loop (fp32/fp16/bf16), History, `python -m ampcourse.train`
     checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
+    distributed torchrun env, DDP/FSDP2 wrapping, sharded checkpoints, launch(), SLURM scripts
     widgets    ipywidgets + matplotlib explorers used in the chapters
     exercises  checkers for the chapter exercises
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
