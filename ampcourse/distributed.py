@@ -58,7 +58,7 @@ from . import checkpoint, models
 from .device import AmpSetup
 
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
-           "worker_device", "shared_store_warning", "init", "teardown", "single_process_group", "wrap_model",
+           "worker_device", "shared_store_warning", "init", "teardown", "exit_worker", "single_process_group", "wrap_model",
            "mixed_precision_policy", "fsdp_problem", "ShardedCheckpointer", "gather", "local_state_bytes",
            "memory_per_gpu", "torchrun_command", "as_shell", "launch", "launch_env", "LaunchResult", "LaunchTimeout",
            "render_slurm", "free_port"]
@@ -205,10 +205,30 @@ def init(device: str, env: TorchrunEnv | None = None, timeout_s: float = DEFAULT
     return Context(env=env, backend=backend, device=dev)
 
 
-def teardown() -> None:
-    """Destroy the process group if one is up (safe to call twice)."""
+def teardown(barrier: bool = False) -> None:
+    """Destroy the process group if one is up (safe to call twice); barrier=True waits for every rank first."""
     if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()  # no rank shuts down its side while another is still in a collective
         dist.destroy_process_group()
+
+
+def exit_worker(code: int) -> None:
+    """End a torchrun worker: flush stdout/stderr, then os._exit(code) without interpreter finalization.
+
+    destroy_process_group() does not free a process group that DDP's reducer or FSDP2's DTensors still
+    reference; its gloo threads and the TCPStore (hosted by worker rank 0 with the restart fix) then go
+    down during interpreter finalization, where we saw a worker abort ("terminate called without an
+    active exception", exit code -6) or hang after finishing its work, a few times in our test runs
+    under load (pytorch/pytorch#179291 describes the same finalization hazard). Everything that must
+    survive is written before this point (summary, history, fsynced checkpoints). Outside torchrun
+    this is plain sys.exit.
+    """
+    if not torchrun_env().launched:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager

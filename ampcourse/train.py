@@ -676,8 +676,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             summary, history = _run(args, env, plan)
-        finally:
+        except BaseException:
             distributed.teardown()
+            raise
+        distributed.teardown(barrier=True)  # every rank is done communicating before any rank shuts down
     except ValueError as err:  # includes CheckpointError
         _fail(str(err), env.local_rank)
     if not env.is_main:
@@ -748,4 +750,6 @@ def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .distributed import exit_worker
+
+    exit_worker(main())

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 
+from ampcourse import distributed
 from ampcourse import train as train_mod
 
 
@@ -60,4 +61,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.exit_worker(main())
