@@ -9,6 +9,7 @@ Modules, one idea each:
     checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
     scaling    loss scaling written out: LossScaler (== GradScaler), scale simulations, range counts
     policy     per-module precision policies on top of autocast
+    distributed torchrun env, DDP/FSDP2 wrapping, sharded checkpoints, launch(), SLURM scripts
     widgets    ipywidgets + matplotlib explorers used in the chapters
     autocast_ops  the autocast op table, measured live per device and dtype
     memory     bytes saved for backward, weights, gradients, optimizer state

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "FILENAME", "CheckpointError", "path_in", "capture", "save", "load",
-           "restore", "rng_state", "set_rng_state"]
+__all__ = ["FORMAT", "VERSION", "FILENAME", "CheckpointError", "FileCheckpointer", "path_in", "capture", "save",
+           "load", "restore", "rng_state", "set_rng_state"]
 
 #: Marker and version stored in every file, so a foreign torch file is recognised as such.
 FORMAT = "ampcourse.checkpoint"
@@ -177,7 +177,8 @@ def _unreadable(path: Path, why: str) -> CheckpointError:
         "in a fresh directory.")
 
 
-def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+         required: tuple[str, ...] = _REQUIRED) -> dict[str, Any]:
     """Read a checkpoint with torch.load(weights_only=True) and check it is ours; CheckpointError if not."""
     path = Path(path)
     if not path.exists():
@@ -201,7 +202,7 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> d
         raise _unreadable(path, f"it is a torch file but not an {FORMAT} file")
     if state.get("version") != VERSION:
         raise _unreadable(path, f"it has format version {state.get('version')!r}; this ampcourse reads {VERSION}")
-    missing = [k for k in _REQUIRED if k not in state]
+    missing = [k for k in required if k not in state]
     if missing:
         raise _unreadable(path, f"it lacks {', '.join(missing)}")
     return state
@@ -228,3 +229,39 @@ def restore(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.opti
         scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], device)
     return int(state["step"])
+
+
+class FileCheckpointer:
+    """How train() keeps its checkpoint: one checkpoint.pt with everything, written by rank 0 only.
+
+    Enough for a single process and for DDP, whose ranks hold identical replicas; the file does not
+    depend on the world size, so a run resumes on any number of ranks. FSDP2 shards the weights across
+    ranks and uses ``ampcourse.distributed.ShardedCheckpointer`` (same methods, DCP files) instead.
+    """
+
+    kind = "single-file checkpoint (--strategy single or ddp)"
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+
+    def path(self, directory: str | os.PathLike) -> Path:
+        """The file whose existence means 'there is a checkpoint in this directory'."""
+        return path_in(directory)
+
+    def read(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Load the checkpoint (before the model is built): a dict with 'config' and 'history'."""
+        return load(self.path(directory))
+
+    def restore(self, state: dict[str, Any], directory: str | os.PathLike, *, net: torch.nn.Module,
+                module: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                scheduler: Any = None, device: torch.device | None = None) -> int:
+        """Put what read() returned into the live objects; returns the completed steps."""
+        return restore(state, module, optimizer, scaler, scheduler, device=device, path=self.path(directory))
+
+    def write(self, directory: str | os.PathLike, step: int, *, net: torch.nn.Module, module: torch.nn.Module,
+              optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, scheduler: Any = None,
+              device: torch.device | None = None, config: dict | None = None, history: dict | None = None) -> None:
+        """Rank 0 writes checkpoint.pt atomically; other ranks hold the same replica and write nothing."""
+        if self.rank == 0:
+            save(capture(step, module, optimizer, scaler, scheduler, device=device, config=config, history=history),
+                 self.path(directory))

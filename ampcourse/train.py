@@ -7,10 +7,25 @@ Launch commands::
     # checkpoint every 50 steps, then continue an interrupted run exactly where it stopped:
     python -m ampcourse.train --model mlp --steps 200 --checkpoint-dir runs/a --checkpoint-every 50
     python -m ampcourse.train --model mlp --steps 400 --checkpoint-dir runs/a --resume
-    # N processes on one node and N nodes (--strategy ddp|fsdp): not implemented yet, they will read
-    #   torchrun --standalone --nproc-per-node N -m ampcourse.train --strategy ddp ...
-    #   torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-    #       -m ampcourse.train --strategy fsdp ...
+    # N processes on one node: one per GPU (NCCL), or N CPU processes over gloo on a machine without one.
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh TCPStore per restart round, so torchrun's restarts
+    # work (pytorch/pytorch#135712); harmless without --max-restarts.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node N \\
+        -m ampcourse.train --strategy ddp --precision fp16 --steps 200 --out summary.json
+    # CPU only (laptop, CI): the same, with --device cpu (gloo); one OpenMP thread per process
+    OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
+        -m ampcourse.train --strategy ddp --device cpu --precision bf16 --steps 200
+    # M nodes (run on every node; HOST = the first node; --checkpoint-dir on a shared filesystem);
+    # after a failure torchrun restarts all workers, which resume from the last checkpoint by themselves:
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 --rdzv-id myjob --max-restarts 1 \\
+        -m ampcourse.train --strategy fsdp --precision bf16 --checkpoint-dir /shared/run --checkpoint-every 50
+    # SLURM: ampcourse.distributed.render_slurm(nodes, gpus_per_node) writes the batch script (srun + torchrun).
+
+Under torchrun, rank 0 logs, shows the progress bar and writes --out; --strategy ddp wraps the model in
+DistributedDataParallel, --strategy fsdp shards it with FSDP2 (``ampcourse.distributed``). The summary
+holds world size, backend (nccl/gloo), device type, precision, steps, skipped steps, the final loss of
+the global batch, the final loss scale and a checksum of the final (full) parameters.
 
 From Python::
 
@@ -25,9 +40,10 @@ Design, and why:
 - The global batch of step k is a fixed function of (seed, k, dataset size, global batch size)
   (:func:`batch_indices`); a rank takes its slice (:func:`local_indices`). So 1 process and N processes
   see the same global batches, and a resumed run draws exactly the batches an uninterrupted one would.
-- Process groups and model wrapping stay outside this module: ``rank``/``world_size`` pick the slice,
-  ``wrap`` receives the model after it moved to the device (DDP or ``fully_shard`` plug in there), and
-  micro-batches before the last one run under ``model.no_sync()`` when the wrapper has it.
+- Process groups and model wrapping stay in ``ampcourse.distributed``: ``rank``/``world_size`` pick the
+  slice, ``wrap`` receives the model after it moved to the device (DDP or ``fully_shard`` plug in there),
+  micro-batches before the last one run under ``model.no_sync()`` when the wrapper has it, and a
+  ``checkpointer`` writes one file from rank 0 (single, DDP) or DCP shards from every rank (FSDP2).
 """
 
 from __future__ import annotations
@@ -62,7 +78,7 @@ __all__ = ["History", "StepStats", "train", "train_step", "batch_indices", "loca
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULERS = ("cosine",)
-STRATEGIES = ("single",)  # ddp and fsdp arrive with ampcourse.distributed
+STRATEGIES = ("single", "ddp", "fsdp")  # ddp and fsdp run under torchrun, through ampcourse.distributed
 # History fields saved in a checkpoint, so a resumed run returns the whole run's history.
 _SERIES = ("loss", "scale", "skipped", "grad_norm", "lr", "step_time")
 # Settings a resumed run must share with the checkpoint: they fix which samples each step sees
@@ -88,7 +104,7 @@ class History:
     precision: str
     device_type: str
     world_size: int = 1
-    backend: str = "none"  # the process-group backend (nccl, gloo) once distributed strategies exist
+    backend: str = "none"  # the process-group backend (nccl, gloo) under --strategy ddp/fsdp
     start_step: int = 0  # the step this call started from (> 0 after a resume)
     loss: list[float] = field(default_factory=list)
     scale: list[float] = field(default_factory=list)
@@ -218,6 +234,11 @@ def _grad_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManage
 _CPU_CONCAT_NORM_MAX = 1 << 20
 
 
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """FSDP2's gradient norm is a DTensor of per-shard partial norms: the whole norm (a collective, on every rank)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def _squared_norm_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """0-dim tensors whose sum is the squared total L2 norm of the gradients, computed without a host sync.
 
@@ -227,7 +248,8 @@ def _squared_norm_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     dense float32 gradients on a CPU, up to _CPU_CONCAT_NORM_MAX values: one concatenated copy and one
     BLAS dot product. Plain dense gradients on one device and dtype otherwise: the per-tensor norms from
     the fused kernel get_total_norm uses, squared. Anything else (DTensor shards, sparse or mixed
-    gradients): get_total_norm itself, squared. Like torch's norms, this accumulates in the gradients' dtype.
+    gradients): get_total_norm itself (made whole across FSDP2 shards), squared. Like torch's norms, this
+    accumulates in the gradients' dtype.
     """
     if not grads:
         return []
@@ -235,7 +257,7 @@ def _squared_norm_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     device, dtype = first.device, first.dtype
     if not all(type(g) is torch.Tensor and g.layout == torch.strided and g.device == device and g.dtype == dtype
                for g in grads):
-        return [torch.nn.utils.get_total_norm(grads).square()]
+        return [_full(torch.nn.utils.get_total_norm(grads)).square()]
     if device.type == "cpu" and dtype == torch.float32 and sum(g.numel() for g in grads) <= _CPU_CONCAT_NORM_MAX:
         flat = torch.cat([g.reshape(-1) for g in grads])
         return [torch.dot(flat, flat)]
@@ -254,14 +276,17 @@ def _read_back(tensors: list[torch.Tensor]) -> list[float]:
 
 def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, amp: AmpSetup, *,
-               grad_clip: float | None = None, scheduler: Any = None) -> StepStats:
-    """One optimizer step over an accumulation window: autocast forward, scaled backward, unscale, clip, step."""
+               grad_clip: float | None = None, scheduler: Any = None, autocast: bool = True) -> StepStats:
+    """One optimizer step over an accumulation window: autocast forward, scaled backward, unscale, clip, step.
+
+    autocast=False leaves the forward pass alone: FSDP2 casts the parameters per module instead.
+    """
     optimizer.zero_grad(set_to_none=True)
     n = len(micro_batches)
     losses = []
     for i, (x, y) in enumerate(micro_batches):
         with _grad_sync(model, sync=i == n - 1):
-            with amp.autocast():  # forward and loss only; backward runs outside autocast
+            with amp.autocast(enabled=autocast):  # forward and loss only; backward runs outside autocast
                 loss = loss_fn(model(x), y)
             # Divide by n so the summed gradient is the mean over the whole window, as with one big batch
             # (n == 1: no division, which is exact anyway, and one kernel less).
@@ -272,7 +297,7 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
     if grad_clip is None:  # the norm is only recorded: its squared parts are summed on the host, after the sync
         norm_parts = _squared_norm_parts([p.grad for p in params])
     else:
-        norm_parts = [torch.nn.utils.clip_grad_norm_(params, grad_clip)]
+        norm_parts = [_full(torch.nn.utils.clip_grad_norm_(params, grad_clip))]
     scale, lr = scaler.get_scale(), optimizer.param_groups[0]["lr"]
     scaler.step(optimizer)  # skips optimizer.step() if unscale_ found inf/nan
     scaler.update()
@@ -288,10 +313,16 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
 
 
 def state_checksum(model: nn.Module) -> str:
-    """sha256 over key names and fp32 bytes (int64 for integer buffers) of the state_dict, in key order."""
+    """sha256 over key names and fp32 bytes (int64 for integer buffers) of the state_dict, in key order.
+
+    For an FSDP2 model the sharded tensors are gathered first, so every rank must call it (a collective)
+    and gets the checksum of the full model: the same number a single process would print.
+    """
     digest = hashlib.sha256()
     for key, value in model.state_dict().items():
         digest.update(key.encode())
+        if hasattr(value, "full_tensor"):  # a DTensor shard: all-gather the whole tensor
+            value = value.full_tensor()
         t = value.detach().to("cpu")
         t = t.float() if t.is_floating_point() else t.long()
         digest.update(t.contiguous().numpy().tobytes())
@@ -370,7 +401,7 @@ def _amp_works(device_type: str, precision: str) -> str | None:
     return None
 
 
-def _check_checkpoint_dir(directory: Path, resume: bool) -> None:
+def _check_checkpoint_dir(directory: Path, resume: bool, ckpt: Path) -> None:
     """The directory can be written to, and holds a checkpoint exactly when we resume."""
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"checkpoint_dir {str(directory)!r} exists and is not a directory; pass a directory path")
@@ -385,7 +416,6 @@ def _check_checkpoint_dir(directory: Path, resume: bool) -> None:
     except OSError as err:
         raise ValueError(f"checkpoint_dir {str(directory)!r} is not writable ({err.strerror}); "
                          "choose a directory you can write to") from err
-    ckpt = checkpoint.path_in(directory)
     if resume and not ckpt.exists():
         raise ValueError(f"resume=True but there is no checkpoint at {str(ckpt)!r}; "
                          "run once without resume (with this checkpoint_dir) to create one")
@@ -460,7 +490,8 @@ def _check_finite(data: TensorDataset) -> None:
                                  "every step would give a nan loss: clean or drop those samples")
 
 
-def _preflight(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None, amp: AmpSetup) -> None:
+def _preflight(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None, amp: AmpSetup,
+               autocast: bool = True) -> None:
     """Run the model (and the course's loss) once on one micro-batch: data that does not fit fails now, clearly.
 
     Eval mode, no gradients and a forked RNG: no parameter, running statistic or random stream changes,
@@ -471,7 +502,7 @@ def _preflight(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Call
     model.eval()
     try:
         with torch.random.fork_rng(devices=[amp.device] if amp.device_type == "cuda" else []), torch.no_grad():
-            with models.data_errors(model, x, y), amp.autocast():
+            with models.data_errors(model, x, y), amp.autocast(enabled=autocast):
                 out = model(x)
                 if loss_fn is not None:
                     loss_fn(out, y)
@@ -496,7 +527,8 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
           optimizer: str | Callable = "adamw", weight_decay: float = 0.0, scheduler: str | Callable | None = None,
           loss_fn: Callable | None = None, scaler_kwargs: dict | None = None, progress: bool = True,
           size: str = "tiny", n_samples: int = 1024, rank: int = 0, world_size: int = 1,
-          wrap: Callable[[nn.Module], nn.Module] | None = None) -> History:
+          wrap: Callable[[nn.Module], nn.Module] | None = None, checkpointer: Any = None,
+          autocast: bool = True) -> History:
     """Train `model` for `steps` optimizer steps in fp32, fp16 (+ GradScaler) or bf16; returns a History.
 
     model: an nn.Module (trained in place, moved to the device) or 'mlp' | 'cnn' | 'transformer'
@@ -509,6 +541,9 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         optimizer: 'adamw' | 'adam' | 'sgd' or callable(params, lr=, weight_decay=). scheduler: None |
         'cosine' | callable(optimizer); it is not stepped on steps the GradScaler skipped.
         rank/world_size/wrap: hooks for ampcourse.distributed (wrap gets the model on its device).
+        checkpointer: how checkpoints are written and read (default: checkpoint.FileCheckpointer(rank),
+        one file from rank 0; FSDP2 passes distributed.ShardedCheckpointer). autocast=False: no autocast
+        around the forward pass (FSDP2's MixedPrecisionPolicy casts the parameters instead).
     """
     # --- validate everything before any work ---
     prec = parse_precision(precision) if precision is not None else None
@@ -537,18 +572,19 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     config = {"precision": amp.precision, "seed": seed, "batch_size": batch_size, "dataset_size": n, "steps": steps,
               "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size}
     state, ckpt_path = None, None
+    store = checkpointer if checkpointer is not None else checkpoint.FileCheckpointer(rank)
     if checkpoint_dir is not None:
-        ckpt_path = checkpoint.path_in(checkpoint_dir)
-        _check_checkpoint_dir(Path(checkpoint_dir), resume)
+        ckpt_path = store.path(checkpoint_dir)
+        _check_checkpoint_dir(Path(checkpoint_dir), resume, ckpt_path)
         if resume:
-            state = checkpoint.load(ckpt_path)
+            state = store.read(checkpoint_dir)
             _check_resumable(state, config, ckpt_path, scheduler is not None)
 
     # --- build ---
     module = module.to(amp.device)
     first = local_indices(0, seed, n, batch_size, rank, world_size)[:batch_size // (world_size * accum_steps)]
     _preflight(module, data.tensors[0][first].to(amp.device), data.tensors[1][first].to(amp.device),
-               models.loss_fn if loss_fn is None else None, amp)
+               models.loss_fn if loss_fn is None else None, amp, autocast)
     loss_fn = loss_fn or models.loss_fn
     net = wrap(module) if wrap is not None else module
     opt = make_optimizer(optimizer, net.parameters(), lr, weight_decay)
@@ -562,7 +598,8 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     with torch.random.fork_rng(devices=devices):  # the caller's RNG streams are left as they were
         start = 0
         if state is not None:
-            start = checkpoint.restore(state, module, opt, scaler, sched, device=amp.device, path=ckpt_path)
+            start = store.restore(state, checkpoint_dir, net=net, module=module, optimizer=opt, scaler=scaler,
+                                  scheduler=sched, device=amp.device)
             for key, values in state.get("history", {}).items():
                 if key in _SERIES:
                     getattr(hist, key).extend(values)
@@ -577,16 +614,17 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
             idx = local_indices(step, seed, n, batch_size, rank, world_size)
             micro = [(xs[i].to(amp.device, non_blocking=True), ys[i].to(amp.device, non_blocking=True))
                      for i in (idx.view(accum_steps, -1) if accum_steps > 1 else (idx,))]
-            stats = train_step(net, micro, loss_fn, opt, scaler, amp, grad_clip=grad_clip, scheduler=sched)
+            stats = train_step(net, micro, loss_fn, opt, scaler, amp, grad_clip=grad_clip, scheduler=sched,
+                               autocast=autocast)
             if not bar.disable:
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats.loss:.4g}", scale=f"{stats.scale:g}", refresh=False)
             # The step's wall time covers everything the loop does per step except writing a checkpoint.
             hist.append(stats, time.perf_counter() - t0)
             done = step + 1
-            if ckpt_path is not None and rank == 0 and _checkpoint_due(done, steps, checkpoint_every):
-                checkpoint.save(checkpoint.capture(done, module, opt, scaler, sched, device=amp.device,
-                                                   config=config, history=hist.series()), ckpt_path)
+            if ckpt_path is not None and _checkpoint_due(done, steps, checkpoint_every):
+                store.write(checkpoint_dir, done, net=net, module=module, optimizer=opt, scaler=scaler,
+                            scheduler=sched, device=amp.device, config=config, history=hist.series())
         bar.close()
     hist.final_scale = scaler.get_scale()
     return hist
@@ -596,14 +634,27 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+def _rank_step(text: str) -> tuple[int, int]:
+    """argparse type for RANK:STEP."""
+    try:
+        rank, step = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP (two ints), got {text!r}") from None
+    if rank < 0 or step < 0:
+        raise argparse.ArgumentTypeError(f"RANK and STEP must be >= 0, got {text!r}")
+    return rank, step
+
+
 def _parser() -> argparse.ArgumentParser:
     """The argparse parser for python -m ampcourse.train."""
     p = argparse.ArgumentParser(prog="python -m ampcourse.train",
-                                description="Train a reference model with AMP and write a JSON summary.")
+                                description="Train a reference model with AMP and write a JSON summary. "
+                                            "Under torchrun, --strategy ddp|fsdp trains on every process.")
     p.add_argument("--model", choices=models.MODELS, default="mlp")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
                    help="default: the device's AMP dtype (fp16 on CUDA, bf16 on CPU)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="single", help="ddp and fsdp: not yet")
+    p.add_argument("--strategy", choices=STRATEGIES, default="single",
+                   help="single: one process; ddp (DistributedDataParallel) and fsdp (FSDP2): under torchrun")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--global-batch-size", type=int, default=64, help="samples per optimizer step, all ranks")
     p.add_argument("--accum-steps", type=int, default=1)
@@ -614,46 +665,205 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=tuple(models.SIZES), default="tiny")
     p.add_argument("--samples", type=int, default=1024, help="synthetic dataset size")
-    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-dir", default=None, help="shared by all ranks (on every node)")
     p.add_argument("--checkpoint-every", type=int, default=None)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: best available)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint-dir (after a torchrun restart this happens by itself)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: best available; "
+                                                  "under torchrun: cuda:LOCAL_RANK or cpu)")
     p.add_argument("--out", default=None, metavar="SUMMARY.json", help="write the summary here (default: stdout)")
+    p.add_argument("--history-out", default=None, metavar="HISTORY.json",
+                   help="write every rank's per-step loss, scale and skipped flags here (rank 0 writes)")
+    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="bound on process-group setup and on every collective (default 300)")
+    p.add_argument("--inject-inf", type=_rank_step, default=None, metavar="RANK:STEP",
+                   help="teaching aid: make RANK's gradients non-finite (before they are averaged across ranks) "
+                        "in the STEP-th step this launch runs, counting from 0")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What main() decided before any process group exists."""
+
+    device: str | None
+    resume: bool
+    checkpointer: Any
+
+
+def _fail(message: str, local_rank: int) -> None:
+    """Exit non-zero with one line; under torchrun only local rank 0 prints it (the others would repeat it)."""
+    if local_rank == 0:
+        raise SystemExit(f"ampcourse.train: error: {message}")
+    raise SystemExit(1)
+
+
+def _check_writable(flag: str, path: str | None) -> None:
+    """Fail before training if an output file cannot be written."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir() or not target.resolve().parent.is_dir():
+        raise ValueError(f"cannot write {flag} {path!r}: "
+                         f"{'it is a directory' if target.is_dir() else 'its folder does not exist'}")
+
+
+def _plan(args: argparse.Namespace, env) -> _Plan:
+    """All the checks that need no process group: strategy vs launcher, devices, batch split, checkpoints."""
+    from . import distributed
+
+    _check_writable("--out", args.out)
+    _check_writable("--history-out", args.history_out)
+    if args.strategy == "single":
+        if env.world_size > 1:
+            raise ValueError(f"--strategy single runs one process, but torchrun started WORLD_SIZE={env.world_size}; "
+                             "use --strategy ddp or fsdp")
+        device = args.device
+    else:
+        if not env.launched:
+            raise ValueError(f"--strategy {args.strategy} runs under torchrun: torchrun --standalone "
+                             f"--nproc-per-node N -m ampcourse.train --strategy {args.strategy} ... "
+                             "(see the module docstring)")
+        device = distributed.worker_device(env, args.device)
+    if not math.isfinite(args.dist_timeout) or args.dist_timeout <= 0:
+        raise ValueError(f"--dist-timeout must be a number of seconds > 0, got {args.dist_timeout!r}")
+    split = env.world_size * args.accum_steps
+    if args.global_batch_size >= 1 and args.accum_steps >= 1 and args.global_batch_size % split:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} must divide by world size x accum steps = "
+                         f"{env.world_size} x {args.accum_steps}, so every rank gets the same number of samples")
+    if args.inject_inf is not None and args.inject_inf[0] >= env.world_size:
+        raise ValueError(f"--inject-inf {args.inject_inf[0]}:{args.inject_inf[1]}: there is no rank "
+                         f"{args.inject_inf[0]} in a world of {env.world_size}")
+    store = (distributed.ShardedCheckpointer(env.rank) if args.strategy == "fsdp"
+             else checkpoint.FileCheckpointer(env.rank))
+    resume = args.resume
+    if args.checkpoint_dir is not None:
+        here = store.path(args.checkpoint_dir).exists()
+        other = (checkpoint.FileCheckpointer() if args.strategy == "fsdp" else distributed.ShardedCheckpointer())
+        if args.resume and not here and other.path(args.checkpoint_dir).exists():
+            raise ValueError(f"--resume: {args.checkpoint_dir!r} holds a {other.kind}, and --strategy {args.strategy} "
+                             f"resumes from a {store.kind}; resume with the strategy that wrote it")
+        if args.resume and not here:  # now, not after every rank has joined a process group
+            raise ValueError(f"--resume: there is no checkpoint at {str(store.path(args.checkpoint_dir))!r}; "
+                             "run once without resume (with this --checkpoint-dir) to create one")
+        if env.restart_count > 0 and here:
+            resume = True  # torchrun restarted the workers after a failure: continue from the last checkpoint
+    return _Plan(device=device, resume=resume, checkpointer=store)
+
+
+def _inject_inf(rank: int, step: int, accum_steps: int, loss_fn: Callable) -> Callable:
+    """loss_fn that gives the logits one infinite gradient entry on `rank` in this launch's `step`-th step."""
+    calls = {"n": 0}
+
+    def wrapped(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        me = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if me == rank and calls["n"] == step * accum_steps:
+            # One entry of dLoss/dlogits becomes inf, as when an fp16 backward overflows on this rank only;
+            # every parameter gradient upstream turns inf/nan here, before DDP or FSDP2 averages them.
+            logits.register_hook(lambda g: g.index_fill(-1, torch.tensor([0], device=g.device), float("inf")))
+        calls["n"] += 1
+        return loss_fn(logits, target)
+    return wrapped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; bad arguments exit non-zero with one line, not a traceback."""
+    """Run the CLI (one process, or one torchrun worker); bad arguments exit non-zero with one line."""
+    from . import distributed
+
     args = _parser().parse_args(argv)
-    if args.out is not None:  # fail before training, not after
-        parent = Path(args.out).resolve().parent
-        if not parent.is_dir() or Path(args.out).is_dir():
-            raise SystemExit(f"ampcourse.train: error: cannot write --out {args.out!r}: "
-                             f"{'it is a directory' if Path(args.out).is_dir() else 'its folder does not exist'}")
     try:
-        hist = train(args.model, None, precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed,
-                     device=args.device, grad_clip=args.grad_clip, accum_steps=args.accum_steps,
-                     checkpoint_dir=args.checkpoint_dir, resume=args.resume, batch_size=args.global_batch_size,
-                     checkpoint_every=args.checkpoint_every, optimizer=args.optimizer,
-                     weight_decay=args.weight_decay, progress=not args.no_progress, size=args.size,
-                     n_samples=args.samples)
-    except ValueError as err:  # includes CheckpointError
+        env = distributed.torchrun_env()
+    except ValueError as err:
         raise SystemExit(f"ampcourse.train: error: {err}") from None
-    summary = {**hist.summary(), "strategy": args.strategy, "model": args.model, "seed": args.seed,
-               "global_batch_size": args.global_batch_size, "resumed_from_step": hist.start_step}
+    try:
+        plan = _plan(args, env)
+    except ValueError as err:
+        _fail(str(err), env.local_rank)
+    warning = distributed.shared_store_warning(env)
+    if warning and env.is_main and env.restart_count == 0:  # once per job, from rank 0
+        print(f"ampcourse.train: warning: {warning}", file=sys.stderr, flush=True)
+    if env.restart_count > 0 and env.is_main:
+        print(f"ampcourse.train: torchrun restart {env.restart_count}: "
+              + ("resuming from the last checkpoint" if plan.resume else "no checkpoint yet, starting over"),
+              file=sys.stderr, flush=True)
+    try:
+        try:
+            summary, history = _run(args, env, plan)
+        except BaseException:
+            distributed.teardown()
+            raise
+        distributed.teardown(barrier=True)  # every rank is done communicating before any rank shuts down
+    except ValueError as err:  # includes CheckpointError
+        _fail(str(err), env.local_rank)
+    if not env.is_main:
+        return 0
     text = json.dumps(summary, indent=2)
+    try:
+        if args.history_out is not None:
+            Path(args.history_out).write_text(json.dumps(history) + "\n")
+        if args.out is not None:
+            Path(args.out).write_text(text + "\n")
+    except OSError as err:
+        raise SystemExit(f"ampcourse.train: error: cannot write the output: {err.strerror}") from None
     if args.out is None:
         print(text)
     else:
-        try:
-            Path(args.out).write_text(text + "\n")
-        except OSError as err:
-            raise SystemExit(f"ampcourse.train: error: cannot write --out {args.out!r}: {err.strerror}") from None
-        print(f"ampcourse.train: {summary['steps_done']} steps, final loss {summary['final_loss']:.4g}, "
+        print(f"ampcourse.train: {summary['steps_done']} steps on {summary['world_size']} process"
+              f"{'es' if summary['world_size'] > 1 else ''}, final loss {summary['final_loss']:.4g}, "
               f"{summary['skipped_steps']} skipped; summary in {args.out}")
     return 0
 
 
+def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]:
+    """Start the process group (ddp/fsdp), train, and build the summary (collectives on every rank)."""
+    from . import distributed
+
+    ctx, wrap = None, None
+    if args.strategy != "single":
+        ctx = distributed.init(plan.device, env, timeout_s=args.dist_timeout)
+        if args.strategy == "fsdp":
+            problem = distributed.fsdp_problem(ctx.device.type)
+            if problem:
+                raise ValueError(f"--strategy fsdp cannot run here: {problem}; use --strategy ddp")
+        amp = pick(plan.device, args.precision)
+        wrap = functools.partial(distributed.wrap_model, strategy=args.strategy, amp=amp, ctx=ctx)
+    made: list[torch.optim.Optimizer] = []
+
+    def optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        made.append(make_optimizer(args.optimizer, params, lr, weight_decay))  # kept for the memory report
+        return made[-1]
+
+    loss = (models.loss_fn if args.inject_inf is None
+            else _inject_inf(*args.inject_inf, args.accum_steps, models.loss_fn))
+    hist = train(args.model, None, precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed,
+                 device=plan.device, grad_clip=args.grad_clip, accum_steps=args.accum_steps,
+                 checkpoint_dir=args.checkpoint_dir, resume=plan.resume, batch_size=args.global_batch_size,
+                 checkpoint_every=args.checkpoint_every, optimizer=optimizer, weight_decay=args.weight_decay,
+                 progress=not args.no_progress, size=args.size, n_samples=args.samples, rank=env.rank,
+                 world_size=env.world_size, wrap=wrap, checkpointer=plan.checkpointer,
+                 autocast=args.strategy != "fsdp", loss_fn=loss)
+    hist.backend = ctx.backend if ctx is not None else "none"
+    summary = hist.summary()  # for FSDP2 the checksum gathers the shards: every rank takes part
+    # Each rank's loss is over its slice of the global batch; their mean is the global batch's loss.
+    summary["final_loss"] = sum(distributed.gather(hist.final_loss)) / env.world_size
+    summary.update({"strategy": args.strategy, "model": args.model, "seed": args.seed,
+                    "global_batch_size": args.global_batch_size, "resumed_from_step": hist.start_step})
+    history = None
+    if args.history_out is not None:
+        mine = {"rank": env.rank, **hist.series(), "final_scale": hist.final_scale,
+                "state_bytes": distributed.local_state_bytes(hist.model, made[0]),
+                "peak_cuda_bytes": (torch.cuda.max_memory_allocated(plan.device)
+                                    if str(plan.device).startswith("cuda") else None),
+                # DDP replicas must stay identical; FSDP2 ranks hold different shards, so no per-rank checksum
+                "replica_checksum": None if args.strategy == "fsdp" else state_checksum(hist.model)}
+        ranks = distributed.gather(mine)
+        history = {"strategy": args.strategy, "world_size": env.world_size, "precision": hist.precision,
+                   "ranks": ranks}
+    return summary, history
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from .distributed import exit_worker
+
+    exit_worker(main())

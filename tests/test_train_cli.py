@@ -57,7 +57,7 @@ def test_resume_from_the_command_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,message", [
     (["--precision", "fp64"], "argument --precision: invalid choice: 'fp64'"),
-    (["--strategy", "ddp"], "argument --strategy: invalid choice: 'ddp'"),
+    (["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
     (["--model", "resnet"], "argument --model: invalid choice: 'resnet'"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
@@ -74,11 +74,15 @@ def test_argparse_rejects_bad_flags(flags, message, capsys):
     (["--lr", "-1"], "lr must be a finite number > 0"),
     (["--accum-steps", "0"], "accum_steps must be an int >= 1"),
     (["--global-batch-size", "1000"], "larger than the dataset (256 samples)"),
-    (["--global-batch-size", "30", "--accum-steps", "4"], "must divide by world_size * accum_steps"),
+    (["--global-batch-size", "30", "--accum-steps", "4"], "must divide by world size x accum steps = 1 x 4"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--resume"], "need a checkpoint_dir"),
     (["--checkpoint-every", "2"], "need a checkpoint_dir"),
     (["--out", "no/such/folder/s.json"], "its folder does not exist"),
+    (["--history-out", "no/such/folder/h.json"], "cannot write --history-out"),
+    (["--strategy", "ddp"], "--strategy ddp runs under torchrun: torchrun --standalone --nproc-per-node N"),
+    (["--strategy", "fsdp"], "--strategy fsdp runs under torchrun"),
+    (["--dist-timeout", "0"], "--dist-timeout must be a number of seconds > 0"),
 ])
 def test_bad_values_exit_with_one_line(flags, message, monkeypatch):
     monkeypatch.setattr(train_mod, "train_step", lambda *a, **k: pytest.fail("trained despite a bad flag"))
@@ -104,7 +108,9 @@ def test_corrupt_checkpoint_exits_with_one_line_and_no_traceback(tmp_path):
 
 
 def test_docstring_has_the_launch_commands():
-    doc = train_mod.__doc__
+    doc = " ".join(train_mod.__doc__.replace("\\\n", " ").split())  # join continued lines
     assert "python -m ampcourse.train --model mlp --precision bf16" in doc
-    assert "torchrun --standalone --nproc-per-node N -m ampcourse.train" in doc
-    assert "--nnodes" in doc
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node N -m ampcourse.train" in doc
+    assert "torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:29500" in doc
+    assert "--nproc-per-node 2 -m ampcourse.train --strategy ddp --device cpu" in doc
+    assert "render_slurm" in doc

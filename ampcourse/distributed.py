@@ -1,0 +1,718 @@
+"""Run the course's AMP loop on several processes: torchrun's environment, DDP, FSDP2, sharded checkpoints.
+
+torchrun (``torch.distributed.run``) is the launcher; this module only reads what torchrun hands each
+worker, sets up the process group and wraps the model. Launch commands (`--help` lists every flag)::
+
+    # 1 process: no torchrun needed
+    python -m ampcourse.train --model mlp --precision bf16 --steps 200
+    # N processes on one node (one per GPU; on a CPU-only machine the same runs N CPU processes over gloo)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node N \\
+        -m ampcourse.train --strategy ddp --precision fp16 --steps 200
+    # M nodes: run this on every node (HOST = the first node)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 --rdzv-id myjob --max-restarts 1 -m ampcourse.train --strategy fsdp ...
+
+Why ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: it gives every restart round a fresh TCPStore, so a
+restarted job does not read the dead round's peer addresses (pytorch/pytorch#135712); with
+``--max-restarts 0`` it changes nothing. :func:`launch` sets it (and builds the command line) for the
+notebook and the tests; :func:`render_slurm` writes a SLURM batch script that does the same per node.
+
+What lives here, and why:
+
+- :func:`torchrun_env` reads RANK, LOCAL_RANK, WORLD_SIZE, ... (what torchrun sets for each worker).
+- :func:`worker_device` binds a worker to ``cuda:LOCAL_RANK`` (or the CPU) and refuses more workers than
+  GPUs; :func:`init` starts the process group (NCCL on CUDA, gloo on CPU) with a bounded timeout.
+- :func:`wrap_model` wraps for ``ddp`` (DistributedDataParallel) or ``fsdp`` (FSDP2's ``fully_shard``
+  with a :func:`mixed_precision_policy`); the training loop itself stays in ``ampcourse.train``.
+- :class:`ShardedCheckpointer` saves and restores FSDP2 runs with ``torch.distributed.checkpoint``,
+  which reshards on load, so a run saved on N ranks resumes on M.
+- :func:`memory_per_gpu` is the bytes-per-GPU model chapter 7 checks against live runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import pickle
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import checkpoint, models
+from .device import AmpSetup
+
+__all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
+           "worker_device", "shared_store_warning", "init", "teardown", "exit_worker", "single_process_group", "wrap_model",
+           "mixed_precision_policy", "fsdp_problem", "ShardedCheckpointer", "gather", "local_state_bytes",
+           "memory_per_gpu", "torchrun_command", "as_shell", "launch", "launch_env", "LaunchResult", "LaunchTimeout",
+           "render_slurm", "free_port"]
+
+#: The environment variable that makes every torchrun restart round use a fresh TCPStore.
+STORE_FIX_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+#: Where the stale-store restart failure is tracked upstream.
+UPSTREAM_ISSUE = "pytorch/pytorch#135712"
+#: Default bound on process-group setup and on every collective (a rank that died must not hang the rest).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+# ---------------------------------------------------------------------------------------------
+# What torchrun tells each worker
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The variables torchrun sets for every worker (defaults: one process, no torchrun)."""
+
+    rank: int = 0  # global rank, 0..world_size-1
+    local_rank: int = 0  # rank on this node: which GPU to use
+    world_size: int = 1
+    local_world_size: int = 1  # workers on this node (torchrun --nproc-per-node)
+    restart_count: int = 0  # how many times torchrun restarted the workers (elastic restarts)
+    max_restarts: int = 0  # torchrun --max-restarts
+    use_agent_store: bool = False  # workers share the agent's TCPStore (torch >= 2.4 default)
+    launched: bool = False  # running under torchrun at all
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that logs, writes the summary and single-file checkpoints."""
+        return self.rank == 0
+
+
+def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
+    """An integer environment variable, with a clear error if torchrun's value is garbage."""
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+    """Read torchrun's per-worker variables (os.environ by default)."""
+    env = os.environ if environ is None else environ
+    launched = "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env)
+    world = _int_env(env, "WORLD_SIZE", 1)
+    rank = _int_env(env, "RANK", 0)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} and WORLD_SIZE={world} from the environment do not fit together")
+    return TorchrunEnv(
+        rank=rank, local_rank=_int_env(env, "LOCAL_RANK", 0), world_size=world,
+        local_world_size=_int_env(env, "LOCAL_WORLD_SIZE", 1),
+        restart_count=_int_env(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_int_env(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+        use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        launched=launched,
+    )
+
+
+def shared_store_warning(env: TorchrunEnv) -> str | None:
+    """The warning for elastic restarts over torchrun's shared TCPStore, or None if it does not apply."""
+    if not (env.launched and env.max_restarts > 0 and env.use_agent_store):
+        return None
+    return (f"torchrun --max-restarts {env.max_restarts} with the workers sharing the agent's TCPStore "
+            f"(TORCHELASTIC_USE_AGENT_STORE=True): after a failure the restarted round can read the dead round's "
+            f"peer addresses and fail with 'Connection refused' ({UPSTREAM_ISSUE}). Launch torchrun with "
+            f"{STORE_FIX_ENV}=1 in its environment to give every round a fresh store.")
+
+
+def backend_for(device_type: str) -> str:
+    """NCCL for CUDA devices, gloo for the CPU."""
+    if device_type == "cuda":
+        return "nccl"
+    if device_type == "cpu":
+        return "gloo"
+    raise ValueError(f"multi-process training runs on cuda (NCCL) or cpu (gloo), not {device_type!r}; "
+                     "pass --device cpu or cuda")
+
+
+def worker_device(env: TorchrunEnv, device: str | None) -> str:
+    """The device this worker trains on: cuda:LOCAL_RANK on a GPU node, else cpu; ValueError if impossible."""
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; under torchrun use 'cuda' or 'cpu'") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        backend_for(dev.type)  # raises with the explanation
+    if not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available; use --device cpu")
+    if dev.index is not None and env.world_size > 1:
+        raise ValueError(f"--device {device}: under torchrun every worker uses cuda:LOCAL_RANK; pass --device cuda")
+    count = torch.cuda.device_count()
+    if env.local_world_size > count:
+        raise ValueError(f"torchrun started {env.local_world_size} processes on this node (--nproc-per-node) but it "
+                         f"has {count} CUDA device{'s' if count != 1 else ''}; use --nproc-per-node {count} or fewer")
+    return f"cuda:{env.local_rank}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Context:
+    """A started process group: who we are and where we compute."""
+
+    env: TorchrunEnv
+    backend: str
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers in the job."""
+        return self.env.world_size
+
+
+def init(device: str, env: TorchrunEnv | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
+    """Start the default process group from torchrun's variables (NCCL on CUDA, gloo on CPU), bounded in time."""
+    env = env or torchrun_env()
+    if not env.launched:
+        raise ValueError("--strategy ddp/fsdp needs several processes started by torchrun, e.g. "
+                         "torchrun --standalone --nproc-per-node 2 -m ampcourse.train --strategy ddp ...")
+    dev = torch.device(device)
+    backend = backend_for(dev.type)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # before NCCL starts: each process talks to its own GPU
+        kwargs["device_id"] = dev
+    dist.init_process_group(**kwargs)
+    return Context(env=env, backend=backend, device=dev)
+
+
+def teardown(barrier: bool = False) -> None:
+    """Destroy the process group if one is up (safe to call twice); barrier=True waits for every rank first."""
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()  # no rank shuts down its side while another is still in a collective
+        dist.destroy_process_group()
+
+
+def exit_worker(code: int) -> None:
+    """End a torchrun worker: flush stdout/stderr, then os._exit(code) without interpreter finalization.
+
+    destroy_process_group() does not free a process group that DDP's reducer or FSDP2's DTensors still
+    reference; its gloo threads and the TCPStore (hosted by worker rank 0 with the restart fix) then go
+    down during interpreter finalization, where we saw a worker abort ("terminate called without an
+    active exception", exit code -6) or hang after finishing its work, a few times in our test runs
+    under load (pytorch/pytorch#179291 describes the same finalization hazard). Everything that must
+    survive is written before this point (summary, history, fsynced checkpoints). Outside torchrun
+    this is plain sys.exit.
+    """
+    if not torchrun_env().launched:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def single_process_group(device: str = "cpu"):
+    """A one-process gloo group over an in-memory store (no sockets, no torchrun): to look inside DDP and FSDP2
+    from a notebook. Yields a Context; the group is destroyed on exit."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already running in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield Context(env=TorchrunEnv(), backend="gloo", device=torch.device(device))
+    finally:
+        dist.destroy_process_group()
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank (a collective; [obj] without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapping the model
+# ---------------------------------------------------------------------------------------------
+
+def mixed_precision_policy(amp: AmpSetup, root: bool = True):
+    """FSDP2's per-module precision: compute in the AMP dtype, reduce gradients in fp32 (and, at the root, return fp32).
+
+    param_dtype: the all-gathered weights, and so the module's forward and backward, in fp16/bf16 (None for
+    fp32: no cast). reduce_dtype fp32: gradients are summed across ranks in fp32, as DDP sums fp32
+    gradients. output_dtype fp32 only for the root module: the loss (cross_entropy) then runs on fp32
+    logits, as autocast would arrange, while inner units hand low-precision activations to each other.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=amp.amp_dtype, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
+
+
+def fsdp_problem(device_type: str) -> str | None:
+    """Why FSDP2 cannot run here (None if it can): fully_shard missing, or gloo without reduce-scatter.
+
+    Needs a process group on CPU: it tries one tiny reduce-scatter, the collective FSDP2 needs.
+    """
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        del MixedPrecisionPolicy, fully_shard  # only checking that they exist
+    except ImportError as err:
+        return f"torch {torch.__version__} has no FSDP2 (fully_shard): {err}"
+    if device_type != "cpu":
+        return None
+    world = dist.get_world_size()
+    out = torch.zeros(1)
+    # reduce_scatter_single is the newer name (torch >= 2.12 deprecates reduce_scatter_tensor)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    try:
+        reduce_scatter(out, torch.ones(world))
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"gloo in torch {torch.__version__} has no reduce-scatter ({first})"
+    return None
+
+
+def wrap_model(module: nn.Module, strategy: str, amp: AmpSetup, ctx: Context) -> nn.Module:
+    """DDP(module) for 'ddp'; for 'fsdp', fully_shard each transformer block and then the root (in place)."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(module, device_ids=[amp.device.index] if amp.device_type == "cuda" else None)
+    if strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(amp.device_type, (ctx.world_size,))
+        # One FSDP unit per transformer block: only one block's full weights exist at a time. The MLP and
+        # CNN are small enough to be a single unit (the root).
+        for sub in module.modules():
+            if isinstance(sub, models.Block):
+                fully_shard(sub, mesh=mesh, mp_policy=mixed_precision_policy(amp, root=False))
+        fully_shard(module, mesh=mesh, mp_policy=mixed_precision_policy(amp, root=True))
+        return module
+    raise ValueError(f"unknown strategy {strategy!r}; choose ddp or fsdp")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded checkpoints (FSDP2) with torch.distributed.checkpoint
+# ---------------------------------------------------------------------------------------------
+
+# Globals a DCP .metadata pickle may name. DCP reads that file with plain pickle.load, which would run
+# any code a crafted file asks for; we check the file against this list first.
+_DCP_SAFE_MODULES = ("torch.distributed.checkpoint.",)
+_DCP_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                     ("torch.serialization", "_get_layout"),  # maps a name like 'torch.strided' to the layout
+                     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+                     ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing any global outside the DCP metadata classes and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_DCP_SAFE_MODULES) or (module, name) in _DCP_SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                         torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in DCP metadata")
+
+
+def _safe_reader(path: Path):
+    """A DCP FileSystemReader whose metadata is checked by _MetadataUnpickler before DCP unpickles it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            meta_path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+            try:
+                with open(meta_path, "rb") as fh:
+                    _MetadataUnpickler(fh).load()
+            except FileNotFoundError:
+                raise  # DCP looks for per-rank metadata after the global file; a missing one is not an error
+            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as err:
+                raise checkpoint.CheckpointError(
+                    f"cannot resume from {str(path)!r}: its DCP metadata is unreadable or unsafe "
+                    f"({type(err).__name__}: {err}); move the directory aside or start a fresh run") from err
+            return super().read_metadata(*args, **kwargs)
+
+    return SafeReader(path)
+
+
+def _tensor_only_planner():
+    """A DCP load planner that refuses non-tensor items (we never save any: they would go through pickle)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            raise checkpoint.CheckpointError(
+                f"the sharded checkpoint holds a non-tensor item {read_item.dest_index.fqn!r}; ampcourse writes "
+                "tensors only, so this is not one of its checkpoints")
+
+    return TensorOnlyLoadPlanner()
+
+
+def _tensor_leaves_only(tree: Any, where: str = "") -> None:
+    """Assert a state dict for DCP holds tensors only (non-tensors would be pickled)."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            _tensor_leaves_only(v, f"{where}.{k}")
+    elif not isinstance(tree, torch.Tensor):
+        raise TypeError(f"non-tensor {type(tree).__name__} at {where} would be pickled into the DCP checkpoint")
+
+
+_SHARDED_REQUIRED = ("format", "version", "step", "scaler", "scheduler", "rng", "param_groups")
+
+
+class ShardedCheckpointer(checkpoint.FileCheckpointer):
+    """FSDP2 checkpoints: every rank writes its shards with DCP; rank 0 writes a small meta.pt beside them.
+
+    Layout: ``<dir>/sharded/step-00000008/`` (DCP files + meta.pt) and ``<dir>/sharded/latest`` naming the
+    complete step folder. A new checkpoint is written to a new folder; only then does ``latest`` move
+    (atomically) and the old folder go, so a crash mid-save leaves the previous checkpoint usable.
+    Tensors go through DCP (which reshards: saved on N ranks, restored on M); everything else (GradScaler,
+    scheduler, RNG, config, history, optimizer hyper-parameters) goes through ``checkpoint.save`` and comes
+    back through ``torch.load(weights_only=True)``; DCP's own metadata is checked before it is unpickled.
+    """
+
+    kind = "sharded checkpoint (--strategy fsdp)"
+
+    def path(self, directory: str | os.PathLike) -> Path:
+        """The pointer file `latest`: it exists once a complete sharded checkpoint does."""
+        return Path(directory) / "sharded" / "latest"
+
+    def _current(self, directory: str | os.PathLike) -> Path:
+        """The step folder `latest` points to."""
+        pointer = self.path(directory)
+        name = pointer.read_text().strip()
+        if not re.fullmatch(r"step-\d{8}", name) or not (pointer.parent / name).is_dir():
+            raise checkpoint.CheckpointError(f"cannot resume from {str(pointer.parent)!r}: 'latest' names "
+                                             f"{name[:40]!r}, which is not a step folder there")
+        return pointer.parent / name
+
+    def read(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Load meta.pt of the latest step folder (config, history, scaler, ...); the shards come in restore()."""
+        return checkpoint.load(self._current(directory) / "meta.pt", required=_SHARDED_REQUIRED)
+
+    @staticmethod
+    def _dcp_state(net: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+        """{'model': ..., 'optim': ...} of sharded tensors for DCP, and the optimizer's param_groups."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(net, optimizer)  # creates Adam's state on a fresh optimizer
+        return {"model": get_model_state_dict(net), "optim": osd["state"]}, osd["param_groups"]
+
+    def restore(self, state: dict[str, Any], directory: str | os.PathLike, *, net: nn.Module, module: nn.Module,
+                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, scheduler: Any = None,
+                device: torch.device | None = None) -> int:
+        """Load the shards into the live (sharded) model and optimizer, resharding if the world size changed."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        folder = self._current(directory)
+        target, _ = self._dcp_state(net, optimizer)
+        try:
+            dcp.load(target, storage_reader=_safe_reader(folder), planner=_tensor_only_planner())
+        except checkpoint.CheckpointError:
+            raise
+        except Exception as err:  # DCP wraps per-rank failures in CheckpointException and friends
+            first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+            raise checkpoint.CheckpointError(f"cannot resume from {str(folder)!r}: DCP could not load it into this "
+                                             f"model ({type(err).__name__}: {first})") from err
+        set_model_state_dict(net, target["model"])
+        set_optimizer_state_dict(net, optimizer, {"state": target["optim"], "param_groups": state["param_groups"]})
+        if scaler.is_enabled():
+            if not state["scaler"]:
+                raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r} has no GradScaler state (written "
+                                                 "without fp16); resume with the precision it was written with")
+            scaler.load_state_dict(state["scaler"])
+        if scheduler is not None:
+            if state["scheduler"] is None:
+                raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r} has no scheduler state")
+            scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"], device)
+        return int(state["step"])
+
+    def write(self, directory: str | os.PathLike, step: int, *, net: nn.Module, module: nn.Module,
+              optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, scheduler: Any = None,
+              device: torch.device | None = None, config: dict | None = None, history: dict | None = None) -> None:
+        """Every rank saves its shards (a collective); rank 0 then writes meta.pt and moves `latest`."""
+        import torch.distributed.checkpoint as dcp
+
+        root = Path(directory) / "sharded"
+        folder = root / f"step-{step:08d}"
+        tensors, param_groups = self._dcp_state(net, optimizer)
+        _tensor_leaves_only(tensors)
+        dcp.save(tensors, checkpoint_id=folder)  # returns on rank 0 after every rank's shards are written
+        if self.rank == 0:
+            meta = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": int(step),
+                    "scaler": scaler.state_dict(), "param_groups": param_groups,
+                    "scheduler": None if scheduler is None else scheduler.state_dict(),
+                    "rng": checkpoint.rng_state(device), "config": dict(config or {}), "history": dict(history or {}),
+                    "world_size": dist.get_world_size()}
+            checkpoint.save(meta, folder / "meta.pt")
+            _replace_text(self.path(directory), folder.name)
+            for old in root.glob("step-*"):
+                if old != folder and old.is_dir():
+                    shutil.rmtree(old)  # superseded: `latest` already points at the complete new folder
+        dist.barrier()  # nobody reads `latest` (or starts the next save) before it moved
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write a small text file atomically (temp file + os.replace)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory per GPU
+# ---------------------------------------------------------------------------------------------
+
+#: Bytes per parameter for each piece of training state under AMP with AdamW (weights stay fp32).
+STATE_BYTES = {"params": 4, "grads": 4, "adam_m": 4, "adam_v": 4}
+
+
+def memory_per_gpu(n_params: int, world_size: int, strategy: str) -> dict[str, float]:
+    """Bytes per GPU of weights, gradients and AdamW state under AMP (activations and buffers not included).
+
+    AMP keeps weights, gradients and both Adam moments in fp32: 16 bytes per parameter. DDP holds all of
+    it on every GPU; FSDP2 (full sharding) holds 1/world_size of each. The low-precision copies (autocast's
+    cached weight casts under DDP, FSDP2's all-gathered unit) are transient and listed separately:
+    DDP's autocast copy is the whole model, FSDP2's is one unit at a time (here: the whole model, an upper
+    bound for a single-unit model).
+    """
+    if not isinstance(n_params, int) or n_params < 0:
+        raise ValueError(f"n_params must be an int >= 0, got {n_params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"unknown strategy {strategy!r}; choose ddp or fsdp")
+    share = 1.0 if strategy == "ddp" else 1.0 / world_size
+    out = {name: nbytes * n_params * share for name, nbytes in STATE_BYTES.items()}
+    out["total"] = sum(out.values())
+    out["transient_low_precision_copy"] = 2.0 * n_params
+    return out
+
+
+def local_state_bytes(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank actually holds for weights, gradients and optimizer state (local shards only)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = list(net.parameters())
+    out = {"params": sum(local(p).nbytes for p in params),
+           "grads": sum(local(p.grad).nbytes for p in params if p.grad is not None),
+           "optimizer": sum(local(v).nbytes for s in optimizer.state.values() for v in s.values()
+                            if isinstance(v, torch.Tensor) and v.dim() > 0)}  # Adam's scalar 'step' left out
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching torchrun (from the notebook and the tests) and SLURM scripts
+# ---------------------------------------------------------------------------------------------
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (for a rendezvous endpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(args: Sequence[str] = (), *, nproc_per_node: int = 2, nnodes: int = 1,
+                     rdzv_endpoint: str | None = None, rdzv_id: str = "ampcourse", max_restarts: int = 0,
+                     local_addr: str | None = "127.0.0.1", module: str | None = None,
+                     script: str | os.PathLike | None = None, python: str | None = None,
+                     monitor_interval: float | None = None) -> list[str]:
+    """The torchrun command line (as ``python -m torch.distributed.run``, torchrun's own entry point).
+
+    One node: ``--standalone`` (a private rendezvous on a free local port). Several nodes: c10d rendezvous
+    at `rdzv_endpoint` (HOST:PORT on the first node). `local_addr` pins the address workers publish to
+    loopback (the default; pass None on a real cluster). Runs ``-m module`` (default ampcourse.train) or
+    `script`, with `args`.
+    """
+    if module is not None and script is not None:
+        raise ValueError("pass module= or script=, not both")
+    if script is None:
+        module = module or "ampcourse.train"
+    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    cmd = [python or sys.executable, "-m", "torch.distributed.run"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd += ["--standalone"]
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint='HOST:PORT' (the first node)")
+        cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                "--rdzv-id", rdzv_id]
+    cmd += ["--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts)]
+    if local_addr is not None:
+        cmd += ["--local-addr", local_addr]
+    if monitor_interval is not None:
+        cmd += ["--monitor-interval", str(monitor_interval)]
+    cmd += ["-m", module] if module is not None else [str(script)]
+    return cmd + [str(a) for a in args]
+
+
+def as_shell(cmd: Sequence[str]) -> str:
+    """A torchrun_command() as you would type it: the store fix in front, `torchrun` for the interpreter."""
+    if list(cmd[1:3]) != ["-m", "torch.distributed.run"]:
+        raise ValueError("expected a command from torchrun_command()")
+    return f"{STORE_FIX_ENV}=1 " + shlex.join(["torchrun", *cmd[3:]])
+
+
+@dataclass
+class LaunchResult:
+    """What a torchrun launch printed and returned."""
+
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def check(self) -> LaunchResult:
+        """Raise RuntimeError with the output's tail unless torchrun exited 0."""
+        if self.returncode != 0:
+            raise RuntimeError(f"torchrun exited {self.returncode}: {shlex.join(self.command)}\n"
+                               f"--- stdout (tail) ---\n{self.stdout[-3000:]}\n--- stderr (tail) ---\n"
+                               f"{self.stderr[-3000:]}")
+        return self
+
+
+class LaunchTimeout(TimeoutError):
+    """torchrun did not finish in time; its whole process group was killed."""
+
+
+def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for torchrun: ours, plus the restart fix and one OpenMP thread per worker."""
+    env = dict(os.environ)
+    env.setdefault(STORE_FIX_ENV, "1")  # fresh TCPStore per restart round (pytorch/pytorch#135712)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N workers sharing few cores: busy-waiting threads would starve them
+    env.update(extra or {})
+    return env
+
+
+def launch(args: Sequence[str] = (), *, timeout: float = 120.0, cwd: str | os.PathLike | None = None,
+           env: Mapping[str, str] | None = None, **command: Any) -> LaunchResult:
+    """Run torchrun (built by :func:`torchrun_command` from `command`) as a subprocess and wait for it.
+
+    The subprocess gets its own session; on `timeout` the whole group (torchrun and its workers) gets
+    SIGKILL and LaunchTimeout is raised with the output so far.
+    """
+    cmd = torchrun_command(args, **command)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env=launch_env(env), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        raise LaunchTimeout(f"torchrun did not finish in {timeout:g} s and was killed: {shlex.join(cmd)}\n"
+                            f"--- stdout (tail) ---\n{out[-2000:]}\n--- stderr (tail) ---\n{err[-2000:]}") from None
+    except BaseException:
+        _kill_group(proc)  # an interrupted notebook cell must not leave workers behind
+        raise
+    return LaunchResult(cmd, proc.returncode, out, err, time.perf_counter() - start)
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every descendant of `pid`, from /proc (Linux); empty where /proc does not exist."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop torchrun and every worker it spawned.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process group alone would
+    orphan them. Where /proc lists them we SIGKILL torchrun's group and each descendant; elsewhere we
+    SIGTERM torchrun (it then stops its workers) and SIGKILL it if it has not exited after 10 s.
+    """
+    family = _descendants(proc.pid)
+    if not family and not Path("/proc").is_dir():
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    for pid, group in [(proc.pid, True)] + [(pid, False) for pid in family]:
+        try:
+            if group:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+_SLURM_FIELDS = ("job_name", "nodes", "gpus_per_node", "cpus_per_task", "time", "port", "max_restarts", "train_args")
+
+
+def render_slurm(nodes: int, gpus_per_node: int, train_args: Sequence[str] = ("--strategy", "fsdp"), *,
+                 job_name: str = "ampcourse", time_limit: str = "01:00:00", cpus_per_task: int | None = None,
+                 port: int = 29500, max_restarts: int = 1) -> str:
+    """The SLURM batch script (templates/train.slurm) for `nodes` nodes with `gpus_per_node` GPUs each."""
+    for name, value, low in (("nodes", nodes, 1), ("gpus_per_node", gpus_per_node, 1), ("port", port, 1),
+                             ("max_restarts", max_restarts, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job_name):
+        raise ValueError(f"job_name {job_name!r}: use letters, digits, '_', '.', '-' (at most 64)")
+    if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", time_limit):
+        raise ValueError(f"time_limit {time_limit!r}: use HH:MM:SS or D-HH:MM:SS")
+    values = {"job_name": job_name, "nodes": nodes, "gpus_per_node": gpus_per_node,
+              "cpus_per_task": cpus_per_task or 8 * gpus_per_node, "time": time_limit, "port": port,
+              "max_restarts": max_restarts, "train_args": shlex.join(str(a) for a in train_args)}
+    text = resources.files("ampcourse").joinpath("templates/train.slurm").read_text()
+    filled = re.sub(r"\{\{(\w+)\}\}", lambda m: str(values[m.group(1)]), text)
+    assert "{{" not in filled and set(values) == set(_SLURM_FIELDS)
+    return filled
+
