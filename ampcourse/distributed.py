@@ -635,6 +635,9 @@ def launch(args: Sequence[str] = (), *, timeout: float = 120.0, cwd: str | os.Pa
     SIGKILL and LaunchTimeout is raised with the output so far.
     """
     cmd = torchrun_command(args, **command)
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float("inf")
+    if not ok:  # checked before anything starts: a timeout of 0 or less would kill the job it just launched
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             env=launch_env(env), start_new_session=True)

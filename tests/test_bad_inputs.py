@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from ampcourse import autocast_ops, bench, checkpoint, device, formats, memory, models, policy, scaling, widgets
+from ampcourse import autocast_ops, bench, checkpoint, device, distributed, formats, memory, models, policy, scaling, widgets
 from ampcourse import train as train_mod
 from ampcourse.scaling import LossScaler
 
@@ -183,6 +183,20 @@ API = {
     "matmul tf32 on a CPU": Row(lambda t: bench.matmul_tflops("cpu", dtypes=["tf32"]), "tf32", "only on CUDA"),
     "train_step_times fp32 only": Row(lambda t: bench.train_step_times(["mlp"], "cpu", "fp32"), "fp32",
                                       "'fp16' or 'bf16'"),
+    # distributed: impossible world sizes and strategies
+    "torchrun_env WORLD_SIZE 0": Row(lambda t: distributed.torchrun_env({"RANK": "0", "WORLD_SIZE": "0"}),
+                                     "WORLD_SIZE=0", "do not fit together"),
+    "torchrun_env RANK beyond the world": Row(lambda t: distributed.torchrun_env({"RANK": "5", "WORLD_SIZE": "2"}),
+                                              "RANK=5", "do not fit together"),
+    "memory_per_gpu world_size 0": Row(lambda t: distributed.memory_per_gpu(1000, 0, "ddp"), "0", "int >= 1"),
+    "memory_per_gpu unknown strategy": Row(lambda t: distributed.memory_per_gpu(1000, 2, "zero3"), "'zero3'", "ddp or fsdp"),
+    "wrap_model unknown strategy": Row(lambda t: distributed.wrap_model(models.make_model("mlp"), "zero", device.pick("cpu"),
+                                                                        None), "'zero'", "ddp or fsdp"),
+    "backend_for tpu": Row(lambda t: distributed.backend_for("tpu"), "'tpu'", "cuda \\(NCCL\\) or cpu \\(gloo\\)"),
+    "torchrun_command 0 processes": Row(lambda t: distributed.torchrun_command([], nproc_per_node=0), "0", "int >= 1"),
+    "torchrun_command 0 nodes": Row(lambda t: distributed.torchrun_command([], nnodes=0), "0", "int >= 1"),
+    "launch with timeout 0": Row(lambda t: distributed.launch([], timeout=0), "0", "finite number of seconds > 0"),
+    "render_slurm 0 GPUs per node": Row(lambda t: distributed.render_slurm(2, 0), "0", "int >= 1"),
     # widgets, built with bad arguments
     "parse_scale 2**2000": Row(lambda t: widgets.parse_scale("2**2000"), "'2**2000'", "positive finite"),
     "parse_steps backwards": Row(lambda t: widgets.parse_steps("20-10", 100), "'20-10'", "10-20"),
@@ -254,6 +268,39 @@ CLI = {
     "bench --out is a file": (bench.main, ["--out", "{tmp}/a_file", "--quick"], "a_file", "give a folder"),
     "widgets --repeats 0": (widgets._main, ["--bench", "--repeats", "0"], "got 0", ">= 1"),
 }
+
+
+# The CLI as a torchrun worker (the environment torchrun gives rank 0 of WORLD_SIZE processes); no process
+# group may start before the arguments are checked.
+WORKER_ENV = {"RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x",
+              "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+WORKER_CLI = {
+    "3 ranks, global batch 64": (["--strategy", "ddp"], 3, "--global-batch-size 64", "world size x accum steps = 3 x 1"),
+    "64 ranks, global batch 32": (["--strategy", "ddp", "--global-batch-size", "32"], 64, "--global-batch-size 32",
+                                  "world size x accum steps = 64 x 1"),
+    "--strategy single under torchrun": (["--strategy", "single"], 2, "WORLD_SIZE=2", "--strategy single runs one process"),
+    "--strategy zero": (["--strategy", "zero"], 2, "'zero'", "choose from 'single', 'ddp', 'fsdp'"),
+    "--inject-inf on a rank that is not there": (["--strategy", "ddp", "--inject-inf", "5:0"], 2, "5:0",
+                                                 "there is no rank 5 in a world of 2"),
+}
+
+
+@pytest.mark.parametrize("name", WORKER_CLI)
+def test_torchrun_worker_rejects_bad_input_clearly(name, tmp_path, monkeypatch):
+    flags, world, value, allowed = WORKER_CLI[name]
+    monkeypatch.chdir(tmp_path)
+    for key, val in (WORKER_ENV | {"WORLD_SIZE": str(world)}).items():
+        monkeypatch.setenv(key, val)
+    monkeypatch.setattr(distributed, "init", lambda *a, **k: pytest.fail("a process group started"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as info:
+        train_mod.main(["--model", "mlp", "--steps", "2", "--no-progress", *flags])
+    code = info.value.code
+    text = code if isinstance(code, str) else err.getvalue()
+    line = text.strip().splitlines()[-1]
+    assert code not in (0, None) and "Traceback" not in text and "error:" in line
+    assert value in line and allowed in line, line
+    assert list(tmp_path.iterdir()) == []
 
 
 class Pickled:
@@ -344,4 +391,4 @@ def test_scaler_simulator_burst_box():
 
 def test_the_table_is_large_enough():
     """The issue asks for at least 50 bad inputs; the widget tests above add 14 typed values."""
-    assert len(API) + len(CLI) >= 50
+    assert len(API) + len(CLI) + len(WORKER_CLI) >= 50

@@ -10,7 +10,10 @@ bit-identical to before a skipped step (and do change on the others), the scale 
 Killed writers: a real process is SIGKILLed while ``checkpoint.save`` writes, once at a chosen
 point (half the bytes written) through ``python -m ampcourse.train``, and at random moments in a
 sweep. The previous checkpoint must stay loadable and unchanged, and a resume must give the
-uninterrupted run. (A rank killed under torchrun --max-restarts: with ampcourse.distributed.)
+uninterrupted run.
+
+A rank killed under ``torchrun --max-restarts 1`` at a random step (three seeds; slow: a torchrun job
+each) must resume from the last checkpoint and end exactly where an uninterrupted job ends.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from ampcourse import checkpoint, models
+from ampcourse import checkpoint, distributed, models
 from ampcourse import train as train_mod
 from ampcourse.checkpoint import CheckpointError
 from ampcourse.device import pick
@@ -385,3 +388,44 @@ def test_sigkill_at_random_moments_never_leaves_a_torn_checkpoint(tmp_path):
         assert [p.name for p in folder.iterdir()] == [checkpoint.FILENAME]
     assert sum(e["confirmed"] > 0 for e in report) >= tries // 2  # the writers really wrote, repeatedly
     assert mid_write >= 1, "no kill landed in the middle of a write; the sweep proved nothing"
+
+
+# --- a rank killed at a random step under torchrun --max-restarts ---------------------------------------
+
+WORKER = ROOT / "tests" / "dist_worker.py"  # the CLI plus AMPCOURSE_TEST_KILL=RANK:STEP (SIGKILL, first round)
+ELASTIC = ["--model", "mlp", "--device", "cpu", "--global-batch-size", "32", "--samples", "256", "--seed", "0",
+           "--no-progress", "--strategy", "ddp", "--precision", "fp16", "--steps", "10", "--checkpoint-every", "3",
+           "--checkpoint-dir", "ckpt", "--out", "summary.json"]
+KILL_SEEDS = range(3)
+
+
+def kill_point(seed: int) -> tuple[int, int]:
+    """(rank, step) at whose start that rank SIGKILLs itself: drawn from the seed (here (0, 6), (1, 7), (1, 1):
+    the rank that writes checkpoints right after it wrote one, the other rank, and a kill before any checkpoint)."""
+    rng = random.Random(5000 + seed)
+    return rng.randrange(2), rng.randrange(1, 10)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The summary of the same torchrun job without a fault."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    distributed.launch(ELASTIC, cwd=folder, timeout=180, script=WORKER, max_restarts=1).check()
+    return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", KILL_SEEDS)
+def test_rank_killed_at_a_random_step_resumes_to_the_uninterrupted_result(seed, uninterrupted, tmp_path):
+    rank, step = kill_point(seed)
+    fault = distributed.launch(ELASTIC, cwd=tmp_path, timeout=240, script=WORKER, max_restarts=1,
+                               env={"AMPCOURSE_TEST_KILL": f"{rank}:{step}"}).check()
+    assert "exitcode: -9" in fault.stderr  # the kill happened, and torchrun restarted the job
+    last = 3 * (step // 3)  # the last checkpoint written before the kill (steps 0..step-1 done)
+    said = "resuming from the last checkpoint" if last else "no checkpoint yet, starting over"
+    assert f"ampcourse.train: torchrun restart 1: {said}" in fault.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resumed_from_step"] == last and summary["steps_done"] == 10
+    for key in ("checksum", "final_loss", "final_loss_scale", "skipped_steps"):
+        assert summary[key] == uninterrupted[key], key
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [checkpoint.FILENAME]  # no torn or stray files
