@@ -23,11 +23,16 @@ setup: $(STAMP)  ## create .venv with pinned dependencies, ampcourse (editable) 
 lab: setup  ## set up, then open JupyterLab on the chapters
 	$(BIN)/jupyter lab --notebook-dir=chapters --port=$(PORT)
 
+# Tests run with one OpenMP thread per process unless OMP_NUM_THREADS is set: the course's models are
+# tiny, and on a busy 2-core machine two spinning OpenMP threads per process made chapter 2 take 148 s
+# instead of 13 s (benchmarks/README.md, "Notebook suite wall time").
+TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
+
 test: setup  ## set up, then run unit tests and every notebook through nbval
-	$(BIN)/python -m pytest
+	$(TEST_ENV) $(BIN)/python -m pytest
 
 unit: setup  ## unit tests only (no notebooks)
-	$(BIN)/python -m pytest tests
+	$(TEST_ENV) $(BIN)/python -m pytest tests
 
 notebooks: setup  ## re-execute every chapter and store clean outputs (after changing code or prose)
 	$(BIN)/python tools/nbtool.py execute chapters/*.ipynb
