@@ -35,7 +35,7 @@ unit: setup  ## unit tests only (no notebooks)
 	$(TEST_ENV) $(BIN)/python -m pytest tests
 
 notebooks: setup  ## re-execute every chapter and store clean outputs (after changing code or prose)
-	$(BIN)/python tools/nbtool.py execute chapters/*.ipynb
+	$(TEST_ENV) $(BIN)/python tools/nbtool.py execute chapters/*.ipynb
 
 nbclean: setup  ## strip noisy metadata from the chapters without executing them
 	$(BIN)/python tools/nbtool.py clean chapters/*.ipynb
