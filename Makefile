@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml requirements.lock
 
 setup: $(STAMP)  ## create .venv with pinned dependencies, ampcourse (editable) and a Jupyter kernel
 
+# JupyterLab listens on loopback only; as root (containers) it needs --allow-root to start at all.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: setup  ## set up, then open JupyterLab on the chapters
-	$(BIN)/jupyter lab --notebook-dir=chapters --port=$(PORT)
+	$(BIN)/jupyter lab --notebook-dir=chapters --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) $(LAB_ARGS)
 
 # Tests run with one OpenMP thread per process unless OMP_NUM_THREADS is set: the course's models are
 # tiny, and on a busy 2-core machine two spinning OpenMP threads per process made chapter 2 take 148 s
