@@ -59,3 +59,19 @@ def test_stale_outputs_fail_nbval(tmp_path):
                           "--nbval-current-env", str(path), "-c", "/dev/null"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 1 and "1 failed" in run.stdout, run.stdout[-2000:]
+
+
+def test_clean_scrubs_machine_paths_from_tracebacks(tmp_path):
+    """An expected error's traceback names files by absolute path (inside ANSI colour codes): clean() removes them."""
+    nb = nbformat.v4.new_notebook()
+    frame = "\x1b[36mFile \x1b[39m\x1b[32m/home/ada/venvs/amp/lib/python3.11/site-packages/torch/amp/grad_scaler.py:342\x1b[39m"
+    own = f"\x1b[36mFile \x1b[39m\x1b[32m{ROOT}/ampcourse/scaling.py:10\x1b[39m"
+    err = nbformat.v4.new_output("error", ename="RuntimeError", evalue="boom", traceback=[frame, own])
+    nb.cells = [nbformat.v4.new_code_cell("raise RuntimeError('boom')", execution_count=1, outputs=[err])]
+    path = tmp_path / "err.ipynb"
+    nbformat.write(nb, path)
+    assert any("machine path" in p for p in nbtool.problems(path))
+    nbformat.write(nbtool.clean(nbformat.read(path, as_version=4)), path)
+    assert nbtool.problems(path) == []
+    tb = nbformat.read(path, as_version=4).cells[0].outputs[0].traceback
+    assert "<site-packages>/torch/amp/grad_scaler.py:342" in tb[0] and "\x1b[32mampcourse/scaling.py:10" in tb[1]

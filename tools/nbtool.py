@@ -22,10 +22,20 @@ KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "nam
 KEEP_CELL_METADATA = ("tags",)
 # Absolute paths of the machine that ran the notebook have no place in the course.
 MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|tmp|home|Users|opt|usr)/[\w.+-]+(?:/[\w.+-]+)*")
+# Terminal colour codes as they appear, JSON-escaped, in the .ipynb text of tracebacks.
+ANSI_JSON = re.compile(r"\\u001b\[[0-9;]*m")
+# Where an installed package's file sits: everything up to site-packages/ says which machine ran it.
+SITE_PACKAGES = re.compile(r"/[^\s\"'\x1b]*?/site-packages/")
 
 
-def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Strip timestamps, widget state and per-machine metadata; renumber executed cells."""
+def scrub_paths(text: str, repo: Path) -> str:
+    """Replace this machine's paths in an output (tracebacks of expected errors) with portable ones."""
+    text = SITE_PACKAGES.sub("<site-packages>/", text)
+    return text.replace(str(repo.resolve()) + "/", "")
+
+
+def clean(nb: nbformat.NotebookNode, repo: Path = Path(__file__).resolve().parents[1]) -> nbformat.NotebookNode:
+    """Strip timestamps, widget state, per-machine metadata and paths; renumber executed cells."""
     nb.metadata = nbformat.from_dict({
         "kernelspec": KERNELSPEC,
         "language_info": {"name": "python", "pygments_lexer": "ipython3"},
@@ -44,6 +54,8 @@ def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
         for out in cell.outputs:
             if "execution_count" in out:
                 out.execution_count = cell.execution_count
+            if out.get("output_type") == "error":  # nbval ignores tracebacks; readers should not see our paths
+                out.traceback = [scrub_paths(line, repo) for line in out.traceback]
             if out.get("output_type") in ("display_data", "execute_result"):
                 out.metadata = nbformat.from_dict({k: v for k, v in out.get("metadata", {}).items() if k == "image/png"})
     nb.nbformat, nb.nbformat_minor = 4, 4  # 4.4: no cell ids, so diffs show content, not random ids
@@ -66,7 +78,7 @@ def problems(path: Path) -> list[str]:
             found.append(f"code cell {i}: outputs without an execution count")
     if "widgets" in nb.metadata:
         found.append("widget state stored")
-    for m in MACHINE_PATH.finditer(text):
+    for m in MACHINE_PATH.finditer(ANSI_JSON.sub("", text)):
         found.append(f"machine path {m.group(0)!r}")
     counts = [c.execution_count for c in code if c.execution_count is not None]
     if counts != list(range(1, len(counts) + 1)):
