@@ -842,7 +842,7 @@ def _gradient_findings(ctx: _Context, examined: Sequence[str]) -> tuple[list[Fin
     while gmax * s >= over:  # what GradScaler(init_scale=2**16) does: skip the step, halve, try again
         s, backoffs = s / 2, backoffs + 1
     flush1, flush_rec = total.share("underflow", 1.0), total.share("underflow", scale)
-    flush_default = total.share("underflow", DEFAULT_SCALE)
+    flush_default = total.share("underflow", s)  # where the default scaler settles after its backoffs
     info.update(flush_at_1=flush1, recommended_scale=scale, flush_at_recommended=flush_rec,
                 flush_at_default=flush_default, default_backoff_steps=backoffs,
                 largest_scale_without_overflow=2.0 ** math.floor(math.log2(fmax / gmax)),
@@ -860,10 +860,14 @@ def _gradient_findings(ctx: _Context, examined: Sequence[str]) -> tuple[list[Fin
                    f"GradScaler's default 2**16 does not overflow and leaves {flush_default:.2%} flushed")
     if "fp16" in examined:
         if flush1 > UNDERFLOW_WARN:
+            # A warning when fp16 cannot train without loss scaling (most gradients lost) or when the default
+            # GradScaler still loses gradients; otherwise a note: the usual GradScaler handles it.
+            sev = "warning" if flush1 > 0.5 or flush_default > UNDERFLOW_WARN else "info"
             out.append(Finding("gradient_underflow", "", "fp16", flush1,
-                               f"{flush1:.1%} of the nonzero gradients flush to zero in fp16 at scale 1{worst_txt}; at "
-                               f"init_scale=2**{k} (max|grad| {gmax:.3g} x scale stays {GRAD_MARGIN:g}x below {fmax:g}) "
-                               f"{flush_rec:.2%} do: use torch.amp.GradScaler(device, init_scale=2**{k})", "warning"))
+                               f"{flush1:.1%} of the nonzero gradients flush to zero in fp16 at scale 1{worst_txt}; "
+                               f"GradScaler's default leaves {flush_default:.2%}; at init_scale=2**{k} (max|grad| "
+                               f"{gmax:.3g} x scale stays {GRAD_MARGIN:g}x below {fmax:g}) {flush_rec:.2%} do: use "
+                               f"torch.amp.GradScaler(device, init_scale=2**{k})", sev))
         if flush_rec > UNDERFLOW_WARN:
             out.append(Finding("gradient_underflow", "", "fp16", flush_rec,
                                f"even at init_scale=2**{k} {flush_rec:.2%} of the nonzero gradients flush to zero: "
