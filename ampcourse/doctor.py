@@ -1140,7 +1140,10 @@ def _factory_setup(spec: str):
             raise CliError(f"--model {spec!r}: module {mod_name!r} has no attribute {attr!r}")
     if not callable(factory):
         raise CliError(f"--model {spec!r}: {attr!r} is not callable")
-    out = factory()
+    try:
+        out = factory()
+    except Exception as err:  # the learner's code: one line that says where it failed, not a traceback
+        raise CliError(f"--model {spec!r}: the factory raised {type(err).__name__}: {err}") from err
     if not isinstance(out, (tuple, list)) or len(out) not in (4, 5):
         got = f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else type(out).__name__
         raise CliError(f"--model {spec!r}: the factory must return (model, inputs, targets, loss_fn) "
