@@ -314,7 +314,8 @@ class Report:
                  + (f" with fp32 modules {self.fp32_modules}" if self.fp32_modules else "")
                  + (f", GradScaler(init_scale=2**{int(math.log2(self.recommended_init_scale))})"
                     if self.recommended_precision == "fp16" else ", no GradScaler needed")]
-        lines.append(f"{len(self.warnings)} warning(s), {len(self.findings) - len(self.warnings)} note(s):")
+        n = {sev: sum(f.severity == sev for f in self.findings) for sev in SEVERITIES}
+        lines.append(f"{n['error']} error(s), {n['warning']} warning(s), {n['info']} note(s):")
         lines += [f"  [{f.severity}] {f.kind} ({f.precision}{', ' + f.module if f.module else ''}): {f.message}"
                   for f in self.findings]
         lines += ["advice:"] + [f"  - {a}" for a in self.advice]
@@ -770,7 +771,8 @@ def _overflowing(order: Sequence[str], ref: Mapping[str, _ModuleRecord], p: str)
     return [n for n in order if ref[n].act.max > top]
 
 
-def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleRecord], loss: float) -> list[Finding]:
+def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleRecord], loss: float,
+                        islands: Sequence[str], status: str) -> list[Finding]:
     """Findings from one autocast pass: overflow, inf/NaN, per-module precision loss."""
     out = []
     over = _overflowing(ctx.order, ctx.records, p)
@@ -779,8 +781,8 @@ def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleReco
         r = ctx.records[n]
         share = r.act.share("overflow", 1.0, p)
         more = f" ({len(over) - 1} module(s) after it too)" if len(over) > 1 else ""
-        # Finite everywhere under autocast: the big values stayed fp32 on this device; an fp16 op reading them overflows.
-        stayed = all(v == 0 for v in (records[m].nonfinite.get(p, 0) for m in ctx.order))
+        # Clean without an island here: the big values stayed fp32 on this device; an fp16 op reading them overflows.
+        stayed = status != "refused" and n not in islands
         out.append(Finding("activation_overflow", n, p, r.act.max,
                            f"{n or 'the model'} outputs values up to {r.act.max:.4g} in fp32 ({share:.2%} of them above "
                            f"{p}'s max {formats.spec(p).max:g}){more}"
@@ -802,7 +804,7 @@ def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleReco
         sev = "error" if err > 0.5 else "warning"
         out.append(Finding("precision_loss", n, p, err,
                            f"{n}'s own output under {p} autocast differs from fp32 on the same inputs by {err:.3g} "
-                           f"(relative, SQNR {sqnr:.1f} dB; tolerance {REL_TOL[p]:.3g}): run it in fp32", sev))
+                           f"(relative, SQNR {sqnr + 0.0:.1f} dB; tolerance {REL_TOL[p]:.3g}): run it in fp32", sev))
     return out
 
 
@@ -1036,9 +1038,8 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
             for n, r in records.items():
                 for attr in ("dtype", "nonfinite", "local_error", "output_error"):
                     getattr(ctx.records[n], attr)[p] = getattr(r, attr).get(p, 0 if attr == "nonfinite" else None)
-            found = _precision_findings(ctx, p, records, loss)
-            findings += found
             status, islands, fixed_loss = _islands_for(ctx, amp, records, loss)
+            findings += _precision_findings(ctx, p, records, loss, islands, status)
             out_err = ctx.records[""].output_error.get(p) if "" in ctx.records else None
             verdicts[p] = {"status": status, "fp32_modules": islands if status != "refused" else [], "loss": loss,
                            "loss_with_islands": fixed_loss, "tried_fp32_modules": islands, "native": amp.native,
