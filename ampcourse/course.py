@@ -66,10 +66,11 @@ OUTLINE: tuple[OutlineSection, ...] = (
     OutlineSection("3.1.2", "loss scaling", 6),
 )
 
-#: What each chapter covers of the outline (chapter 7 goes beyond it: AMP on several GPUs).
+#: What each chapter covers of the outline (chapters 7 and 8 go beyond it: several GPUs, your own model).
 CHAPTER_OUTLINE: dict[int, str] = {
     1: "1, 2.1, 2.1.1", 2: "2.1.2", 3: "2.2.1, 2.2.2", 4: "2.3.1–2.3.3", 5: "3.1.1", 6: "3.1.2",
     7: "beyond the outline: multi-GPU AMP",
+    8: "beyond the outline: AMP on your own model (the AMP doctor)",
 }
 
 _f32, _f16, _bf16 = formats.spec("fp32"), formats.spec("fp16"), formats.spec("bf16")
@@ -102,6 +103,7 @@ GLOSSARY: tuple[Term, ...] = (
     Term("gradient accumulation", "梯度累积", "summing gradients over several micro-batches before one optimizer step", 4),
     Term("fp32 island", "FP32 区域", "a region run with autocast disabled and inputs cast to fp32, for numerically delicate code", 5),
     Term("data parallel (DDP)", "数据并行", "one model copy per GPU, gradients averaged by all-reduce after backward", 7),
+    Term("lost update", "更新丢失", "an optimizer step smaller than half an ulp of a low-precision weight: it rounds away", 8),
 )
 
 

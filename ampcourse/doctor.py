@@ -284,11 +284,12 @@ class Report:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         return [f for f in self.findings if f.kind == kind and (precision is None or f.precision == precision)]
 
-    def policy_snippet(self) -> str:
-        """Code that applies the recommended fp32 islands (empty when there are none)."""
-        if not self.fp32_modules:
+    def policy_snippet(self, precision: str | None = None) -> str:
+        """Code that applies the fp32 islands for precision (default: the recommended one); empty when there are none."""
+        names = self.fp32_modules if precision is None else self.verdicts.get(precision, {}).get("fp32_modules", [])
+        if not names:
             return ""
-        rules = ", ".join(f"{n!r}: 'fp32'" for n in self.fp32_modules)
+        rules = ", ".join(f"{n!r}: 'fp32'" for n in names)
         return f"from ampcourse.policy import apply_policy\napply_policy(model, {{{rules}}})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -346,7 +347,7 @@ class Report:
 
         mods = [m for m in self.modules if m["leaf"] and m["act_max"] > 0]
         if ax is None:
-            fig, ax = plt.subplots(figsize=(9, 0.32 * len(mods) + 1.6))
+            fig, ax = plt.subplots(figsize=(10, 0.32 * len(mods) + 1.6))
         else:
             fig = ax.figure
         for fmt, colour in (("bf16", "#d5f5e3"), ("fp16", "#d6eaf8")):
@@ -354,7 +355,8 @@ class Report:
             lo, hi = math.log2(f.min_subnormal), math.log2(f.max)
             ax.axvspan(max(lo, -60), min(hi, 30), color=colour, alpha=0.6, zorder=0,
                        label=f"{fmt}: 2^{lo:.0f} .. {f.max:.3g}" if fmt == "fp16" else f"{fmt} (wider than shown)")
-        ax.axvline(math.log2(formats.spec("fp16").min_normal), color="#2e86c1", lw=0.8, ls=":")
+        ax.axvline(math.log2(formats.spec("fp16").min_normal), color="#2e86c1", lw=0.8, ls=":",
+                   label="fp16 smallest normal")
         for i, m in enumerate(mods):
             for key, dy, colour, label in (("act", -0.15, "#1f618d", "activations"), ("grad", 0.15, "#b03a2e", "gradients")):
                 lo, hi = m[f"{key}_min"], m[f"{key}_max"]
@@ -365,7 +367,7 @@ class Report:
         ax.invert_yaxis()
         ax.set_xlabel("log2 |value| (smallest occupied binade to max)")
         ax.set_xlim(-60, 30)
-        ax.legend(loc="lower left", fontsize=7)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
         ax.set_title(f"AMP doctor: value ranges per module ({self.device})")
         fig.tight_layout()
         return fig
