@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import html
 import importlib
 import json
 import math
 import random
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -68,6 +70,9 @@ LOST_WARN = 0.10  # warn when more than 10% of the update elements round to no c
 MAX_ISLANDS = 4  # more fp32 modules than this, and fp16 is not worth it: use bf16 or fp32
 DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale
 _SAMPLE = 1024  # output values per module kept to compare a precision's final outputs with fp32
+#: Values histogrammed per tensor at most (evenly spaced; max and inf/NaN counts use every value): the
+#: counting, not the model, dominated examine()'s time on large activations (benchmarks/README.md).
+COUNT_CAP = 2**16
 
 
 # -- histograms ---------------------------------------------------------------------------------------------
@@ -75,72 +80,104 @@ _SAMPLE = 1024  # output values per module kept to compare a precision's final o
 class Log2Hist:
     """Counts of |x| per binade [2**b, 2**(b+1)) and per closeness to the binade's top, plus zeros, infs/NaNs, max.
 
-    A tensor's range, not its values. The second axis, Q = floor(-log2(1 - m)) for the mantissa m of
-    frexp (0 for m == 0.5 exactly), places each value against the rounding thresholds of fp16 and bf16
-    (65520 = 2**16 * (1 - 2**-12), ...), so :meth:`counts` equals ``range_counts`` at power-of-two scales.
+    A tensor's range, not its values. Each value is counted from its float32 bits: the exponent gives its
+    binade (fp32 subnormals included), and the fraction its class Q = 1 + (leading ones of the fraction),
+    capped at QMAX, or 0 when the value is exactly a power of two. Q places each value against the rounding
+    thresholds of fp16 and bf16 (65520 = 2**16 * (1 - 2**-12), ...), so :meth:`counts` equals
+    ``range_counts`` at power-of-two scales, from a fixed-size table and a few cheap integer ops per value.
+    Float64 tensors are counted as float32. With ``cap`` (the doctor uses :data:`COUNT_CAP`) a large tensor
+    is counted on evenly spaced values; its max and its infs/NaNs always come from every value.
     """
 
-    LO, HI = -160, 140  # binades from below fp32's smallest subnormal (2**-149) to above its max (2**128)
-    QMAX = 24  # Q classes 0 (exactly a power of two) .. 24 (within 2**-24 of the binade's top)
+    LO, HI = -149, 127  # binades from fp32's smallest subnormal (2**-149) to its largest (2**127)
+    QMAX = 13  # Q classes 0 (a power of two) .. 13 (within 2**-12 of the binade's top): enough for fp16 and bf16
+    _ROW0 = 32  # table row of binade b is b + 127 + _ROW0; row 0 holds zeros, the last row infs and NaNs
+    _ROWS = 255 + _ROW0 + 1
 
     def __init__(self) -> None:
         self._bins: torch.Tensor | None = None  # accumulated on the tensors' device: no host sync per tensor
-        self._scalars: torch.Tensor | None = None  # numel, zero, nonfinite, max
+        self._scalars: torch.Tensor | None = None  # numel, max, nonfinite
         self._frozen: tuple[np.ndarray, int, int, int, float] | None = None
+        self._counts: dict[tuple[float, str], dict[str, int]] = {}  # counts() per (scale, fmt) since the last add
 
     @property
     def _nq(self) -> int:
         return self.QMAX + 1
 
-    def add(self, t: torch.Tensor) -> None:
-        """Count the values of a floating-point tensor (ignored otherwise)."""
+    def add(self, t: torch.Tensor, cap: int | None = None) -> None:
+        """Count the values of a floating-point tensor (ignored otherwise); cap as in count()."""
+        counted = self.count(t, cap)
+        if counted is not None:
+            self.accumulate(*counted)
+
+    @classmethod
+    def count(cls, t: torch.Tensor, cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(table of counts, [numel, max, nonfinite]) of one tensor, on its device; None if it is not floating point.
+
+        cap: histogram at most about this many evenly spaced values, each standing for `step` values (the
+        max and the count of infs/NaNs always come from every value). None: every value.
+        """
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            return
+            return None
         a = t.detach().reshape(-1)
-        a = a.float() if a.element_size() < 4 else a  # frexp of fp16/bf16 values is exact in float32
-        a = a.abs()
-        finite = torch.isfinite(a)
-        pos = a[finite & (a > 0)]
-        m, e = torch.frexp(pos)
-        q = torch.floor(-torch.log2(1 - m)).clamp_(1, self.QMAX).long()
-        q = torch.where(m == 0.5, torch.zeros_like(q), q)
-        idx = (e.long() - 1 - self.LO).clamp_(0, self.HI - self.LO) * self._nq + q
-        bins = torch.bincount(idx, minlength=(self.HI - self.LO + 1) * self._nq)
-        top = pos.max().double() if pos.numel() else torch.zeros((), dtype=torch.float64, device=a.device)
-        scalars = torch.stack([torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device),
-                               (a == 0).sum().double(), (~finite).sum().double(), top])
+        if a.dtype != torch.float32:
+            a = a.float()  # exact for fp16/bf16
+        n = a.numel()
+        full = a.contiguous().view(torch.int32) & 0x7FFFFFFF  # |x| as bits: integer order is float order
+        top = full.max() if n else torch.zeros((), dtype=torch.int32, device=a.device)
+        if a.device.type == "cpu" and int(top) < 0x7F800000:  # all finite (reading it back is free on a CPU)
+            nonfinite = torch.zeros((), dtype=torch.float64)
+        else:  # an inf/NaN may be there: the largest finite value and the count need a second look
+            finite = full < 0x7F800000
+            top = torch.where(finite, full, 0).max() if n else top
+            nonfinite = (~finite).sum().double()
+        step = max(1, -(-n // cap)) if cap else 1
+        bits = full[::step] if step > 1 else full
+        sub = bits < 0x00800000  # zero or an fp32 subnormal: read its bits from float(bits) instead, 149 binades up
+        eff = torch.where(sub, bits.float().view(torch.int32) - (149 << 23), bits)
+        frac = eff & 0x7FFFFF
+        # Q = 1 + leading ones of the fraction = 24 - bit length of its complement (read off a float's exponent).
+        q = (150 - ((frac ^ 0x7FFFFF).float().view(torch.int32) >> 23)).clamp_(max=cls.QMAX)
+        q = torch.where(frac == 0, 0, q)
+        rows = ((eff >> 23) + cls._ROW0).clamp_(0, cls._ROWS - 1)  # zero lands below every binade: row 0
+        bins = torch.bincount(rows * (cls.QMAX + 1) + q, minlength=cls._ROWS * (cls.QMAX + 1))
+        if step > 1:
+            bins = bins * step
+        scalars = torch.stack([torch.tensor(float(n), dtype=torch.float64, device=a.device),
+                               top.view(1).view(torch.float32).double()[0], nonfinite])
+        return bins, scalars
+
+    def accumulate(self, bins: torch.Tensor, scalars: torch.Tensor) -> None:
+        """Add the counts count() returned."""
         if self._bins is None:
             self._bins, self._scalars = bins, scalars
         else:
             self._bins = self._bins + bins.to(self._bins.device)
             s = scalars.to(self._scalars.device)
-            self._scalars = torch.cat([self._scalars[:3] + s[:3], torch.maximum(self._scalars[3:], s[3:])])
+            self._scalars = torch.stack([self._scalars[0] + s[0], torch.maximum(self._scalars[1], s[1]),
+                                         self._scalars[2] + s[2]])
         self._frozen = None
+        self._counts = {}
 
     def merge(self, other: Log2Hist) -> Log2Hist:
         """A new histogram holding the counts of both."""
         out = Log2Hist()
         for h in (self, other):
             if h._bins is not None:
-                b, (n, z, nf, m) = h._bins.cpu(), h._scalars.cpu()
-                if out._bins is None:
-                    out._bins, out._scalars = b.clone(), torch.stack([n, z, nf, m])
-                else:
-                    out._bins += b
-                    s = out._scalars
-                    out._scalars = torch.stack([s[0] + n, s[1] + z, s[2] + nf, torch.maximum(s[3], m)])
+                out.accumulate(h._bins.cpu(), h._scalars.cpu())
         return out
 
     def _values(self) -> tuple[np.ndarray, int, int, int, float]:
-        """(bins as binade x Q, numel, zeros, nonfinite, max) as host values, read back once."""
+        """(positive finite counts as binade x Q, numel, zeros, nonfinite, max) as host values, read back once."""
         if self._frozen is None:
-            shape = (self.HI - self.LO + 1, self._nq)
+            nq = self._nq
             if self._bins is None:
-                self._frozen = (np.zeros(shape, np.int64), 0, 0, 0, 0.0)
+                self._frozen = (np.zeros((self.HI - self.LO + 1, nq), np.int64), 0, 0, 0, 0.0)
             else:
-                n, z, nf, m = self._scalars.cpu().tolist()
-                self._frozen = (self._bins.cpu().numpy().astype(np.int64).reshape(shape), int(n), int(z), int(nf),
-                                float(m))
+                n, m, nonfinite = self._scalars.cpu().tolist()
+                table = self._bins.cpu().numpy().astype(np.int64).reshape(self._ROWS, nq)
+                first = self.LO + 127 + self._ROW0
+                self._frozen = (table[first:self._ROWS - 1], int(n), int(table[0].sum()), int(nonfinite), float(m))
         return self._frozen
 
     @property
@@ -179,9 +216,9 @@ class Log2Hist:
         bins = self._values()[0]
         fm, fe = math.frexp(t)  # t = fm * 2**fe lies in binade fe - 1
         b = fe - 1 - shift - self.LO  # that binade's row, for the unscaled values
-        if b <= 0:
+        if b < 0:
             return 0
-        if b > bins.shape[0] - 1:
+        if b >= bins.shape[0]:
             return int(bins.sum())
         full = int(bins[:b].sum())
         if fm == 0.5:  # t is a power of two: the binade starts at t; values exactly t are class 0
@@ -194,18 +231,18 @@ class Log2Hist:
     def counts(self, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
         """range_counts(values, scale, fmt), from the histogram; scale must be a power of two (as GradScaler's are)."""
         scale = float(scale)
+        key = (scale, fmt)
+        if self._frozen is not None and key in self._counts:
+            return dict(self._counts[key])
         fm, fe = math.frexp(scale) if scale > 0 and math.isfinite(scale) else (0.0, 0)
         if fm != 0.5:
             raise ValueError(f"scale must be a positive power of two (such as 2.0**16), got {scale!r}")
         _, _, zero, nonfinite, _ = self._values()
-        f = formats.spec(fmt)
-        cuts = []
-        for t in zone_thresholds(fmt):
-            goes_up = formats._round_unbounded(np.array([t]), f)[0] > t  # where a value exactly on t rounds
-            cuts.append(self._below(t, goes_up, fe - 1))
-        flush, sub, over = cuts
-        return {"overflow": self.nonzero - over + nonfinite, "fine": over - sub, "subnormal": sub - flush,
-                "underflow": flush, "zero": zero}
+        flush, sub, over = (self._below(t, goes_up, fe - 1) for t, goes_up in _thresholds(fmt))
+        out = {"overflow": self.nonzero - over + nonfinite, "fine": over - sub, "subnormal": sub - flush,
+               "underflow": flush, "zero": zero}
+        self._counts[key] = out
+        return dict(out)
 
     def share(self, category: str, scale: float = 1.0, fmt: str = "fp16") -> float:
         """The share of the nonzero values that land in a range_counts category."""
@@ -219,6 +256,13 @@ class Log2Hist:
         bins, n, z, nf, m = self._values()
         return {"numel": n, "zeros": z, "nonfinite": nf, "max": m,
                 "log2_bins": {int(i) + self.LO: int(c) for i, c in enumerate(bins.sum(1)) if c}}
+
+
+@functools.cache
+def _thresholds(fmt: str) -> tuple[tuple[float, bool], ...]:
+    """zone_thresholds(fmt), each with whether a value exactly on it rounds up (computed once per format)."""
+    f = formats.spec(fmt)
+    return tuple((t, bool(formats._round_unbounded(np.array([t]), f)[0] > t)) for t in zone_thresholds(fmt))
 
 
 # -- findings and the report --------------------------------------------------------------------------------
@@ -593,6 +637,7 @@ class _Hooks:
         self.model, self.records, self.order, self.precision, self.dev = model, records, order, precision, dev
         self.grads = grads
         self.calls: dict[str, int] = {}
+        self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its counts, gradient histograms)
         self.busy = False  # True while a module is being rerun in fp32: its own hooks must stay quiet
         self.handles: list = []
 
@@ -650,9 +695,15 @@ class _Hooks:
         if name not in self.order:
             self.order.append(name)
         for t in tensors:
-            rec.act.add(t)
-            if self.grads and t.requires_grad:
-                t.register_hook(lambda g, h=rec.grad: h.add(g))
+            # A container often returns its last child's output tensor: count it (and its gradient) once.
+            seen = self.counted.get(id(t))
+            if seen is None or seen[0]() is not t:
+                seen = (weakref.ref(t), Log2Hist.count(t, COUNT_CAP), [])
+                self.counted[id(t)] = seen
+                if self.grads and t.requires_grad:
+                    t.register_hook(functools.partial(_count_grad, seen[2]))
+            rec.act.accumulate(*seen[1])
+            seen[2].append(rec.grad)
         if tensors:
             rec.samples.append(_sample(tensors[0]))
 
@@ -685,6 +736,14 @@ class _Hooks:
         if ref_t:
             err = _rel_error(tensors[0].float(), ref_t[0].float()) if bad == 0 else math.inf
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), err)
+
+
+def _count_grad(hists: list[Log2Hist], grad: torch.Tensor) -> None:
+    """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
+    counted = Log2Hist.count(grad, COUNT_CAP)
+    if counted is not None:
+        for h in hists:
+            h.accumulate(*counted)
 
 
 def _copy_as(obj, dtype: torch.dtype):
@@ -733,7 +792,7 @@ def _reference_pass(ctx: _Context) -> tuple[float, dict[int, torch.Tensor]]:
     for p in params:
         if p.grad is not None:
             h = ctx.param_grads.setdefault(names[id(p)], Log2Hist())
-            h.add(p.grad)
+            h.accumulate(*Log2Hist.count(p.grad, COUNT_CAP))
             fresh[id(p)] = p.grad
     return float(loss.detach()), fresh
 
