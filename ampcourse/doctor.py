@@ -31,7 +31,6 @@ check the histogram counts against it) at the thresholds of :func:`ampcourse.sca
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import html
 import importlib
@@ -51,7 +50,7 @@ import torch.nn as nn
 from . import formats
 from .device import AmpSetup, parse_precision, pick
 from .models import data_errors
-from .policy import apply_policy, cast_floats, policy_of, remove_policy
+from .policy import apply_policy, policy_of, remove_policy
 from .scaling import RANGE_CATEGORIES, range_counts, zone_thresholds
 
 __all__ = ["examine", "Report", "Finding", "Log2Hist", "KINDS", "SEVERITIES", "REL_TOL", "main"]
@@ -479,9 +478,9 @@ def _resolve_device(model: nn.Module, device) -> torch.device:
 
 
 def _to_device(obj, dev: torch.device):
-    """Tensors in a (nested) tuple, list or dict moved to dev (new objects; the caller's stay put)."""
+    """Tensors in a (nested) tuple, list or dict, detached (backward must not reach the caller's) and on dev."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(dev)
+        return obj.detach().to(dev)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_device(o, dev) for o in obj)
     if isinstance(obj, Mapping):
@@ -638,6 +637,8 @@ class _Hooks:
         self.grads = grads
         self.calls: dict[str, int] = {}
         self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its counts, gradient histograms)
+        self.rng_before: dict[int, Any] = {}  # id(module) -> RNG state when it started (nothing stored on the model)
+        self.seen: set[str] = set()
         self.busy = False  # True while a module is being rerun in fp32: its own hooks must stay quiet
         self.handles: list = []
 
@@ -672,7 +673,7 @@ class _Hooks:
     def _pre(self, module, args):
         """Remember the RNG state before a leaf runs, so the fp32 rerun draws the same numbers."""
         if not self.busy:
-            module._ampcourse_doctor_rng = self._rng_state()
+            self.rng_before[id(module)] = self._rng_state()
 
     def _hook(self, name: str):
         """The forward hook for one module."""
@@ -692,7 +693,8 @@ class _Hooks:
 
     def _reference(self, name: str, rec: _ModuleRecord, tensors: list[torch.Tensor]) -> None:
         """fp32 pass: histogram of the outputs, a sample of them, and hooks that histogram their gradients."""
-        if name not in self.order:
+        if name not in self.seen:
+            self.seen.add(name)
             self.order.append(name)
         for t in tensors:
             # A container often returns its last child's output tensor: count it (and its gradient) once.
@@ -716,7 +718,7 @@ class _Hooks:
         if call < len(rec.samples):
             err = _rel_error(_sample(tensors[0]), rec.samples[call])
             rec.output_error[p] = max(rec.output_error.get(p, 0.0), err)
-        before = module.__dict__.pop("_ampcourse_doctor_rng", None)
+        before = self.rng_before.pop(id(module), None)
         if before is None or "_ampcourse_forward" in module.__dict__:
             return  # not a rerun module, or a policy already decides its precision
         after = self._rng_state()
