@@ -238,11 +238,17 @@ def test_model_optimizer_and_rng_unchanged(name):
     random.seed(3)
     np.random.seed(3)
     before = _state(model, opt)
+    attrs = {n: (sorted(m.__dict__), len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    if x.is_floating_point():
+        x.requires_grad_(True)  # backward must not reach the caller's tensors
     examine(model, x, y, loss_fn=loss_fn, optimizer=opt)
     after = _state(model, opt)
     for what, a, b in zip(["params", "buffers", "grads", "training", "optimizer", "torch rng", "random", "numpy"],
                           before, after):
         assert _same(a, b), what
+    assert attrs == {n: (sorted(m.__dict__), len(m._forward_hooks), len(m._forward_pre_hooks))
+                     for n, m in model.named_modules()}  # no hook or attribute left behind
+    assert x.grad is None
 
 
 # -- inputs and outputs of every shape ------------------------------------------------------------------------
