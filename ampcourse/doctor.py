@@ -772,6 +772,7 @@ class _Context:
     records: dict[str, _ModuleRecord] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     param_grads: dict[str, Log2Hist] = field(default_factory=dict)
+    ref_loss: float = math.nan  # the fp32 loss, once the reference pass has run
 
     def forward_loss(self) -> torch.Tensor:
         """One forward pass and the loss, with the model's own errors turned into a ValueError about the data."""
@@ -817,9 +818,10 @@ def _autocast_pass(ctx: _Context, amp: AmpSetup, islands: Sequence[str] = ()) ->
 
 # -- turning measurements into findings ------------------------------------------------------------------------
 
-def _first_nonfinite(order: Sequence[str], records: Mapping[str, _ModuleRecord], p: str) -> str | None:
-    """The first module (in the order modules finish) whose output had inf/NaN under precision p."""
-    return next((n for n in order if records[n].nonfinite.get(p, 0) > 0), None)
+def _first_nonfinite(order: Sequence[str], records: Mapping[str, _ModuleRecord], p: str,
+                     ref: Mapping[str, _ModuleRecord]) -> str | None:
+    """The first module (in the order modules finish) whose output had inf/NaN under precision p but not in fp32."""
+    return next((n for n in order if records[n].nonfinite.get(p, 0) > 0 and not ref[n].act.nonfinite), None)
 
 
 def _lossy_leaves(order: Sequence[str], records: Mapping[str, _ModuleRecord], p: str) -> list[str]:
@@ -852,13 +854,13 @@ def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleReco
                            + (f"; they stayed finite here (output {records[n].dtype.get(p, '?')}), but any {p} op that "
                               "reads them overflows" if stayed else "")
                            + ": keep it and what reads it in fp32, or use bf16", "warning" if stayed else "error"))
-    first = _first_nonfinite(ctx.order, records, p)
+    first = _first_nonfinite(ctx.order, records, p, ctx.records)
     if first is not None:
         r = records[first]
         out.append(Finding("nonfinite", first, p, float(r.nonfinite[p]),
                            f"{first or 'the model'} is the first module whose output has inf/NaN under {p} autocast "
                            f"({r.nonfinite[p]} values; finite in fp32): run it in fp32 or use bf16", "error"))
-    elif not math.isfinite(loss):
+    elif not math.isfinite(loss) and math.isfinite(ctx.ref_loss):
         out.append(Finding("nonfinite", "", p, loss, f"the loss is {loss} under {p} autocast although every module output "
                            "is finite: compute the loss in fp32 (outside autocast, on .float() outputs)", "error"))
     for n in _lossy_leaves(ctx.order, records, p):
@@ -874,14 +876,18 @@ def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleReco
 def _islands_for(ctx: _Context, amp: AmpSetup, records: Mapping[str, _ModuleRecord], loss: float) -> tuple[str, list[str], float]:
     """('clean' | 'islands' | 'refused', fp32 modules, loss): grow fp32 islands until a pass comes back clean."""
     p = amp.precision
+    low = str(amp.amp_dtype).removeprefix("torch.")
+    # Islands over half of the leaves autocast runs low are fp32 training in disguise: refuse instead.
+    limit = min(MAX_ISLANDS, sum(r.leaf and r.dtype.get(p) == low for r in records.values()) // 2)
+    loss_ok = lambda v: math.isfinite(v) or not math.isfinite(ctx.ref_loss)  # noqa: E731 (fp32 itself may be NaN)
     islands: list[str] = []
     for _ in range(MAX_ISLANDS + 1):
-        bad = _first_nonfinite(ctx.order, records, p)
+        bad = _first_nonfinite(ctx.order, records, p, ctx.records)
         new = ([bad] if bad is not None else []) + [n for n in _lossy_leaves(ctx.order, records, p) if n not in islands]
         new = [n for n in dict.fromkeys(new) if n not in islands]
-        if not new and math.isfinite(loss):
+        if not new and loss_ok(loss):
             return ("islands" if islands else "clean"), islands, loss
-        if not new or "" in new or len(islands) + len(new) > MAX_ISLANDS:
+        if not new or "" in new or len(islands) + len(new) > max(limit, 1):
             return "refused", islands + new, loss
         islands += new
         loss, records = _autocast_pass(ctx, amp, islands)
@@ -937,8 +943,9 @@ def _gradient_findings(ctx: _Context, examined: Sequence[str]) -> tuple[list[Fin
             out.append(Finding("gradient_underflow", "", "fp16", flush_rec,
                                f"even at init_scale=2**{k} {flush_rec:.2%} of the nonzero gradients flush to zero: "
                                "the gradients span more binades than fp16 holds; use bf16", "warning"))
-        kind = "scaler_needed" if flush1 > 0 else "no_scaler_needed"
+        kind = "scaler_needed" if flush1 > 0 or gmax >= over else "no_scaler_needed"
         msg = (f"{flush1:.3%} of the nonzero gradients flush to zero in fp16 at scale 1"
+               + (f" and the largest, {gmax:.3g}, overflows it" if gmax >= over else "")
                + ("; use a GradScaler" if kind == "scaler_needed" else "; none flush now, but gradients shrink as "
                   "training converges, so a GradScaler is still the safe default")
                + f": {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed")
@@ -1081,6 +1088,7 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
     verdicts: dict[str, dict[str, Any]] = {}
     try:
         ref_loss, fresh = _reference_pass(ctx)
+        ctx.ref_loss = ref_loss
         if not math.isfinite(ref_loss) or any(ctx.records[n].act.nonfinite for n in ctx.order):
             bad = next((n for n in ctx.order if ctx.records[n].act.nonfinite), "")
             findings.append(Finding("nonfinite", bad, "fp32", ref_loss,
@@ -1150,11 +1158,20 @@ def _advice(r: Report, ref_loss: float) -> list[str]:
     out = []
     v = r.verdicts.get(r.recommended_precision, {})
     others = {p: w["status"] for p, w in r.verdicts.items() if p != r.recommended_precision}
-    why = {"clean": "no inf/NaN, no overflow and no module beyond the error tolerance",
-           "islands": f"clean once {r.fp32_modules} run in fp32", "refused": "no precision came back clean",
-           "unsupported": "the other precision is not supported here"}[v.get("status", "unsupported")]
-    out.append(f"Use {r.recommended_precision} autocast: {why} (loss {v.get('loss_with_islands', float('nan')):.4g} vs "
-               f"{ref_loss:.4g} in fp32)" + (f"; other precisions: {others}" if others else "") + ".")
+    if not math.isfinite(ref_loss):
+        out.append(f"The fp32 run itself gives a loss of {ref_loss}: fix the model or its data first; nothing below "
+                   "can be trusted until fp32 is finite.")
+    status = v.get("status", "unsupported")
+    loss_txt = f"loss {v.get('loss_with_islands', float('nan')):.4g} vs {ref_loss:.4g} in fp32"
+    if status in ("refused", "unsupported"):
+        out.append(f"No precision examined here ran clean ({dict(others, **{r.recommended_precision: status})}): "
+                   f"train in fp32 until the errors above are fixed; the closest is {r.recommended_precision} "
+                   f"({loss_txt}).")
+    else:
+        why = ("no inf/NaN, no overflow and no module beyond the error tolerance" if status == "clean"
+               else f"clean once {r.fp32_modules} run in fp32")
+        out.append(f"Use {r.recommended_precision} autocast: {why} ({loss_txt})"
+                   + (f"; other precisions: {others}" if others else "") + ".")
     if r.fp32_modules:
         rules = ", ".join(f"{n!r}: 'fp32'" for n in r.fp32_modules)
         out.append(f"Keep {r.fp32_modules} in fp32: apply_policy(model, {{{rules}}}) "

@@ -328,3 +328,25 @@ def test_cuda_device_without_cuda():
     x, y = batch("mlp", 8)
     with pytest.raises(ValueError, match="CUDA is not available"):
         examine(make_model("mlp"), x, y, loss_fn=loss_fn, device="cuda")
+
+
+def test_nan_in_fp32_is_blamed_on_fp32_not_on_autocast():
+    model = make_model("mlp")
+    with torch.no_grad():
+        model.net[0].weight[0, 0] = float("inf")
+    x, y = batch("mlp")
+    r = examine(model, x, y, loss_fn=loss_fn)
+    bad = r.find("nonfinite")
+    assert [(f.precision, f.module) for f in bad] == [("fp32", "net.0")]
+    assert "fix the model or its data first" in r.advice[0]
+
+
+def test_islands_over_most_of_the_model_refuse_fp16():
+    model = make_model("mlp")
+    with torch.no_grad():
+        model.net[0].weight.mul_(1e30)  # every layer after it overflows fp16: fp32 islands everywhere is just fp32
+    x, y = batch("mlp")
+    r = examine(model, x, y, loss_fn=loss_fn)
+    assert r.verdicts["fp16"]["status"] == "refused" and r.verdicts["fp16"]["fp32_modules"] == []
+    assert r.recommended_precision == "bf16" and r.find("gradient_overflow", "fp16")
+    assert r.find("scaler_needed", "fp16")  # gradients above 65504 need a scale below 1
