@@ -434,7 +434,9 @@ def _json_default(obj):
 
 def _check_inputs(inputs) -> None:
     """TypeError unless inputs is a tensor, a tuple (positional arguments) or a dict (keyword arguments)."""
-    if isinstance(inputs, (torch.Tensor, tuple)) or (isinstance(inputs, Mapping) and all(isinstance(k, str) for k in inputs)):
+    if isinstance(inputs, (torch.Tensor, tuple)):
+        return
+    if isinstance(inputs, Mapping) and all(isinstance(k, str) for k in inputs):
         return
     raise TypeError(f"inputs must be a tensor, a tuple of tensors (positional arguments) or a dict with str keys "
                     f"(keyword arguments), got {type(inputs).__name__}")
@@ -776,7 +778,8 @@ class _Context:
 
     def forward_loss(self) -> torch.Tensor:
         """One forward pass and the loss, with the model's own errors turned into a ValueError about the data."""
-        with data_errors(self.model, _first_tensor(self.inputs), self.targets if isinstance(self.targets, torch.Tensor) else None):
+        targets = self.targets if isinstance(self.targets, torch.Tensor) else None
+        with data_errors(self.model, _first_tensor(self.inputs), targets):
             return _loss(_call(self.model, self.inputs), self.targets, self.loss_fn)
 
 
@@ -873,7 +876,8 @@ def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleReco
     return out
 
 
-def _islands_for(ctx: _Context, amp: AmpSetup, records: Mapping[str, _ModuleRecord], loss: float) -> tuple[str, list[str], float]:
+def _islands_for(ctx: _Context, amp: AmpSetup, records: Mapping[str, _ModuleRecord],
+                 loss: float) -> tuple[str, list[str], float]:
     """('clean' | 'islands' | 'refused', fp32 modules, loss): grow fp32 islands until a pass comes back clean."""
     p = amp.precision
     low = str(amp.amp_dtype).removeprefix("torch.")
@@ -984,7 +988,8 @@ def _optimizer_findings(ctx: _Context, optimizer: torch.optim.Optimizer | None,
                     n = names.get(id(in_state[0]), f"param_groups[{gi}]")
                     out.append(Finding("eps_underflow", n, fmt, float(eps),
                                        f"eps={eps:g} rounds to 0 in the {fmt} optimizer state of {len(in_state)} "
-                                       f"parameter(s) ({fmt}'s smallest subnormal is {formats.spec(fmt).min_subnormal:.3g}): "
+                                       f"parameter(s) ({fmt}'s smallest subnormal is "
+                                       f"{formats.spec(fmt).min_subnormal:.3g}): "
                                        f"a second moment that underflows divides by zero; keep the state in fp32 "
                                        f"(fp32 parameters + autocast) or raise eps", "warning"))
     lost = _lost_updates(optimizer, fresh)
@@ -1184,7 +1189,8 @@ def _advice(r: Report, ref_loss: float) -> list[str]:
                    f"of the gradients flushed (vs {g['flush_at_1']:.2%} at scale 1).")
     elif r.recommended_precision == "bf16":
         out.append("No GradScaler: bf16 has fp32's exponent range"
-                   + (f" ({g['bf16_flush_at_1']:.3%} of the gradients flush at scale 1)." if "bf16_flush_at_1" in g else "."))
+                   + (f" ({g['bf16_flush_at_1']:.3%} of the gradients flush at scale 1)." if "bf16_flush_at_1" in g
+                      else "."))
     for f in r.findings:
         if f.kind in ("lost_updates", "eps_underflow"):
             out.append(f"Optimizer ({f.kind}): {f.message}.")

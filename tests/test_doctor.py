@@ -216,7 +216,8 @@ def _state(model, opt):
 
 def _same(a, b):
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 (bit for bit, NaN included)
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
