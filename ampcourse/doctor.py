@@ -921,7 +921,9 @@ def _gradient_findings(ctx: _Context, examined: Sequence[str]) -> tuple[list[Fin
     info.update(flush_at_1=flush1, recommended_scale=scale, flush_at_recommended=flush_rec,
                 flush_at_default=flush_default, default_backoff_steps=backoffs,
                 largest_scale_without_overflow=2.0 ** math.floor(math.log2(fmax / gmax)),
-                bf16_flush_at_1=total.share("underflow", 1.0, "bf16"))
+                bf16_flush_at_1=total.share("underflow", 1.0, "bf16"),
+                params={n: {"max": h.max, "flush_at_1": h.share("underflow", 1.0),
+                            "flush_at_recommended": h.share("underflow", scale)} for n, h in ctx.param_grads.items()})
     worst = max(ctx.param_grads.items(), key=lambda kv: kv[1].share("underflow"), default=None)
     worst_txt = f" (worst parameter: {worst[0]}, {worst[1].share('underflow'):.0%})" if worst else ""
     k = int(math.log2(scale))
@@ -1129,13 +1131,14 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
     rec = _choose(supported, dev) if supported else precs[0]
     verdicts.setdefault(rec, {"status": "unsupported", "fp32_modules": []})
     report = Report(findings, rec, scale, list(verdicts[rec]["fp32_modules"]), str(dev), verdicts, grad_info, audit,
-                    _module_table(ctx), notes=_notes(dev))
+                    _module_table(ctx, scale), notes=_notes(dev))
     report.advice = _advice(report, ref_loss)
     return report
 
 
-def _module_table(ctx: _Context) -> list[dict[str, Any]]:
-    """Per module, in the order they finish: ranges of outputs and output gradients, dtypes, errors."""
+def _module_table(ctx: _Context, scale: float) -> list[dict[str, Any]]:
+    """Per module, in the order they finish: ranges of outputs and output gradients (flushed at 1 and at scale), dtypes,
+    errors."""
     rows = []
     for n in ctx.order:
         r = ctx.records[n]
@@ -1145,6 +1148,7 @@ def _module_table(ctx: _Context) -> list[dict[str, Any]]:
                      "act_fp16_underflow": r.act.share("underflow", 1.0, "fp16"),
                      "grad_min": r.grad.min, "grad_max": r.grad.max,
                      "grad_fp16_underflow": r.grad.share("underflow", 1.0, "fp16"),
+                     "grad_fp16_underflow_at_recommended": r.grad.share("underflow", scale, "fp16"),
                      "dtype": dict(r.dtype), "local_error": {k: v for k, v in r.local_error.items() if v is not None},
                      "output_error": {k: v for k, v in r.output_error.items() if v is not None}})
     return rows

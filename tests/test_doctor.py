@@ -351,3 +351,16 @@ def test_islands_over_most_of_the_model_refuse_fp16():
     assert r.verdicts["fp16"]["status"] == "refused" and r.verdicts["fp16"]["fp32_modules"] == []
     assert r.recommended_precision == "bf16" and r.find("gradient_overflow", "fp16")
     assert r.find("scaler_needed", "fp16")  # gradients above 65504 need a scale below 1
+
+
+def test_gradient_details_per_parameter_and_module():
+    model = make_model("mlp")
+    x, y = batch("mlp")
+    r = examine(model, x, y, loss_fn=tiny_loss, precisions=("fp16",))
+    params = r.gradients["params"]
+    assert set(params) == {n for n, _ in model.named_parameters()}
+    assert all(p["flush_at_recommended"] <= p["flush_at_1"] for p in params.values())
+    assert max(p["max"] for p in params.values()) <= r.gradients["max"]
+    leaves = [m for m in r.modules if m["leaf"]]
+    assert all(m["grad_fp16_underflow_at_recommended"] <= m["grad_fp16_underflow"] for m in leaves)
+    assert r.gradients["largest_scale_without_overflow"] >= r.recommended_init_scale * doctor.GRAD_MARGIN / 2
