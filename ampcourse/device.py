@@ -168,6 +168,9 @@ def pick(device: str | torch.device | None = None, precision: str | torch.dtype 
             raise ValueError("device 'cuda' requested but CUDA is not available; use device=None or 'cpu'")
         if dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"unsupported device type {dev.type!r}; use 'cpu', 'cuda' or 'mps'")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"device {str(device)!r} requested but Apple MPS is not available here; "
+                             "use device=None (the best available) or 'cpu'")
     prec = _default_precision(dev) if precision is None else parse_precision(precision)
     if prec == "bf16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{torch.cuda.get_device_name(dev)} has no bf16 support; use precision='fp16'")
