@@ -62,6 +62,8 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
 def _int_range(low: int | None, high: int | None) -> str:
     """'an int >= 1', 'an int in 0..2**63 - 1', ... for an error message."""
     top = {INT64_MAX: "2**63 - 1", INT32_MAX: "2**31 - 1", SEED_MAX: "2**64 - 1"}.get(high, str(high))
+    if low is not None and high == INT64_MAX:  # torch's int64 limit: rarely the point, so said last
+        return f"an int >= {low} (at most 2**63 - 1)"
     if low is not None and high is not None:
         return f"an int in {low}..{top}"
     if low is not None:
