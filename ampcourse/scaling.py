@@ -15,10 +15,19 @@ torch's kernels, because they decide the last bit:
 - the scale is a float32 tensor; growth and backoff multiply it in float64 and round the product
   to float32 once (``_amp_update_scale_``), and an update that would overflow float32 is dropped;
 - unscaling multiplies by ``1 / scale`` computed in float64 and rounded to float32, and low-precision
-  gradients are multiplied in float32 and rounded once (``_amp_foreach_non_finite_check_and_unscale_``).
+  gradients are multiplied in float32 and rounded once (``_amp_foreach_non_finite_check_and_unscale_``);
+  even the bits of NaN gradients come out as that CPU kernel writes them (see ``_nan_bits_like_kernel``).
 
-Where it differs on purpose: bad constructor arguments raise ``ValueError`` naming the argument
-(GradScaler asserts only on the two factors), and misuse that GradScaler reports with an
+It has the whole public API of ``torch.amp.GradScaler``: ``scale`` (a tensor or nested lists/tuples/iterables),
+``unscale_``, ``step`` (fused optimizers included), ``update(new_scale)``, ``get_scale``, ``get``/``set_growth_factor``,
+``get``/``set_backoff_factor``, ``get``/``set_growth_interval``, ``is_enabled``, ``state_dict``/``load_state_dict``
+and pickling; tests/test_gradscaler_upstream.py runs PyTorch's own GradScaler tests against both. It leaves
+out GradScaler's private pieces (``_unscale_grads_``, ``_per_optimizer_states``, ``_check_inf_per_device``,
+per-device found-inf dicts for multi-GPU models) and the deprecated ``step(grad_scaler=...)`` protocol.
+
+Where it differs on purpose: bad constructor and setter arguments raise ``ValueError`` naming the argument
+(GradScaler asserts only on the two factors; it takes ``growth_interval=2**63`` and fails inside torch at the
+first ``update()``), numbers may be numpy or 0-d tensor scalars (stored as Python numbers), and misuse that GradScaler reports with an
 ``AssertionError`` (``step``/``update`` before ``scale``, ``update`` without any ``step``) is a
 ``RuntimeError`` saying what to do. The misuse errors GradScaler raises as ``RuntimeError``
 (``unscale_`` twice, ``step`` twice, closures) are the same here.
@@ -163,8 +172,8 @@ def _unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, 
         found_inf.copy_(torch.maximum(found_inf, nonfinite))
         inv = inv_scale.to(g.device)
         if g.dtype in (torch.float16, torch.bfloat16):
-            wide = g.float() * inv  # compute in float32 and round once, like the kernel
-            g.copy_(_nan_bits_like_kernel(wide.to(g.dtype), wide))
+            out = (g.float() * inv).to(g.dtype)  # compute in float32 and round once, like the kernel
+            g.copy_(_nan_bits_like_kernel(out, g))
         else:
             # The kernel leaves the values alone when inv_scale is exactly 1 (a signalling NaN stays signalling);
             # float64 widens the float32 reciprocal exactly.
@@ -179,31 +188,34 @@ _BF16_LANES = {"AVX512": 32, "AVX2": 16}
 _GRAIN_SIZE = 32768
 
 
-def _nan_bits_like_kernel(low: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
-    """low (= wide rounded to fp16/bf16) with every NaN given the bit pattern torch's CPU unscale kernel writes.
+def _nan_bits_like_kernel(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """out (grad unscaled, in fp16/bf16) with every NaN given the bit pattern torch's CPU unscale kernel writes.
 
-    The values are identical either way; only the bits of NaNs differ, and they decide "bit for bit".
-    fp16: the kernel keeps sign and top payload bits (0x7E00 | sign | float32 payload >> 13); a plain
-    float32 -> fp16 cast writes 0x7FFF. bf16 on a CPU: the kernel's vectorised body writes 0xFFFF (as a plain
-    cast does), but its scalar tail, the last len % lanes elements of each thread's share, writes 0x7FC0.
-    Hence the earlier mismatch on small bf16 tensors (biases), which lie entirely in the tail.
+    The values are the same either way; only the bits of NaNs differ, and "bit for bit" includes them.
+    A plain cast widens and narrows NaNs with vector instructions that replace them by 0x7FFF (fp16) or
+    0xFFFF (bf16); the kernel converts element by element in places:
+    fp16: a NaN keeps its sign and payload and becomes quiet (bits | 0x0200); a NaN made by inf x 0 is the
+    x86 default NaN, 0xFE00. bf16: the kernel's vectorised body writes 0xFFFF, but its scalar tail, the
+    last len % lanes elements of each thread's share, writes 0x7FC0 (c10::BFloat16's NaN). Small tensors
+    such as biases lie wholly in the tail: that was the 0xFFFF-versus-0x7FC0 mismatch.
     """
-    if low.device.type != "cpu":  # measured on CPU kernels only; and on a GPU the check below would be a host sync
-        return low
-    nan = torch.isnan(wide)
+    if out.device.type != "cpu":  # measured on CPU kernels only; and on a GPU the check below would be a host sync
+        return out
+    nan = torch.isnan(out)
     if not bool(nan.any()):  # the common case: nothing to fix
-        return low
-    bits = low.view(torch.int16).clone()
-    if low.dtype == torch.float16:
-        b = wide.view(torch.int32)
-        pattern = (((b >> 16) & 0x8000) | 0x7C00 | ((b >> 13) & 0x3FF)).to(torch.int16)
-        return torch.where(nan, pattern, bits).view(torch.float16)
-    if not low.is_contiguous():
-        return low
+        return out
+    bits = out.view(torch.int16)
+    if out.dtype == torch.float16:
+        was_nan = torch.isnan(grad)
+        quiet = grad.view(torch.int16) | 0x0200
+        made = torch.tensor(0xFE00 - 0x10000, dtype=torch.int16)
+        return torch.where(nan, torch.where(was_nan, quiet, made), bits).view(torch.float16)
+    if not out.is_contiguous():
+        return out
     lanes = _BF16_LANES.get(torch.backends.cpu.get_cpu_capability())
-    tail = torch.ones(low.numel(), dtype=torch.bool) if lanes is None else _scalar_tail(low.numel(), lanes)
+    tail = torch.ones(out.numel(), dtype=torch.bool) if lanes is None else _scalar_tail(out.numel(), lanes)
     canonical = torch.tensor(0x7FC0, dtype=torch.int16)
-    return torch.where(nan & tail.view(low.shape), canonical, bits).view(torch.bfloat16)
+    return torch.where(nan & tail.view(out.shape), canonical, bits).view(torch.bfloat16)
 
 
 def _scalar_tail(n: int, lanes: int) -> torch.Tensor:
