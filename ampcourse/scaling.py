@@ -180,10 +180,10 @@ def _unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, 
             g.copy_(torch.where(inv == 1, g, g * inv.to(g.dtype)))
 
 
-#: Elements of bfloat16 per SIMD register, by torch's CPU capability: the kernel's vectorised body converts
-#: them, its scalar tail converts the rest (see _nan_bits_like_kernel). Measured for AVX512 (32); AVX2 has
-#: registers half as wide.
-_BF16_LANES = {"AVX512": 32, "AVX2": 16}
+#: Elements of a 16-bit format the kernel's vectorised loop handles per step, by torch's CPU capability; the
+#: scalar tail converts the rest (see _nan_bits_like_kernel). Measured: 32 on AVX512 and on AVX2 (forced with
+#: ATEN_CPU_CAPABILITY=avx2). Capabilities not listed (DEFAULT: no vector kernel) convert element by element.
+_LANES = {"AVX512": 32, "AVX2": 32}
 #: torch's at::parallel_for splits an element-wise kernel across threads only above this many elements.
 _GRAIN_SIZE = 32768
 
@@ -194,10 +194,11 @@ def _nan_bits_like_kernel(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor
     The values are the same either way; only the bits of NaNs differ, and "bit for bit" includes them.
     A plain cast widens and narrows NaNs with vector instructions that replace them by 0x7FFF (fp16) or
     0xFFFF (bf16); the kernel converts element by element in places:
-    fp16: a NaN keeps its sign and payload and becomes quiet (bits | 0x0200); a NaN made by inf x 0 is the
-    x86 default NaN, 0xFE00. bf16: the kernel's vectorised body writes 0xFFFF, but its scalar tail, the
-    last len % lanes elements of each thread's share, writes 0x7FC0 (c10::BFloat16's NaN). Small tensors
-    such as biases lie wholly in the tail: that was the 0xFFFF-versus-0x7FC0 mismatch.
+    fp16 with a vector kernel (AVX2/AVX512): a NaN keeps its sign and payload and becomes quiet
+    (bits | 0x0200); without one: sign | 0x7E00. A NaN made by inf x 0 is the x86 default NaN, 0xFE00.
+    bf16: the kernel's vectorised body writes 0xFFFF, but its scalar tail, the last len % lanes elements
+    of each thread's share, writes 0x7FC0 (c10::BFloat16's NaN). Small tensors such as biases lie wholly
+    in the tail: that was the 0xFFFF-versus-0x7FC0 mismatch.
     """
     if out.device.type != "cpu":  # measured on CPU kernels only; and on a GPU the check below would be a host sync
         return out
@@ -205,14 +206,13 @@ def _nan_bits_like_kernel(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor
     if not bool(nan.any()):  # the common case: nothing to fix
         return out
     bits = out.view(torch.int16)
+    lanes = _LANES.get(torch.backends.cpu.get_cpu_capability())
     if out.dtype == torch.float16:
-        was_nan = torch.isnan(grad)
-        quiet = grad.view(torch.int16) | 0x0200
-        made = torch.tensor(0xFE00 - 0x10000, dtype=torch.int16)
-        return torch.where(nan, torch.where(was_nan, quiet, made), bits).view(torch.float16)
+        kept = grad.view(torch.int16) | 0x0200 if lanes else (grad.view(torch.int16) & -0x8000) | 0x7E00
+        made = torch.tensor(0xFE00 - 0x10000, dtype=torch.int16)  # int16 holds the bits 0xFE00 as a negative
+        return torch.where(nan, torch.where(torch.isnan(grad), kept, made), bits).view(torch.float16)
     if not out.is_contiguous():
         return out
-    lanes = _BF16_LANES.get(torch.backends.cpu.get_cpu_capability())
     tail = torch.ones(out.numel(), dtype=torch.bool) if lanes is None else _scalar_tail(out.numel(), lanes)
     canonical = torch.tensor(0x7FC0, dtype=torch.int16)
     return torch.where(nan & tail.view(out.shape), canonical, bits).view(torch.bfloat16)
