@@ -209,11 +209,14 @@ def _unreadable(path: Path, why: str) -> CheckpointError:
         "in a fresh directory.")
 
 
-def _verify_crcs(path: Path) -> None:
-    """CheckpointError unless the file is a zip whose every member matches its stored CRC-32 (torch's format).
+def _verify_crcs(path: Path) -> bool:
+    """For a zip file (torch's format): CheckpointError unless every member matches its CRC-32; True once checked.
 
     torch.load itself does not check them, so without this a flipped bit in a tensor loads silently.
+    Not a zip at all: False, and torch.load's own error (or load()'s refusal of a legacy file) follows.
     """
+    if not zipfile.is_zipfile(path):
+        return False
     try:
         with zipfile.ZipFile(path) as zf:
             damaged = zf.testzip()  # reads every member and compares its CRC-32
@@ -224,6 +227,7 @@ def _verify_crcs(path: Path) -> None:
     if damaged is not None:
         raise _unreadable(path, f"its data are damaged: {damaged!r} fails its CRC-32 check (a flipped bit, "
                                 "a failing disk or an incomplete copy); the bytes differ from what was saved")
+    return True
 
 
 def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
@@ -236,7 +240,7 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
         raise _unreadable(path, "it is not a regular file")
     if path.stat().st_size == 0:
         raise _unreadable(path, "the file is empty (a write that never finished?)")
-    _verify_crcs(path)
+    checked = _verify_crcs(path)
     try:
         with warnings.catch_warnings():  # a garbage file can make the unpickler warn before it fails
             warnings.simplefilter("ignore", UserWarning)
@@ -248,6 +252,9 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
         raise _unreadable(path, "it is truncated or not a torch file (the unpickler met bytes it cannot read)") from err
     except Exception as err:  # torch.load on random bytes raises RuntimeError, IndexError, KeyError, ...
         raise _unreadable(path, f"it is truncated or not a torch file ({type(err).__name__})") from err
+    if not checked:  # torch's legacy (non-zip) format: no checksums, and never written by save()
+        raise _unreadable(path, "it is a torch file in the legacy non-zip format, which carries no checksums "
+                                "(checkpoint.save writes zip files only)")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise _unreadable(path, f"it is a torch file but not an {FORMAT} file")
     if state.get("version") != VERSION:

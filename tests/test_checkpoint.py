@@ -233,13 +233,18 @@ def _write_bad(kind, tmp_path) -> Path:
         torch.save({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": 1}, path)
     elif kind == "a directory":
         path.mkdir()
+    elif kind == "legacy torch file":  # no zip, so no CRCs: refused even though torch could read it
+        state = torch.load(_write_good(tmp_path), weights_only=True)
+        torch.save(state, path, _use_new_zipfile_serialization=False)
     return path
 
 
-KINDS = [*BAD_FILES, "code-running pickle", "foreign torch file", "other version", "missing pieces", "a directory"]
+KINDS = [*BAD_FILES, "code-running pickle", "foreign torch file", "other version", "missing pieces", "a directory",
+         "legacy torch file"]
 WHY = {**{k: v[1] for k, v in BAD_FILES.items()}, "code-running pickle": "weights_only=True\\) refused it",
        "foreign torch file": "not an ampcourse.checkpoint file", "other version": "format version 99",
-       "missing pieces": "lacks model, optimizer", "a directory": "not a regular file"}
+       "missing pieces": "lacks model, optimizer", "a directory": "not a regular file",
+       "legacy torch file": "legacy non-zip format, which carries no checksums"}
 
 
 def _snapshot(path: Path):
