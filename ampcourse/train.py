@@ -582,7 +582,11 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         default from `pick`). batch_size: the GLOBAL batch per optimizer step (all ranks and micro-batches);
         it must divide by world_size * accum_steps. grad_clip: max L2 norm of the true gradients.
         checkpoint_dir: write checkpoint.pt there every `checkpoint_every` steps and at the end;
-        resume=True continues from it (bit-identical to an uninterrupted run on CPU).
+        resume=True continues from it (bit-identical to an uninterrupted run on CPU). A resume is refused
+        (ValueError) if precision, seed, batch_size, the dataset size, lr or weight_decay differ from the
+        checkpoint's: the optimizer state would silently put the old lr back, so a changed lr is an error,
+        not a warning. Numbers may be Python, numpy or 0-d tensor scalars; they are checked and converted
+        to Python ints/floats before any work (ampcourse._args).
         optimizer: 'adamw' | 'adam' | 'sgd' or callable(params, lr=, weight_decay=). scheduler: None |
         'cosine' | callable(optimizer); it is not stepped on steps the GradScaler skipped.
         rank/world_size/wrap: hooks for ampcourse.distributed (wrap gets the model on its device).
