@@ -64,7 +64,14 @@ class CheckpointError(ValueError):
 
 def path_in(directory: str | os.PathLike) -> Path:
     """The checkpoint file inside a run directory."""
-    return Path(directory) / FILENAME
+    return _as_path(directory, "directory") / FILENAME
+
+
+def _as_path(value: Any, name: str) -> Path:
+    """value as a Path (a str or os.PathLike); ValueError naming it otherwise (pathlib's TypeError names nothing)."""
+    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+        return Path(value)
+    raise ValueError(f"{name} must be a path (str or pathlib.Path), got {_args.shown(value)}")
 
 
 def rng_state(device: torch.device | None = None) -> dict[str, torch.Tensor | None]:
@@ -166,7 +173,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
     A writer killed mid-write (SIGKILL, power loss) leaves the previous checkpoint intact and a temp file
     named after its host and pid; the next successful save here deletes such leftovers of dead writers.
     """
-    path = Path(path)
+    path = _as_path(path, "path")
     _check_writable_folder(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
@@ -175,7 +182,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
                               f"{str(path.parent)!r} ({err.strerror}); choose a folder you can write to") from err
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
+            torch.save(_plain(state), fh)  # numpy scalars would make the file unreadable with weights_only=True
             fh.flush()
             os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)  # atomic on POSIX and Windows: readers see the old file or the new one
@@ -233,7 +240,7 @@ def _verify_crcs(path: Path) -> bool:
 def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
          required: tuple[str, ...] = _REQUIRED) -> dict[str, Any]:
     """Read a checkpoint with torch.load(weights_only=True) and check it is ours; CheckpointError if not."""
-    path = Path(path)
+    path = _as_path(path, "path")
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r}; train without resume first, or check the path")
     if not path.is_file():

@@ -162,6 +162,8 @@ API = {
                                                "does not exist; create it first"),
     "checkpoint.save to a directory": Row(lambda t: checkpoint.save({}, a_dir(t)), "a_dir'",
                                           r"it is a directory; give a file path"),
+    "checkpoint.load of a number": Row(lambda t: checkpoint.load(5), "got 5", r"path must be a path \(str or pathlib.Path\)"),
+    "checkpoint.save to None": Row(lambda t: checkpoint.save({}, None), "got None", "path must be a path"),
     "checkpoint.save below a file": Row(lambda t: checkpoint.save({}, a_file(t) / "c.pt"), "a_file", "is not a directory"),
     # scaling
     "LossScaler init_scale nan": Row(lambda t: LossScaler("cpu", init_scale=NAN), "nan", "positive finite"),

@@ -486,3 +486,13 @@ def test_a_restore_that_fails_midway_puts_everything_back(tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match="disk on fire"):
         checkpoint.restore(state, model, opt, scaler)
     _same_fingerprint(before, _fingerprint(model, opt, scaler))
+
+
+def test_save_turns_numpy_scalars_into_python_numbers(tmp_path):
+    """A state built by hand with numpy numbers still loads with weights_only=True."""
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "c.pt"
+    checkpoint.save({"format": checkpoint.FORMAT, "lr": np.float64(0.5), "steps": [np.int64(3)],
+                     "x": torch.arange(2)}, path)
+    state = torch.load(path, weights_only=True)
+    assert type(state["lr"]) is float and type(state["steps"][0]) is int and state["x"].tolist() == [0, 1]
