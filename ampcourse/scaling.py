@@ -174,10 +174,13 @@ def _unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, 
         if g.dtype in (torch.float16, torch.bfloat16):
             out = (g.float() * inv).to(g.dtype)  # compute in float32 and round once, like the kernel
             g.copy_(_nan_bits_like_kernel(out, g))
-        else:
+        elif inv.device.type == "cpu":
             # The kernel leaves the values alone when inv_scale is exactly 1 (a signalling NaN stays signalling);
-            # float64 widens the float32 reciprocal exactly.
-            g.copy_(torch.where(inv == 1, g, g * inv.to(g.dtype)))
+            # float64 widens the float32 reciprocal exactly. Reading a CPU scalar costs no sync.
+            if inv.item() != 1.0:
+                g.mul_(inv.to(g.dtype))
+        else:
+            g.copy_(torch.where(inv == 1, g, g * inv.to(g.dtype)))  # the same choice, without a host sync
 
 
 #: Elements of a 16-bit format the kernel's vectorised loop handles per step, by torch's CPU capability; the
