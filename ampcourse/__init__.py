@@ -2,7 +2,7 @@
 
 Modules, one idea each:
     device     pick device, AMP dtype and scaler, with a CPU fallback
-    formats    fp32/fp16/bf16/fp8 from their bit layout (spec, decompose, quantize)
+    formats    fp32/fp16/bf16/fp8/MX fp6, fp4 from their bit layout (spec, decompose, quantize)
     plots      static matplotlib figures for the chapters
     models     reference models (mlp, cnn, transformer) and synthetic datasets
     train      one AMP training loop (fp32/fp16/bf16), History, `python -m ampcourse.train`
