@@ -13,6 +13,7 @@ Modules, one idea each:
     widgets    ipywidgets + matplotlib explorers used in the chapters
     autocast_ops  the autocast op table, measured live per device and dtype
     memory     bytes saved for backward, weights, gradients, optimizer state
+    fp8        below 16 bits: scaled quantization (tensor/row/MX/NVFP4/tiles), delayed vs current scaling
     bench      matmul/train-step/memory benchmark (python -m ampcourse.bench)
     exercises  checkers for the chapter exercises
     course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
+    "fp8",
 }
 
 
