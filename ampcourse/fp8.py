@@ -40,7 +40,7 @@ import torch
 
 from . import formats
 
-__all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "sqnr_db", "compare_granularities",
+__all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "median_relative_error", "sqnr_db", "compare_granularities",
            "ScalingStep", "simulate_scaling", "spike_sequence", "Component", "TrainingScheme", "SCHEMES",
            "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "RECIPES", "to_recipe", "train_recipe"]
 
@@ -174,9 +174,18 @@ def sqnr_db(x, approx) -> float:
     return math.inf if err == 0 else -20.0 * math.log10(err)
 
 
+def median_relative_error(x, approx) -> float:
+    """The median over non-zero elements of |x - approx| / |x|: how a typical element fares (1.0 = flushed to zero)."""
+    a, b = _as_matrix(x), _as_matrix(approx, "approx").reshape(_as_matrix(x).shape)
+    nz = a != 0
+    if not nz.any():
+        return 0.0
+    return float(((a - b).abs()[nz] / a.abs()[nz]).median())
+
+
 def compare_granularities(x, element: str = "fp8_e4m3", granularities: Sequence[str] = tuple(GRANULARITIES),
                           **kwargs) -> dict[str, dict[str, float]]:
-    """For each granularity that fits x's shape and element: relative error, SQNR (dB), saturated, underflowed."""
+    """For each granularity that fits x's shape and element: relative error (overall and of a typical element), SQNR, counts."""
     out = {}
     for g in granularities:
         if g == "nvfp4" and formats.spec(element).name != "fp4_e2m1":
@@ -187,7 +196,8 @@ def compare_granularities(x, element: str = "fp8_e4m3", granularities: Sequence[
             if "not a multiple" in str(e):  # e.g. 128x128 tiles on a 64-row tensor: skip, not fail
                 continue
             raise
-        out[g] = {"rel_error": relative_error(x, r.values), "sqnr_db": sqnr_db(x, r.values),
+        out[g] = {"rel_error": relative_error(x, r.values), "median_rel_error": median_relative_error(x, r.values),
+                  "sqnr_db": sqnr_db(x, r.values),
                   "saturated": r.saturated, "underflowed": r.underflowed, "scales": r.scales.numel()}
     return out
 

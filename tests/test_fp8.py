@@ -101,6 +101,7 @@ def test_finer_granularity_wins_when_there_is_an_outlier():
     assert "128x128" not in res  # 8 rows do not make a 128-row tile: skipped, not an error
     err = {g: res[g]["rel_error"] for g in res}
     assert err["tensor"] > err["row"] > err["1x128"] > err["mx"] > err["nvfp4"]
+    assert res["tensor"]["median_rel_error"] == 1.0  # most elements flushed to zero
     under = {g: res[g]["underflowed"] for g in res}
     assert under["tensor"] > under["row"] > under["mx"] > 0
     assert res["mx"]["sqnr_db"] == pytest.approx(-20 * math.log10(err["mx"]))
@@ -112,6 +113,9 @@ def test_error_measures():
     assert fp8.relative_error(x, torch.tensor([3.0, 4.5])) == pytest.approx(0.1)
     assert fp8.sqnr_db(x, torch.tensor([3.0, 4.5])) == pytest.approx(20.0)
     assert fp8.sqnr_db(x, x) == math.inf and fp8.relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    # the median looks at a typical element: one big error barely moves it, flushing half of them does
+    assert fp8.median_relative_error(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1.0, 2.0, 0.0])) == 0.0
+    assert fp8.median_relative_error(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0.0, 0.0, 4.0])) == 1.0
 
 
 def test_quantize_scaled_keeps_1d_shape_and_accepts_block_size():
