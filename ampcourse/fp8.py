@@ -23,8 +23,9 @@ Element rounding uses ``ampcourse.formats.quantize`` (round to nearest, ties to 
 format); values beyond the element's max are clamped to +-max before rounding (saturation).
 
     >>> from ampcourse import fp8
-    >>> r = fp8.quantize_scaled(torch.randn(4, 128), "fp8_e4m3", "mx")
-    >>> r.values, r.scales, fp8.sqnr_db(x, r.values)
+    >>> x = torch.randn(4, 128)
+    >>> r = fp8.quantize_scaled(x, "fp8_e4m3", "mx")      # or "tensor", "row", "1x128", "128x128", "nvfp4"
+    >>> r.values, r.scales, fp8.sqnr_db(x, r.values)      # dequantized values, one scale per block of 32
 """
 
 from __future__ import annotations
