@@ -70,6 +70,7 @@ OUTLINE: tuple[OutlineSection, ...] = (
 CHAPTER_OUTLINE: dict[int, str] = {
     1: "1, 2.1, 2.1.1", 2: "2.1.2", 3: "2.2.1, 2.2.2", 4: "2.3.1–2.3.3", 5: "3.1.1", 6: "3.1.2",
     7: "beyond the outline: multi-GPU AMP",
+    9: "beyond the outline: fp8, MX and fp4",
 }
 
 _f32, _f16, _bf16 = formats.spec("fp32"), formats.spec("fp16"), formats.spec("bf16")
@@ -102,6 +103,8 @@ GLOSSARY: tuple[Term, ...] = (
     Term("gradient accumulation", "梯度累积", "summing gradients over several micro-batches before one optimizer step", 4),
     Term("fp32 island", "FP32 区域", "a region run with autocast disabled and inputs cast to fp32, for numerically delicate code", 5),
     Term("data parallel (DDP)", "数据并行", "one model copy per GPU, gradients averaged by all-reduce after backward", 7),
+    Term("microscaling (MX) format", "微缩放格式 (MX)", "blocks of 32 narrow elements sharing one power-of-two (e8m0) scale", 9),
+    Term("delayed scaling", "延迟缩放", "an fp8 scale taken from the amax history of earlier steps, not from the tensor being cast", 9),
 )
 
 
