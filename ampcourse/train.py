@@ -652,7 +652,8 @@ def _parser() -> argparse.ArgumentParser:
                                             "Under torchrun, --strategy ddp|fsdp trains on every process.")
     p.add_argument("--model", choices=models.MODELS, default="mlp")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
-                   help="default: the device's AMP dtype (fp16 on CUDA, bf16 on CPU)")
+                   help="default: the device's AMP dtype (bf16 on CPU and on GPUs with native bf16, "
+                        "compute capability >= 8.0; fp16 + GradScaler on older GPUs)")
     p.add_argument("--strategy", choices=STRATEGIES, default="single",
                    help="single: one process; ddp (DistributedDataParallel) and fsdp (FSDP2): under torchrun")
     p.add_argument("--steps", type=int, default=100)
