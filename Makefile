@@ -29,7 +29,10 @@ lab: setup  ## set up, then open JupyterLab on the chapters
 # Tests run with one OpenMP thread per process unless OMP_NUM_THREADS is set: the course's models are
 # tiny, and on a busy 2-core machine two spinning OpenMP threads per process made chapter 2 take 148 s
 # instead of 13 s (benchmarks/README.md, "Notebook suite wall time").
-TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
+# CUDA_VISIBLE_DEVICES= hides every GPU from the CPU suite: otherwise, on a GPU machine, pick() would choose
+# CUDA, unit tests that expect a CPU would fail, strict nbval would compare GPU numbers with the stored CPU
+# outputs, and `make notebooks` would store CUDA outputs that then fail CPU CI. The GPU suite is `make gpu-test`.
+TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=
 
 test: setup  ## set up, then run unit tests and every notebook through nbval
 	$(TEST_ENV) $(BIN)/python -m pytest

@@ -153,3 +153,44 @@ def test_fraction_of_peak_on_cpu_rows():
     assert result["datasheet_tflops"] is None
     with pytest.raises(ValueError, match="no fp32 row for n=4096; measured sizes: \\[64, 128\\]"):
         bench.fraction_of_peak(rows, "fp32", 4096)
+
+
+def _make_dry(*targets: str) -> list[str]:
+    """The command lines `make -n` would run for these targets (nothing runs)."""
+    out = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [line for line in out.stdout.splitlines() if "pytest" in line or "nbtool.py" in line or "gpu_test.py" in line]
+
+
+@pytest.mark.parametrize("target", ["test", "unit", "notebooks"])
+def test_the_cpu_suite_hides_cuda_on_any_machine(target):
+    """On a GPU machine `make test` must still be the CPU suite (pick() would otherwise choose CUDA)."""
+    lines = _make_dry(target)
+    assert lines and all(" CUDA_VISIBLE_DEVICES= " in f" {line}" for line in lines)
+
+
+def test_make_gpu_test_leaves_the_gpus_visible():
+    (line,) = _make_dry("gpu-test")
+    assert "CUDA_VISIBLE_DEVICES" not in line and "tools/gpu_test.py" in line
+
+
+def test_the_torch_matrix_tests_the_declared_range():
+    """pyproject's torch floor, its torch-tested list, the lock and the matrix workflow agree."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    tested = project["tool"]["ampcourse"]["torch-tested"]
+    floor = next(d for d in project["project"]["dependencies"] if d.startswith("torch"))
+    assert floor == "torch>=2.6" and tested[0].startswith("2.6")
+    locked = next(line for line in (ROOT / "requirements.lock").read_text().splitlines() if line.startswith("torch=="))
+    assert locked.split("==")[1].split("+")[0] == tested[-1]
+    flow = yaml.safe_load((ROOT / ".github/workflows/torch-matrix.yml").read_text())
+    assert flow["jobs"]["torch"]["strategy"]["matrix"]["torch"] == tested
+
+
+def test_the_cpu_workflow_runs_the_readme_test_command_with_chromium():
+    flow = yaml.safe_load((ROOT / ".github/workflows/ci.yml").read_text())
+    assert set(flow[True]) == {"push", "pull_request"}  # YAML reads the key `on` as True
+    job = flow["jobs"]["test"]
+    assert job["runs-on"] == "ubuntu-latest" and job["container"].startswith("python:3.11")
+    runs = "\n".join(step.get("run", "") for step in job["steps"])
+    assert "apt-get install" in runs and "chromium" in runs
+    assert "make test" in runs and "make test" in (ROOT / "README.md").read_text()
