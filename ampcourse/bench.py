@@ -39,7 +39,7 @@ from .device import AmpSetup, cpu_flags, native_bf16, pick
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
            "overhead_clock", "fraction_of_peak", "fp32_math", "tf32_settings", "BareLoop", "paired_step_times",
            "trainer_overhead", "saved_bytes",
-           "run", "plot", "plot_matmul", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
+           "run", "plot", "plot_matmul", "load_gpu_report", "gpu_report_lines", "GPU_REPORT", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
 
 SCHEMA = "ampcourse.bench/1"
 #: Bytes saved for backward under AMP, as a fraction of fp32, that the transformer should reach.
@@ -508,6 +508,32 @@ def run(device: str | torch.device | None = None, precision: str | None = None, 
                                         dev, amp.precision, batch=config["batch"])
     report["targets"] = _targets(report)
     return report
+
+
+#: Where `make gpu-test` (tools/gpu_test.py) commits its report, relative to the repository.
+GPU_REPORT = Path("benchmarks") / "gpu" / "report.json"
+
+
+def load_gpu_report(path: str | Path | None = None) -> dict | None:
+    """The recorded `make gpu-test` report (default: the repository's benchmarks/gpu/report.json), or None."""
+    if path is None:
+        path = Path(__file__).resolve().parents[1] / GPU_REPORT  # the checkout this package was installed from
+    path = Path(path)
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def gpu_report_lines(report: dict) -> list[str]:
+    """A recorded GPU report as lines for a notebook: machine, torch, date, then each goal's figure."""
+    m = report.get("machine", {})
+    lines = [f"recorded GPU run: {m.get('device', 'unknown GPU')} ({m.get('capability', '?')}), torch {m.get('torch')} "
+             f"(CUDA {m.get('cuda')}), {str(report.get('started', ''))[:10]}, status {report.get('status')}"]
+    for g in report.get("goals", []):
+        shown = g.get("shown") or "not measured"
+        met = {True: "met", False: "NOT met", None: "-"}[g.get("met")]
+        lines.append(f"  {g['name']}: {shown} (goal {g['goal']}, {met})")
+    return lines
 
 
 def plot_matmul(rows: Sequence[dict], ax=None):

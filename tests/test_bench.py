@@ -180,3 +180,16 @@ def test_fraction_of_peak_excludes_the_reference_from_the_peak():
     assert bench.fraction_of_peak(rows, "bf16", 4096, "NVIDIA H200 NVL")["datasheet_tflops"] is None  # exact names only
     with pytest.raises(ValueError, match="larger than n=16384"):
         bench.fraction_of_peak(rows, "bf16", 16384)
+
+
+def test_the_recorded_gpu_report_is_loaded_not_typed(tmp_path):
+    assert bench.load_gpu_report(tmp_path / "missing.json") is None
+    report = {"status": "passed", "started": "2026-12-01T10:00:00+00:00",
+              "machine": {"device": "NVIDIA H200", "capability": "sm_90", "torch": "2.13.0", "cuda": "12.8"},
+              "goals": [{"name": "transformer step speedup", "shown": "4.10x", "goal": ">= 3x", "met": True},
+                        {"name": "trainer overhead", "shown": "", "goal": "<= 3%", "met": None}]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    lines = bench.gpu_report_lines(bench.load_gpu_report(path))
+    assert lines[0] == "recorded GPU run: NVIDIA H200 (sm_90), torch 2.13.0 (CUDA 12.8), 2026-12-01, status passed"
+    assert lines[1:] == ["  transformer step speedup: 4.10x (goal >= 3x, met)", "  trainer overhead: not measured (goal <= 3%, -)"]
