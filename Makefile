@@ -49,8 +49,12 @@ nbclean: setup  ## strip noisy metadata from the chapters without executing them
 student: setup  ## learner copies of the chapters in student/: solutions replaced by stubs, outputs cleared
 	$(BIN)/python tools/make_student.py -o student
 
-gpu-test: setup  ## on a CUDA machine: all notebooks (nbval lax) + GPU-only tests + benchmark, report in benchmarks/gpu/ (else a dry run)
-	$(BIN)/python tools/gpu_test.py $(GPU_TEST_ARGS)
+# GPU_PYTHON=python3: use a Python that already has torch (CUDA) and the test wheels instead of building .venv;
+# for GPU machines without network (tools/gpu_wheels.sh says how to bring the wheels).
+GPU_PYTHON ?=
+
+gpu-test: $(if $(GPU_PYTHON),,setup)  ## on a CUDA machine: all notebooks (nbval lax) + GPU-only tests + benchmark, report in benchmarks/gpu/ (else a dry run)
+	$(or $(GPU_PYTHON),$(BIN)/python) tools/gpu_test.py $(GPU_TEST_ARGS)
 
 clean:  ## remove the virtual environment and build leftovers
 	rm -rf $(VENV) build *.egg-info

@@ -8,9 +8,11 @@ Writes ``bench.json`` (schema below) and ``bench.png`` into ``--out`` and prints
 Every comparison is measured side by side in one run, with the variants interleaved and repeated,
 because absolute timings on a shared machine drift; the ratios are what to read.
 
-JSON schema (``"schema": "ampcourse.bench/1"``): ``env`` (torch, device, CPU flags), ``config``,
+JSON schema (``"schema": "ampcourse.bench/1"``): ``env`` (torch, device, CPU flags, ``tf32``: whether
+fp32 matmuls and cuDNN convolutions may use TF32), ``config``,
 ``matmul`` (one row per dtype and size: seconds, tflops), ``train_step`` (one row per model: fp32 and
-AMP milliseconds per step, their ratio), ``trainer_overhead`` (one row per model: ms per step of
+AMP milliseconds per step, their ratio, ``fp32_math``: "ieee" on CUDA, where TF32 is off for both sides),
+``trainer_overhead`` (one row per model: ms per step of
 ``ampcourse.train`` and of a bare AMP loop, the overhead as a fraction and in ms, its range over repeats,
 the clock: ``thread_time`` on a 1-thread CPU run, else ``perf_counter``),
 ``saved_bytes`` (one row per model and size: activation bytes saved for backward in fp32 and under

@@ -206,3 +206,22 @@ def test_the_cpu_workflow_runs_the_readme_test_command_with_chromium():
     runs = "\n".join(step.get("run", "") for step in job["steps"])
     assert "apt-get install" in runs and "chromium" in runs
     assert "make test" in runs and "make test" in (ROOT / "README.md").read_text()
+
+
+def test_gpu_test_can_use_a_preinstalled_python_without_building_the_venv():
+    """On a GPU machine without network (torch preinstalled), GPU_PYTHON skips `setup` and runs that Python."""
+    out = subprocess.run(["make", "-n", "gpu-test", "GPU_PYTHON=python3", "VENV=/nonexistent-venv"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "python3 tools/gpu_test.py", out.stdout  # no venv, no pip
+
+
+def test_gpu_test_puts_the_repository_on_every_steps_path(tmp_path, monkeypatch):
+    """Notebook kernels (cwd chapters/) and torchrun workers import ampcourse without an install."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import os\ndef test_path():\n    assert os.environ['PYTHONPATH'].split(os.pathsep)[0] == "
+                     f"{str(ROOT)!r}\n")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    step = gpu_test.Step("probe", gpu_test.pytest_argv(str(probe), junit=tmp_path / "p.xml"), tmp_path / "p.xml")
+    result = gpu_test.run_step(step, timeout=120, workdir=tmp_path)
+    assert result.ok, result.tests

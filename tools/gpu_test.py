@@ -4,6 +4,12 @@
     python tools/gpu_test.py --dry-run          # list what would run, run nothing
     python tools/gpu_test.py --require-cuda     # the GPU CI job: no CUDA is a failure, not a dry run
 
+On a GPU machine without network whose Python has torch but no Jupyter stack (this workplace's H200 image),
+bring the wheels from tools/gpu_wheels.sh and run with that Python instead of building .venv:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS="--require-cuda --out $OUT"
+
 Steps, each a pytest run with a JUnit XML file the report is built from:
   1. notebooks: every chapters/*.ipynb through nbval in lax mode (on a GPU the numbers differ from the
      CPU outputs stored in the notebooks, so cells must run without error, outputs are not compared);
@@ -123,6 +129,9 @@ def run_step(step: Step, timeout: float, workdir: Path) -> StepResult:
     """Run one step (cwd: the repository) within timeout seconds; its output streams through."""
     start = time.monotonic()
     env = dict(os.environ, **step.env)
+    # The repository on the path of every process a step starts (notebook kernels run in chapters/, torchrun
+    # workers anywhere): ampcourse imports without an install, e.g. with `make gpu-test GPU_PYTHON=python3`.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     try:
         rc: int | None = subprocess.run(step.argv, cwd=ROOT, env=env, timeout=max(timeout, 1)).returncode
     except subprocess.TimeoutExpired:
