@@ -4,11 +4,11 @@
     python tools/gpu_test.py --dry-run          # list what would run, run nothing
     python tools/gpu_test.py --require-cuda     # the GPU CI job: no CUDA is a failure, not a dry run
 
-On a GPU machine without network whose Python has torch but no Jupyter stack (this workplace's H200 image),
+On a GPU machine without network whose Python has torch but no Jupyter stack (e.g. a CUDA container image),
 bring the wheels from tools/gpu_wheels.sh and run with that Python instead of building .venv:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS="--require-cuda --out $OUT"
+    make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS=--require-cuda
 
 Steps, each a pytest run with a JUnit XML file the report is built from:
   1. notebooks: every chapters/*.ipynb through nbval in lax mode (on a GPU the numbers differ from the

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Wheels that `make gpu-test` needs on a GPU machine whose image has torch, pytest, numpy and matplotlib
-# but no Jupyter stack and no network (this workplace's H200 image: Python 3.12, torch 2.11):
+# but no Jupyter stack and no network (e.g. a CUDA container image with Python 3.12 and torch):
 # the notebook runner (nbval, nbclient, nbformat), the kernel (ipykernel, IPython, pyzmq, tornado, ...)
 # and ipywidgets, at the versions of requirements.lock, for CPython 3.12 on manylinux x86-64.
 #
 #   tools/gpu_wheels.sh .whl                  # here, with network: ~40 wheels, ~15 MB
 #   # there, in the repository root (the .whl folder carried along):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-#   make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS="--require-cuda --out $OUT"
+#   make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS=--require-cuda
 set -euo pipefail
 out="${1:?usage: tools/gpu_wheels.sh DIR}"
 pyver="${GPU_WHEELS_PYTHON:-3.12}"
