@@ -225,3 +225,10 @@ def test_gpu_test_puts_the_repository_on_every_steps_path(tmp_path, monkeypatch)
     step = gpu_test.Step("probe", gpu_test.pytest_argv(str(probe), junit=tmp_path / "p.xml"), tmp_path / "p.xml")
     result = gpu_test.run_step(step, timeout=120, workdir=tmp_path)
     assert result.ok, result.tests
+
+
+def test_the_report_names_no_machine_path_for_the_out_folder():
+    assert gpu_test.shown_args(["--require-cuda", "--out", "/tmp/xyz/out"]) == ["--require-cuda", "--out", "<dir>"]
+    assert gpu_test.shown_args(["--out=/tmp/out"]) == ["--out=<dir>"]
+    inside = str(ROOT / "benchmarks" / "gpu")
+    assert gpu_test.shown_args(["--out", inside]) == ["--out", inside] and gpu_test.shown_args(["--out", "rel"]) == ["--out", "rel"]

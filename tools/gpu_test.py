@@ -91,6 +91,18 @@ def shown(argv: list[str], workdir: Path) -> str:
     return shlex.join("python" if a == sys.executable else a.replace(f"{workdir}{os.sep}", "") for a in argv)
 
 
+def shown_args(args: list[str]) -> list[str]:
+    """The command-line arguments as the report shows them: an --out folder outside the repository as <dir>."""
+    out, after_out = [], False
+    for a in args:
+        value = a.split("=", 1)[1] if a.startswith("--out=") else (a if after_out else None)
+        if value is not None and Path(value).is_absolute() and ROOT not in Path(value).resolve().parents:
+            a = "--out=<dir>" if a.startswith("--out=") else "<dir>"
+        out.append(a)
+        after_out = a == "--out"
+    return out
+
+
 def notebooks() -> list[str]:
     """Every notebook in chapters/, relative to the repository."""
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "chapters").glob("*.ipynb"))
@@ -276,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="list the steps, run nothing")
     ap.add_argument("--require-cuda", action="store_true", help="exit 1 instead of a dry run when CUDA is missing")
     args = ap.parse_args(argv)
-    command = shlex.join(["python", "tools/gpu_test.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "tools/gpu_test.py", *shown_args(argv if argv is not None else sys.argv[1:])])
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     machine = cuda_info()
     with tempfile.TemporaryDirectory(prefix="gpu-test-") as tmp:
