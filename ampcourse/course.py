@@ -93,7 +93,7 @@ GLOSSARY: tuple[Term, ...] = (
     Term("underflow", "下溢", f"a result too small for the format becomes zero (fp16 below half of {_f16.min_subnormal:.3g})", 1),
     Term("subnormal number", "非规格化数 (次正规数)", f"values below the smallest normal ({_f16.min_normal:.3g} in fp16), with fewer significant bits", 1),
     Term("accumulation in fp32", "FP32 累加", "summing low-precision products in an fp32 accumulator so small terms are not lost", 1),
-    Term("tensor core", "张量核心", "GPU matrix units that multiply fp16/bf16 inputs fast and accumulate in fp32", 2),
+    Term("tensor core", "张量核心", "GPU matrix units that multiply fp16/bf16 inputs fast and accumulate in a wider type: fp32, though fp16 GEMMs may reduce partial sums in fp16", 2),
     Term("autocast", "自动类型转换 (autocast)", "a context manager that runs each op in the dtype chosen for it: matmuls in 16 bits, losses in fp32", 3),
     Term("gradient scaling", "梯度缩放", "multiplying the loss so fp16 gradients stay above the underflow threshold, then dividing it out", 3),
     Term("loss scaling", "损失缩放", "the same idea named after what is scaled: the loss before backward()", 6),
