@@ -9,6 +9,7 @@ Modules, one idea each:
     checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
     scaling    loss scaling written out: LossScaler (== GradScaler), scale simulations, range counts
     policy     per-module precision policies on top of autocast
+    optim      pure-bf16 AdamW: nearest, stochastic or Kahan-compensated weight updates (no fp32 master)
     distributed torchrun env, DDP/FSDP2 wrapping, sharded checkpoints, launch(), SLURM scripts
     widgets    ipywidgets + matplotlib explorers used in the chapters
     autocast_ops  the autocast op table, measured live per device and dtype
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
-    "fp8",
+    "fp8", "optim",
 }
 
 
