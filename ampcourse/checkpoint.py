@@ -48,7 +48,7 @@ import torch
 from . import _args
 
 __all__ = ["FORMAT", "VERSION", "FILENAME", "CheckpointError", "FileCheckpointer", "path_in", "capture", "save",
-           "load", "restore", "check_fits", "rng_state", "set_rng_state"]
+           "load", "restore", "check_fits", "check_settings", "rng_state", "set_rng_state"]
 
 #: Marker and version stored in every file, so a foreign torch file is recognised as such.
 FORMAT = "ampcourse.checkpoint"
@@ -329,11 +329,19 @@ def check_fits(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.o
     """CheckpointError unless every piece of state can be restored into these objects; returns the step. Changes nothing."""
     if not isinstance(state, Mapping):
         raise _bad(path, f"it holds a {type(state).__name__}, not a dict")
+    _check_model_state(state.get("model"), model, path)
+    return check_settings(state, optimizer, scaler, scheduler, path=path)
+
+
+def check_settings(state: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                   scheduler: Any = None, *, path: str | os.PathLike = "<checkpoint>") -> int:
+    """check_fits without the model (FSDP2's sharded files check the weights through DCP); returns the step."""
+    if not isinstance(state, Mapping):
+        raise _bad(path, f"it holds a {type(state).__name__}, not a dict")
     try:
         step = _args.integer(state.get("step"), "step", low=0)
     except ValueError as err:
         raise _bad(path, f"its {err}") from None
-    _check_model_state(state.get("model"), model, path)
     _check_optimizer_state(state.get("optimizer"), optimizer, state.get("config"), path)
     if scaler.is_enabled():
         saved = state.get("scaler")

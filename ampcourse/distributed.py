@@ -434,6 +434,9 @@ class ShardedCheckpointer(checkpoint.FileCheckpointer):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         folder = self._current(directory)
+        # Everything but the shards first: a wrong optimizer, scaler state or step fails before DCP touches the model.
+        checkpoint.check_settings({**state, "optimizer": {"state": {}, "param_groups": state.get("param_groups")}},
+                                  optimizer, scaler, scheduler, path=folder)
         target, _ = self._dcp_state(net, optimizer)
         try:
             dcp.load(target, storage_reader=_safe_reader(folder), planner=_tensor_only_planner())
@@ -445,14 +448,9 @@ class ShardedCheckpointer(checkpoint.FileCheckpointer):
                                              f"model ({type(err).__name__}: {first})") from err
         set_model_state_dict(net, target["model"])
         set_optimizer_state_dict(net, optimizer, {"state": target["optim"], "param_groups": state["param_groups"]})
-        if scaler.is_enabled():
-            if not state["scaler"]:
-                raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r} has no GradScaler state (written "
-                                                 "without fp16); resume with the precision it was written with")
+        if scaler.is_enabled():  # present and sensible: check_settings said so
             scaler.load_state_dict(state["scaler"])
         if scheduler is not None:
-            if state["scheduler"] is None:
-                raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r} has no scheduler state")
             scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"], device)
         return int(state["step"])

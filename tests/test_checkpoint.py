@@ -496,3 +496,16 @@ def test_save_turns_numpy_scalars_into_python_numbers(tmp_path):
                      "x": torch.arange(2)}, path)
     state = torch.load(path, weights_only=True)
     assert type(state["lr"]) is float and type(state["steps"][0]) is int and state["x"].tolist() == [0, 1]
+
+
+def test_check_settings_serves_sharded_checkpoints_without_the_model(tmp_path):
+    """FSDP2's meta file (no model tensors) is checked the same way before DCP loads any shard."""
+    train("mlp", None, "fp16", steps=2, checkpoint_dir=tmp_path, **FAST)
+    state = checkpoint.load(checkpoint.path_in(tmp_path))
+    meta = {k: v for k, v in state.items() if k != "model"}
+    model, opt, scaler = _live()
+    assert checkpoint.check_settings(meta, opt, scaler) == 2
+    for bad, why in [({"step": -1}, "step must be"), ({"scaler": {**meta["scaler"], "scale": -2.0}}, "GradScaler state"),
+                     (_sgd_state(state), "written by a SGD optimizer")]:
+        with pytest.raises(CheckpointError, match=why):
+            checkpoint.check_settings({**meta, **bad}, opt, scaler)
