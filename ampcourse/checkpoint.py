@@ -386,6 +386,8 @@ def _check_model_state(saved: Any, model: torch.nn.Module, path) -> None:
         if not isinstance(got, torch.Tensor) or got.shape != value.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise _bad(path, f"model tensor {key!r} has shape {shape} in the checkpoint, {tuple(value.shape)} here")
+        if got.dtype != value.dtype:  # load_state_dict would cast silently: float64 -> float32 is no exact resume
+            raise _bad(path, f"model tensor {key!r} is {got.dtype} in the checkpoint, {value.dtype} here")
 
 
 def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, config: Any, path) -> None:

@@ -653,6 +653,9 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     rank, world_size, grad_clip, weight_decay = (checked[k] for k in ("rank", "world_size", "grad_clip", "weight_decay"))
     resume, checkpoint_every, n_samples = checked["resume"], checked["checkpoint_every"], checked["n_samples"]
     scaler_kwargs = _check_scaler_kwargs(scaler_kwargs)
+    for name, hook in (("loss_fn", loss_fn), ("wrap", wrap)):
+        if hook is not None and not callable(hook):  # else a TypeError from deep inside the first step
+            raise ValueError(f"{name} must be a callable or None, got {_args.shown(hook)}")
     amp = pick(device, prec)
     problem = _amp_works(amp.device_type, amp.precision)
     if problem:

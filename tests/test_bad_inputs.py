@@ -264,6 +264,7 @@ API = {
                                        "unfreeze some"),
     "train n_samples 10**13": Row(lambda t: train(t, n_samples=10**13), "10000000000000", "positive int of at most"),
     "make_dataset n 2**64": Row(lambda t: models.make_dataset("cnn", n=2**64), str(2**64), "at most"),
+    "train loss_fn not callable": Row(lambda t: train(t, loss_fn="mse"), "'mse'", "loss_fn must be a callable or None"),
     "train resume 'yes'": Row(lambda t: train(t, resume="yes", checkpoint_dir=t / "run"), "'yes'", "True or False"),
     "train checkpoint_dir 5": Row(lambda t: train(t, checkpoint_dir=5), "5", r"a path \(str or pathlib.Path\)"),
     "train checkpoint_dir a dangling symlink": Row(lambda t: train(t, checkpoint_dir=dangling(t)), "dangling",

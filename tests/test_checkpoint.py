@@ -401,6 +401,8 @@ IMPOSSIBLE = {
     "model tensor missing": (lambda s: {**s, "model": {k: v for k, v in s["model"].items() if k != "net.0.bias"}},
                              r"missing \['net.0.bias'\]"),
     "model state not a dict": (lambda s: {**s, "model": [1, 2]}, "model state is a list"),
+    "model tensor of another dtype": (lambda s: {**s, "model": {**s["model"], "net.0.bias": s["model"]["net.0.bias"].double()}},
+                                      "'net.0.bias' is torch.float64 in the checkpoint, torch.float32 here"),
     "another optimizer (SGD into AdamW)": (_sgd_state, "written by a SGD optimizer, and this run uses AdamW"),
     "another optimizer, unnamed": (lambda s: {**_sgd_state(s), "config": {}}, r"lack \['amsgrad'"),
     "one parameter group too many": (lambda s: {**s, "optimizer": {**s["optimizer"], "param_groups":
