@@ -42,7 +42,6 @@ gradients of one forward/backward pass).
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field

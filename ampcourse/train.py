@@ -54,7 +54,6 @@ import functools
 import hashlib
 import json
 import math
-import numbers
 import os
 import sys
 import tempfile
@@ -386,11 +385,6 @@ def state_checksum(model: nn.Module) -> str:
 # ---------------------------------------------------------------------------------------------
 # Argument checks: all before any work
 # ---------------------------------------------------------------------------------------------
-
-def _is_int(x: Any) -> bool:
-    """An int that is not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
 
 def _need_int(name: str, value: Any, low: int, what: str) -> int:
     """value as a Python int >= low (ints, numpy ints, 0-d int tensors); ValueError naming it otherwise."""
