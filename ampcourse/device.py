@@ -194,6 +194,9 @@ def pick(device: str | torch.device | None = None, precision: str | torch.dtype 
                                  f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
         if dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"unsupported device type {dev.type!r}; use 'cpu', 'cuda' or 'mps'")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"device {str(device)!r} requested but Apple MPS is not available here; "
+                             "use device=None (the best available) or 'cpu'")
     prec = _default_precision(dev) if precision is None else parse_precision(precision)
     # An explicit bf16 on a pre-Ampere GPU is allowed (torch emulates it, so it runs), but it is marked
     # not native: the summary then says to expect it to be slow.

@@ -183,6 +183,9 @@ def _real(x, name: str = "x") -> float:
         raise ValueError(f"{name} must be a real number (a float, an int or a one-element tensor), got {x!r}")
     try:
         return float(x)
+    except OverflowError:  # an int like 10**400: no float (of any format here) holds it
+        raise ValueError(f"{name} must be a real number within float64's range (|x| < 1.8e308), "
+                         f"got an int of {len(str(abs(int(x))))} digits") from None
     except (TypeError, ValueError, RuntimeError):  # None, lists, tensors with several elements, ...
         raise ValueError(f"{name} must be a real number (a float, an int or a one-element tensor), got {x!r}") from None
 
@@ -200,7 +203,7 @@ def _real_array(values, name: str = "values") -> np.ndarray:
             if arr.dtype.kind == "c":
                 raise TypeError("complex")
             return arr.astype(np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: ints beyond float64 (10**400)
         shown = repr(values) if len(repr(values)) <= 60 else repr(values)[:57] + "..."
         raise ValueError(f"{name} must be real numbers (a float, a sequence, an array or a tensor), got {shown}") from None
 

@@ -54,7 +54,6 @@ import functools
 import hashlib
 import json
 import math
-import numbers
 import os
 import sys
 import tempfile
@@ -65,12 +64,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from . import checkpoint, models, scaling
+from . import _args, checkpoint, models, scaling
 from .device import AmpSetup, parse_precision, pick
 
 __all__ = ["History", "StepStats", "train", "train_step", "batch_indices", "local_indices", "make_optimizer",
@@ -83,7 +83,9 @@ STRATEGIES = ("single", "ddp", "fsdp")  # ddp and fsdp run under torchrun, throu
 _SERIES = ("loss", "scale", "skipped", "grad_norm", "lr", "step_time")
 # Settings a resumed run must share with the checkpoint: they fix which samples each step sees
 # and what the saved scaler state means.
-_MUST_MATCH = ("precision", "seed", "batch_size", "dataset_size")
+# lr and weight_decay too: optimizer.load_state_dict would silently put back the checkpoint's values, so a
+# resume "with lr=1e-4" would go on with the old one. Refused, not warned: a resumed run stays the run it was.
+_MUST_MATCH = ("precision", "seed", "batch_size", "dataset_size", "lr", "weight_decay")
 
 
 @dataclass
@@ -178,6 +180,9 @@ def batch_indices(step: int, seed: int, dataset_size: int, batch_size: int) -> t
     Each epoch is a fresh seeded permutation cut into floor(dataset_size / batch_size) batches
     (the remainder is dropped, so every batch has distinct samples).
     """
+    # Plain ints: a numpy seed would overflow in _epoch_generator's arithmetic and miss the permutation cache.
+    step, seed = _args.integer(step, "step", low=0), _args.seed(seed)
+    dataset_size, batch_size = _args.integer(dataset_size, "dataset_size", low=1), _args.integer(batch_size, "batch_size", low=1)
     per_epoch = dataset_size // batch_size
     if per_epoch < 1:
         raise ValueError(f"batch_size {batch_size} is larger than the dataset ({dataset_size} samples)")
@@ -381,23 +386,21 @@ def state_checksum(model: nn.Module) -> str:
 # Argument checks: all before any work
 # ---------------------------------------------------------------------------------------------
 
-def _is_int(x: Any) -> bool:
-    """An int that is not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+def _need_int(name: str, value: Any, low: int, what: str) -> int:
+    """value as a Python int >= low (ints, numpy ints, 0-d int tensors); ValueError naming it otherwise."""
+    return _args.integer(value, name, low=low, what=what)
 
 
-def _need_int(name: str, value: Any, low: int, what: str) -> None:
-    """ValueError unless value is an int >= low."""
-    if not _is_int(value) or value < low:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+def _need_positive_float(name: str, value: Any, allow_zero: bool = False) -> float:
+    """value as a finite Python float > 0 (or >= 0); ValueError naming it otherwise (10**400 included)."""
+    return _args.real(value, name, positive=not allow_zero, nonnegative=allow_zero)
 
 
-def _need_positive_float(name: str, value: Any, allow_zero: bool = False) -> None:
-    """ValueError unless value is a finite real number > 0 (or >= 0)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+def _need_bool(name: str, value: Any) -> bool:
+    """True or False (numpy bools too); ValueError naming it otherwise ('no' would be truthy)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {_args.shown(value)}")
 
 
 _MODEL_NAMES = {models.MLP: "mlp", models.SmallCNN: "cnn", models.TinyTransformer: "transformer"}
@@ -410,8 +413,22 @@ def _resolve_model(model: nn.Module | str, size: str, seed: int) -> tuple[nn.Mod
             raise ValueError(f"unknown model {model!r}; choose one of {', '.join(models.MODELS)} or pass an nn.Module")
         return models.make_model(model, size=size, seed=seed), model
     if isinstance(model, nn.Module):
+        _check_trainable(model)
         return model, _MODEL_NAMES.get(type(model))
     raise ValueError(f"model must be an nn.Module or one of {', '.join(models.MODELS)}, got {type(model).__name__}")
+
+
+def _check_trainable(model: nn.Module) -> None:
+    """ValueError unless the model holds real (not meta) tensors and at least one parameter that trains."""
+    tensors = [*model.parameters(), *model.buffers()]
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"model holds tensors on the meta device (shapes without values), e.g. {meta[0]!r}; "
+                         "give it real weights first (model.to_empty(device='cpu') and initialise, or load a state_dict)")
+    if not tensors or not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"model {type(model).__name__} has no trainable parameters "
+                         f"({'none at all' if not tensors else 'all have requires_grad=False'}); "
+                         "unfreeze some (p.requires_grad_(True)) before training")
 
 
 def _resolve_data(data: TensorDataset | None, name: str | None, n: int, seed: int, size: str) -> TensorDataset:
@@ -424,6 +441,9 @@ def _resolve_data(data: TensorDataset | None, name: str | None, n: int, seed: in
     if not isinstance(data, TensorDataset) or len(data.tensors) != 2:
         raise ValueError(f"data must be a TensorDataset(inputs, targets) or None, got {type(data).__name__}"
                          + (f" with {len(data.tensors)} tensors" if isinstance(data, TensorDataset) else ""))
+    for what, t in zip(("inputs", "targets"), data.tensors):
+        if t.is_meta:
+            raise ValueError(f"data {what} are on the meta device (shapes without values); pass real tensors")
     return data
 
 
@@ -455,6 +475,9 @@ def _check_checkpoint_dir(directory: Path, resume: bool, ckpt: Path) -> None:
         raise ValueError(f"checkpoint_dir {str(directory)!r} exists and is not a directory; pass a directory path")
     probe = directory
     while not probe.exists():  # the nearest existing ancestor must let us create the directory
+        if probe.is_symlink():  # a link to nothing: exists() says no, yet mkdir() would meet the name
+            raise ValueError(f"checkpoint_dir {str(directory)!r} cannot be created: {str(probe)!r} is a symbolic link "
+                             f"to {os.readlink(probe)!r}, which does not exist; remove the link or create its target")
         probe = probe.parent
     if not probe.is_dir():
         raise ValueError(f"checkpoint_dir {str(directory)!r} cannot be created: {str(probe)!r} is a file")
@@ -486,45 +509,61 @@ def _check_resumable(state: dict, config: dict, path: Path, scheduler: bool) -> 
 
 
 def _check_arguments(*, steps, lr, seed, accum_steps, batch_size, rank, world_size, grad_clip, weight_decay,
-                     resume, checkpoint_dir, checkpoint_every, optimizer, scheduler, size) -> None:
-    """The checks on train()'s arguments that need neither the model nor the data."""
-    _need_int("steps", steps, 1, "an int >= 1")
-    _need_positive_float("lr", lr)
-    _need_int("seed", seed, 0, "an int >= 0")
-    _need_int("accum_steps", accum_steps, 1, "an int >= 1 (1 = no accumulation)")
-    _need_int("batch_size", batch_size, 1, "an int >= 1 (the global batch size)")
-    _need_int("world_size", world_size, 1, "an int >= 1")
-    if not _is_int(rank) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in 0..{world_size - 1} (world_size={world_size}), got {rank!r}")
-    if grad_clip is not None:
-        _need_positive_float("grad_clip", grad_clip)
-    _need_positive_float("weight_decay", weight_decay, allow_zero=True)
-    if checkpoint_every is not None:
-        _need_int("checkpoint_every", checkpoint_every, 1, "an int >= 1 or None (only at the end)")
-    if checkpoint_dir is None and (resume or checkpoint_every is not None):
+                     resume, checkpoint_dir, checkpoint_every, optimizer, scheduler, size, n_samples) -> dict[str, Any]:
+    """The checks on train()'s arguments that need neither the model nor the data; returns them as Python values.
+
+    Numbers may come as Python, numpy or 0-d tensor scalars; what goes on (into the loop, the batch order,
+    the checkpoint's settings) is plain int/float, so a checkpoint written with np.float64 lr loads with
+    weights_only=True like any other.
+    """
+    v = {"steps": _need_int("steps", steps, 1, "an int >= 1"),
+         "lr": _need_positive_float("lr", lr),
+         "seed": _args.seed(seed),
+         "accum_steps": _need_int("accum_steps", accum_steps, 1, "an int >= 1 (1 = no accumulation)"),
+         "batch_size": _need_int("batch_size", batch_size, 1, "an int >= 1 (the global batch size)"),
+         "world_size": _need_int("world_size", world_size, 1, "an int >= 1"),
+         "n_samples": _need_int("n_samples", n_samples, 1, "a positive int (the synthetic dataset size)"),
+         "resume": _need_bool("resume", resume)}
+    world = v["world_size"]
+    v["rank"] = _args.integer(rank, "rank", low=0, high=world - 1,
+                              what=f"an int in 0..{world - 1} (world_size={world})")
+    v["grad_clip"] = None if grad_clip is None else _need_positive_float("grad_clip", grad_clip)
+    v["weight_decay"] = _need_positive_float("weight_decay", weight_decay, allow_zero=True)
+    v["checkpoint_every"] = (None if checkpoint_every is None else
+                             _need_int("checkpoint_every", checkpoint_every, 1, "an int >= 1 or None (only at the end)"))
+    if checkpoint_dir is None and (v["resume"] or v["checkpoint_every"] is not None):
         raise ValueError("resume and checkpoint_every need a checkpoint_dir")
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise ValueError(f"checkpoint_dir must be a path (str or pathlib.Path) or None, got {_args.shown(checkpoint_dir)}")
     if not callable(optimizer) and optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)} or pass a callable")
     if scheduler is not None and not callable(scheduler) and scheduler not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose None, {', '.join(SCHEDULERS)} or pass a callable")
-    if size not in models.SIZES:
+    if not isinstance(size, str) or size not in models.SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
+    return v
 
 
 _SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
 
-def _check_scaler_kwargs(scaler_kwargs: dict | None) -> None:
-    """scaler_kwargs holds only GradScaler's settings, each one sensible (GradScaler itself accepts a negative scale)."""
+def _check_scaler_kwargs(scaler_kwargs: dict | None) -> dict[str, Any]:
+    """scaler_kwargs holds only GradScaler's settings, each one sensible (GradScaler itself accepts a negative scale).
+
+    Returns them as Python numbers (GradScaler passes them to a C++ kernel that takes no numpy scalars).
+    """
     if scaler_kwargs is None:
-        return
+        return {}
     if not isinstance(scaler_kwargs, dict):
         raise ValueError(f"scaler_kwargs must be a dict or None, got {scaler_kwargs!r}")
     unknown = sorted(set(scaler_kwargs) - {*_SCALER_DEFAULTS, "enabled"})
     if unknown:
         raise ValueError(f"unknown scaler_kwargs {unknown}; GradScaler takes {', '.join([*_SCALER_DEFAULTS, 'enabled'])}")
     settings = {**_SCALER_DEFAULTS, **{k: v for k, v in scaler_kwargs.items() if k != "enabled"}}
-    scaling.check_scaler_args(**settings)
+    normalised = dict(zip(_SCALER_DEFAULTS, scaling.check_scaler_args(**settings)))
+    if "enabled" in scaler_kwargs:
+        normalised["enabled"] = _need_bool("scaler_kwargs['enabled']", scaler_kwargs["enabled"])
+    return normalised
 
 
 def _check_finite(data: TensorDataset) -> None:
@@ -585,7 +624,11 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         default from `pick`). batch_size: the GLOBAL batch per optimizer step (all ranks and micro-batches);
         it must divide by world_size * accum_steps. grad_clip: max L2 norm of the true gradients.
         checkpoint_dir: write checkpoint.pt there every `checkpoint_every` steps and at the end;
-        resume=True continues from it (bit-identical to an uninterrupted run on CPU).
+        resume=True continues from it (bit-identical to an uninterrupted run on CPU). A resume is refused
+        (ValueError) if precision, seed, batch_size, the dataset size, lr or weight_decay differ from the
+        checkpoint's: the optimizer state would silently put the old lr back, so a changed lr is an error,
+        not a warning. Numbers may be Python, numpy or 0-d tensor scalars; they are checked and converted
+        to Python ints/floats before any work (ampcourse._args).
         optimizer: 'adamw' | 'adam' | 'sgd' or callable(params, lr=, weight_decay=). scheduler: None |
         'cosine' | callable(optimizer); it is not stepped on steps the GradScaler skipped.
         rank/world_size/wrap: hooks for ampcourse.distributed (wrap gets the model on its device).
@@ -595,10 +638,18 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     """
     # --- validate everything before any work ---
     prec = parse_precision(precision) if precision is not None else None
-    _check_arguments(steps=steps, lr=lr, seed=seed, accum_steps=accum_steps, batch_size=batch_size, rank=rank,
-                     world_size=world_size, grad_clip=grad_clip, weight_decay=weight_decay, resume=resume,
-                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, optimizer=optimizer,
-                     scheduler=scheduler, size=size)
+    checked = _check_arguments(steps=steps, lr=lr, seed=seed, accum_steps=accum_steps, batch_size=batch_size,
+                               rank=rank, world_size=world_size, grad_clip=grad_clip, weight_decay=weight_decay,
+                               resume=resume, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                               optimizer=optimizer, scheduler=scheduler, size=size, n_samples=n_samples)
+    # From here on every number is a plain Python int/float (numpy and tensor scalars were normalised).
+    steps, lr, seed, accum_steps, batch_size = (checked[k] for k in ("steps", "lr", "seed", "accum_steps", "batch_size"))
+    rank, world_size, grad_clip, weight_decay = (checked[k] for k in ("rank", "world_size", "grad_clip", "weight_decay"))
+    resume, checkpoint_every, n_samples = checked["resume"], checked["checkpoint_every"], checked["n_samples"]
+    scaler_kwargs = _check_scaler_kwargs(scaler_kwargs)
+    for name, hook in (("loss_fn", loss_fn), ("wrap", wrap)):
+        if hook is not None and not callable(hook):  # else a TypeError from deep inside the first step
+            raise ValueError(f"{name} must be a callable or None, got {_args.shown(hook)}")
     amp = pick(device, prec)
     problem = _amp_works(amp.device_type, amp.precision)
     if problem:
@@ -614,11 +665,11 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     if batch_size % (world_size * accum_steps):
         raise ValueError(f"batch_size {batch_size} must divide by world_size * accum_steps = "
                          f"{world_size} * {accum_steps}, so every micro-batch has the same size")
-    _check_scaler_kwargs(scaler_kwargs)
     models.check_data(module, data, targets=loss_fn is None)
     _check_finite(data)
     config = {"precision": amp.precision, "seed": seed, "batch_size": batch_size, "dataset_size": n, "steps": steps,
-              "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size}
+              "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size,
+              "lr": lr, "weight_decay": weight_decay}
     state, ckpt_path = None, None
     store = checkpointer if checkpointer is not None else checkpoint.FileCheckpointer(rank)
     if checkpoint_dir is not None:
@@ -639,7 +690,8 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     net = wrap(module) if wrap is not None else module
     opt = make_optimizer(optimizer, net.parameters(), lr, weight_decay)
     sched = make_scheduler(scheduler, opt, steps)
-    scaler = amp.make_scaler(**(scaler_kwargs or {}))
+    scaler = amp.make_scaler(**scaler_kwargs)
+    config["optimizer"] = type(opt).__name__  # restore() refuses a checkpoint of another optimizer by this name
     hist = History(precision=amp.precision, device_type=amp.device_type, world_size=world_size, model=module)
     if checkpoint_dir is not None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -757,13 +809,25 @@ def _fail(message: str, local_rank: int) -> None:
 
 
 def _check_writable(flag: str, path: str | None) -> None:
-    """Fail before training if an output file cannot be written."""
+    """Fail before training if an output file cannot be written: by creating it (and removing it again if it was new).
+
+    Looking at the folder is not enough: /proc/x has a folder, a read-only mount or a full quota says no
+    only when a file is opened. An existing file is opened for appending, which changes nothing in it.
+    """
     if path is None:
         return
     target = Path(path)
     if target.is_dir() or not target.resolve().parent.is_dir():
         raise ValueError(f"cannot write {flag} {path!r}: "
                          f"{'it is a directory' if target.is_dir() else 'its folder does not exist'}")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot write {flag} {path!r}: {err.strerror or err}; choose a file you can write to") from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def _plan(args: argparse.Namespace, env) -> _Plan:
@@ -835,7 +899,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"ampcourse.train: error: {err}") from None
     try:
         plan = _plan(args, env)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         _fail(str(err), env.local_rank)
     warning = distributed.shared_store_warning(env)
     if warning and env.is_main and env.restart_count == 0:  # once per job, from rank 0
@@ -851,7 +915,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             distributed.teardown()
             raise
         distributed.teardown(barrier=True)  # every rank is done communicating before any rank shuts down
-    except ValueError as err:  # includes CheckpointError
+    except (ValueError, TypeError) as err:  # includes CheckpointError
         _fail(str(err), env.local_rank)
     if not env.is_main:
         return 0
