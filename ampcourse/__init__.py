@@ -18,6 +18,7 @@ Modules, one idea each:
     bench      matmul/train-step/memory benchmark (python -m ampcourse.bench)
     exercises  checkers for the chapter exercises
     course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
+    doctor     examine(model, ...): measure fp16/bf16 on your own model and advise (python -m ampcourse.doctor)
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
 
@@ -31,6 +32,7 @@ _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
     "fp8", "optim",
+    "doctor",
 }
 
 

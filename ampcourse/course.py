@@ -69,11 +69,12 @@ OUTLINE: tuple[OutlineSection, ...] = (
     OutlineSection("3.1.2", "loss scaling", 6),
 )
 
-#: What each chapter covers of the outline (chapters 5 and 7 go beyond it).
+#: What each chapter covers of the outline (chapters 5, 7, 8 and 9 go beyond it).
 CHAPTER_OUTLINE: dict[int, str] = {
     1: "1, 2.1, 2.1.1", 2: "2.1.2", 3: "2.2.1, 2.2.2", 4: "2.3.1–2.3.3",
     5: "beyond the outline (3.1.1's theme, taken further): fp32 islands, per-module precision, fp8", 6: "3.1.1 (in 6.3), 3.1.2",
     7: "beyond the outline: multi-GPU AMP",
+    8: "beyond the outline: AMP on your own model (the AMP doctor)",
     9: "beyond the outline: fp8, MX and fp4",
 }
 
@@ -116,6 +117,7 @@ GLOSSARY: tuple[Term, ...] = (
          "backward; under autocast the recomputation runs under the forward pass's autocast state", 3),
     Term("fp32 island", "FP32 区域", "a region run with autocast disabled and inputs cast to fp32, for numerically delicate code", 5),
     Term("data parallel (DDP)", "数据并行", "one model copy per GPU, gradients averaged by all-reduce after backward", 7),
+    Term("lost update", "更新丢失", "an optimizer step smaller than half an ulp of a low-precision weight: it rounds away", 8),
     Term("microscaling (MX) format", "微缩放格式 (MX)", "blocks of 32 narrow elements sharing one power-of-two (e8m0) scale", 9),
     Term("delayed scaling", "延迟缩放", "an fp8 scale taken from the amax history of earlier steps, not from the tensor being cast", 9),
 )

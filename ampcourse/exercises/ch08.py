@@ -1,0 +1,63 @@
+"""Chapter 8 exercises: an init_scale from the largest gradient, fp32 islands chosen with the doctor."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from .. import formats
+from ._core import failed, passed
+
+__all__ = ["check_init_scale", "check_fp32_islands"]
+
+_ERRORS = ("nonfinite", "activation_overflow", "precision_loss")  # what an fp32 island can cure
+
+
+def check_init_scale(scale: Any, max_grad: float, margin: float = 8.0) -> None:
+    """Exercise 8.1: the largest power of two s with max_grad * s * margin <= fp16's max."""
+    title = "Exercise 8.1 (an init_scale from the largest gradient)"
+    top = formats.spec("fp16").max
+    try:
+        s = float(scale)
+    except (TypeError, ValueError):
+        failed(title, "a number such as 2.0**10", repr(scale)[:80], "answer with a power of two")
+    if not (math.isfinite(s) and s > 0) or math.frexp(s)[0] != 0.5:
+        failed(title, "a positive power of two", s, "GradScaler's scales are powers of two: write 2.0**k")
+    want = 2.0 ** math.floor(math.log2(top / (max_grad * margin)))
+    if max_grad * s * margin > top:
+        failed(title, f"max_grad x scale x {margin:g} <= {top:g}", f"{max_grad:.4g} x {s:g} x {margin:g} = "
+               f"{max_grad * s * margin:.4g}", "too large: the largest gradient would overflow once it grows a little")
+    if s < want:
+        failed(title, f"the largest such power of two (at least 2**{int(math.log2(s)) + 1})", f"2**{int(math.log2(s))}",
+               "too small: every halving flushes more small gradients; take the largest scale that keeps the margin")
+    passed(title, f"2**{int(math.log2(s))}: max|grad| x scale = {max_grad * s:.4g}, {margin:g}x below {top:g}.")
+
+
+def check_fp32_islands(names: Any, make_model: Callable, inputs, targets, loss_fn: Callable) -> None:
+    """Exercise 8.2: the fewest modules to run in fp32 so that fp16 autocast examines clean."""
+    from ..doctor import examine
+    from ..policy import apply_policy
+
+    title = "Exercise 8.2 (fp32 islands)"
+    if isinstance(names, str) or not isinstance(names, (list, tuple, set)) or not all(isinstance(n, str) for n in names):
+        failed(title, "a list of module names", repr(names)[:80], "module names as model.named_modules() gives them, "
+               "e.g. ['blocks.0.norm']")
+    model = make_model()
+    known = dict(model.named_modules())
+    unknown = [n for n in names if n not in known or n == ""]
+    if unknown:
+        failed(title, "names of submodules", unknown, f"the model's modules are {[n for n in known if n][:8]}")
+    if names:
+        apply_policy(model, {n: "fp32" for n in names})
+    report = examine(model, inputs, targets, loss_fn=loss_fn, precisions=("fp16",))
+    left = [f for f in report.findings if (f.kind in _ERRORS and f.severity == "error") or f.kind == "precision_loss"]
+    if left:
+        f = left[0]
+        failed(title, "no error left under fp16", f"{f.kind} at {f.module!r}: {f.message}",
+               "run examine() on the model, keep each module it names in fp32, and run it again until it is clean")
+    need = examine(make_model(), inputs, targets, loss_fn=loss_fn, precisions=("fp16",)).fp32_modules
+    if len(set(names)) > len(need):
+        failed(title, f"{len(need)} module(s)", f"{len(set(names))}: {sorted(set(names))}",
+               "every island runs in slow fp32 and converts its inputs: keep only the modules the doctor names")
+    passed(title, f"fp16 is clean with {sorted(set(names))} in fp32.")

@@ -1,0 +1,69 @@
+"""ampcourse.doctor on CUDA: it runs on the model's device, finds the planted problems there, changes nothing,
+and its report (recorded under benchmarks/gpu/ by `make gpu-test`'s working copy) says CUDA autocast."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ampcourse.doctor import examine
+from ampcourse.models import loss_fn, make_model, make_task
+
+pytestmark = pytest.mark.gpu
+
+OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
+
+
+class NaiveRMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def test_reference_transformer_on_cuda_is_healthy_and_untouched(amp):
+    model = make_model("transformer").to(amp.device)
+    x, y = (t.to(amp.device) for t in make_task("transformer", n=16).data.tensors)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rng = torch.cuda.get_rng_state(amp.device)
+    report = examine(model, x, y, loss_fn=loss_fn, optimizer=opt)
+    assert report.device.startswith("cuda") and report.warnings == [], report.summary()
+    assert all(torch.equal(before[n], p) and p.grad is None for n, p in model.named_parameters())
+    assert torch.equal(rng, torch.cuda.get_rng_state(amp.device))
+    # CUDA autocast runs layer_norm in fp32 (CPU keeps it low): the report shows what this device did
+    norms = [m for m in report.modules if m["name"].endswith(("ln1", "ln2"))]
+    assert norms and all(m["dtype"]["fp16"] == "float32" for m in norms)
+    OUT.mkdir(parents=True, exist_ok=True)
+    report.to_json(str(OUT / "doctor_transformer.json"))
+    (OUT / "doctor_transformer.txt").write_text(report.summary() + "\n")
+
+
+def test_planted_rmsnorm_and_tiny_loss_on_cuda(amp):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), NaiveRMSNorm(64), nn.Linear(64, 10)).to(amp.device)
+    with torch.no_grad():
+        model[0].weight.mul_(500)
+    x, y = (t.to(amp.device) for t in make_task("mlp", n=64).data.tensors)
+    report = examine(model, x, y, loss_fn=lambda o, t: F.cross_entropy(o, t) * 2.0**-24, precisions=("fp16",))
+    assert report.verdicts["fp16"]["fp32_modules"] == ["1"]
+    under = report.find("gradient_underflow", "fp16")
+    assert under and under[0].value > 0.5 and report.recommended_init_scale > 2.0**16
+
+
+def test_doctor_cost_on_cuda(amp):
+    """Record the cost figures on this GPU (benchmarks/doctor_cost.py with --device cuda)."""
+    import subprocess
+    import sys
+    OUT.mkdir(parents=True, exist_ok=True)
+    out = OUT / "doctor_cost.json"
+    run = subprocess.run([sys.executable, str(OUT.parent / "doctor_cost.py"), "--device", "cuda", "--repeats", "5",
+                          "--models", "transformer", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["device"].startswith("cuda") and "transformer" in data["models"]

@@ -1,0 +1,106 @@
+"""`python -m ampcourse.doctor`: reference models, a factory of your own, and one clear line for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FACTORIES = textwrap.dedent('''
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
+        return model, torch.randn(32, 8), torch.randint(0, 3, (32,)), F.cross_entropy
+
+    def with_optimizer():
+        model, x, y, loss = make()
+        return model, x, y, loss, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def three():
+        return make()[:3]
+
+    def misfit():
+        model, x, y, loss = make()
+        return model, torch.randn(32, 5), y, loss
+
+    def broken():
+        raise RuntimeError("no data here")
+
+    not_callable = 3
+''')
+
+
+def doctor(*args, cwd=None, path=None):
+    """Run the command line; returns the finished process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (str(path or ""), str(ROOT)) if p))
+    return subprocess.run([sys.executable, "-m", "ampcourse.doctor", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd or ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def factories(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("factories")
+    (d / "my_models.py").write_text(FACTORIES)
+    return d
+
+
+def test_reference_model_writes_json_and_html(tmp_path):
+    out, page = tmp_path / "report.json", tmp_path / "report.html"
+    run = doctor("--model", "transformer", "--out", str(out), "--html", str(page))
+    assert run.returncode == 0, run.stderr
+    assert "AMP doctor on cpu" in run.stdout
+    data = json.loads(out.read_text())
+    assert data["recommended_precision"] in ("fp16", "bf16") and data["device"] == "cpu"
+    assert all(f["severity"] == "info" for f in data["findings"])  # the reference transformer is healthy
+    assert page.read_text().startswith("<!doctype html>") and "<table>" in page.read_text()
+
+
+def test_factory_of_your_own(factories, tmp_path):
+    out = tmp_path / "r.json"
+    run = doctor("--model", "my_models:with_optimizer", "--precisions", "fp16", "--out", str(out), path=factories)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    assert list(data["verdicts"]) == ["fp16"] and data["optimizer"]["class"] == "AdamW"
+
+
+BAD = [
+    (["--model", "no_such_pkg.mod:make"], "cannot import 'no_such_pkg.mod'"),
+    (["--model", "my_models:nothing"], "has no attribute 'nothing'"),
+    (["--model", "my_models:not_callable"], "is not callable"),
+    (["--model", "my_models:three"], "must return (model, inputs, targets, loss_fn)"),
+    (["--model", "my_models:misfit"], "cannot run on this data"),
+    (["--model", "my_models:broken"], "the factory raised RuntimeError: no data here"),
+    (["--model", "transformr"], "reference model name or 'package.module:factory'"),
+    (["--model", "mlp", "--precisions", "fp32"], "fp32 is always run"),
+    (["--model", "mlp", "--device", "tpu"], "device"),
+]
+
+
+def one_error_line(stderr: str, message: str) -> None:
+    """No traceback: exactly one line, prefixed, containing message."""
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ampcourse.doctor: error:") and message in lines[0], stderr
+
+
+@pytest.mark.parametrize("args, message", BAD)
+def test_bad_input_in_process(factories, monkeypatch, capsys, args, message):
+    from ampcourse.doctor import main
+    monkeypatch.syspath_prepend(str(factories))
+    assert main(args) == 2
+    one_error_line(capsys.readouterr().err, message)
+
+
+@pytest.mark.parametrize("case", [0, 3, 4])  # import fails, wrong shape, inputs that do not fit
+def test_bad_input_from_the_shell(factories, case):
+    args, message = BAD[case]
+    run = doctor(*args, path=factories)
+    assert run.returncode == 2
+    one_error_line(run.stderr, message)

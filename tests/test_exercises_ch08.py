@@ -1,0 +1,69 @@
+"""Chapter 8 checkers accept right answers and reject wrong ones with feedback."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ampcourse import exercises
+from ampcourse.exercises import ExerciseError
+
+
+def test_init_scale(capsys):
+    exercises.check_init_scale(2.0**13, 0.9)  # 0.9 * 2**13 * 8 = 58982 <= 65504 < 0.9 * 2**14 * 8
+    assert "✅" in capsys.readouterr().out
+
+
+def test_init_scale_is_the_largest_power_of_two_within_the_margin(capsys):
+    g = 0.5  # 0.5 * 2**14 * 8 = 65536 > 65504, so 2**13 is the answer
+    exercises.check_init_scale(2.0**13, g)
+    assert "✅" in capsys.readouterr().out
+    for wrong in [2.0**14, 2.0**12, 2.0**16, 3000.0, 0.0, -8192.0, float("inf"), "big", None]:
+        with pytest.raises(ExerciseError):
+            exercises.check_init_scale(wrong, g)
+
+
+class NaiveRMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class TwoProblems(nn.Module):
+    """A naive RMSNorm whose x*x overflows fp16, and a linear layer whose outputs exceed 65504."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm = nn.Linear(16, 32), NaiveRMSNorm(32)
+        self.boost, self.ln, self.head = nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+        with torch.no_grad():
+            self.up.weight.mul_(600)
+            self.boost.weight.mul_(1e5)
+
+    def forward(self, x):
+        return self.head(self.ln(self.boost(F.gelu(self.norm(self.up(x))))))
+
+
+def make():
+    torch.manual_seed(0)
+    return TwoProblems()
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+
+
+def test_fp32_islands(data, capsys):
+    x, y = data
+    exercises.check_fp32_islands(["norm", "boost"], make, x, y, F.cross_entropy)
+    exercises.check_fp32_islands(("boost", "norm"), make, x, y, F.cross_entropy)
+    assert capsys.readouterr().out.count("✅") == 2
+    wrong_answers = [[], ["norm"], ["boost"], ["norm", "boost", "head"], ["norm", "booster"], [""], "norm", None, [3]]
+    for wrong in wrong_answers:
+        with pytest.raises(ExerciseError):
+            exercises.check_fp32_islands(wrong, make, x, y, F.cross_entropy)
