@@ -1,7 +1,9 @@
-"""Chapter 7 exercises: data parallelism by hand with a consistent skip, and bytes per GPU under DDP vs FSDP2."""
+"""Chapter 7 exercises: data parallelism by hand with a consistent skip, bytes per GPU under DDP vs FSDP2, and
+four exercises whose solutions run on N ranks under torchrun (7.3-7.6; see _torchrun.py)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -10,8 +12,10 @@ import torch.nn as nn
 
 from ..distributed import memory_per_gpu
 from ._core import failed, passed
+from ._torchrun import learner_source, run_on_ranks
 
-__all__ = ["check_data_parallel_step", "check_state_bytes"]
+__all__ = ["check_data_parallel_step", "check_state_bytes", "check_rank_step", "check_compressed_ddp",
+           "check_fsdp_policy", "check_restartable"]
 
 _SCALE = 2.0**10
 _LR = 0.5
@@ -42,7 +46,7 @@ def _overflow_on(model: nn.Module, when: dict) -> None:
 
     def hook(module, inputs, output):
         if when["now"]:
-            output.register_hook(lambda g: g.index_fill(-1, torch.tensor([0]), math.inf))
+            output.register_hook(lambda g: g.index_fill(-1, torch.tensor([0], device=g.device), math.inf))
     model.register_forward_hook(hook)
 
 
@@ -169,3 +173,282 @@ def check_state_bytes(state_bytes: Callable) -> None:
                    _diagnose(n, world, strategy, got) if isinstance(got, (int, float)) else "return a number")
     passed(title, "16 bytes per parameter under AMP + AdamW: all of them on every GPU with DDP, "
                   "1/world_size of them with FSDP2.")
+
+
+# =============================================================================================
+# Exercises 7.3-7.6: the learner's code runs on N ranks under torchrun (see _torchrun.py)
+# =============================================================================================
+
+_RUNNERS = "ampcourse.exercises.ch07"
+#: The project's DDP tolerance: two correct implementations may differ in the order of a sum, no more.
+ULPS = 4
+
+
+def _tiny_model(device: torch.device, seed: int = 0) -> nn.Module:
+    """The same small MLP on every rank (seeded), in fp32 on `device`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+    return model.to(device)
+
+
+def _global_batch(step: int, size: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step` (classification, 4 classes), the same on every rank."""
+    gen = torch.Generator().manual_seed(1000 * seed + step)
+    x = torch.randn(size, 8, generator=gen)
+    return x, (x[:, :4] * 3).argmax(1)
+
+
+def _local(step: int, rank: int, world: int, device: torch.device, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's contiguous slice of the global batch."""
+    x, y = _global_batch(step, size)
+    n = size // world
+    return x[rank * n:(rank + 1) * n].to(device), y[rank * n:(rank + 1) * n].to(device)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    """All parameters as one fp32 CPU vector (full tensors for FSDP2's DTensors)."""
+    parts = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in parts])
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference of a and b in fp32 ulps of b's largest entry (the project's DDP tolerance unit)."""
+    unit = torch.finfo(torch.float32).eps * max(b.abs().max().item(), torch.finfo(torch.float32).tiny)
+    return (a - b).abs().max().item() / unit
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal, counting NaN == NaN (a rank that stepped on an inf holds NaNs)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _rank_errors(title: str, res, name: str, hint: str) -> None:
+    """Feedback naming the first rank whose run of the learner's function raised."""
+    errors = res.errors(name)
+    if errors:
+        rank, text = errors[0]
+        if "NotImplementedError" in text:
+            failed(title, "an implementation", "NotImplementedError",
+                   "replace the `raise NotImplementedError` stub with your code")
+        if "NameError" in text:
+            hint = ("your function runs in fresh processes: it sees only torch, dist, nn, os, math and what it "
+                    "imports itself, not the notebook's variables")
+        failed(title, "your function to run on every rank", f"rank {rank} raised {text}", hint)
+
+
+# --- 7.3 data parallelism by hand, on real ranks ----------------------------------------------
+
+_DP_STEPS, _DP_INF_STEP, _DP_LR, _DP_SCALE = 4, 2, 0.1, 2.0**10
+
+
+def reference_rank_step(model, loss_fn, x, y, optimizer, scaler):
+    """One AMP step of data parallelism without DDP, on this rank's (x, y) (the checker's reference)."""
+    import torch
+    import torch.distributed as dist
+
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    world = dist.get_world_size()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)  # sum of the SCALED gradients: an inf on one rank reaches every rank
+        p.grad /= world
+    scaler.step(optimizer)  # unscale_ now finds the same inf on every rank, so every rank skips
+    scaler.update()
+
+
+def _run_dp(fn: Callable, ctx, params: dict) -> dict:
+    """Worker side of 7.3: _DP_STEPS steps of fn on this rank; the last rank's backward overflows in one step."""
+    import torch.distributed as dist
+
+    model = _tiny_model(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=_DP_LR)
+    scaler = torch.amp.GradScaler(ctx.device.type, init_scale=_DP_SCALE)
+    when = {"now": False}
+    if ctx.rank == dist.get_world_size() - 1:
+        _overflow_on(model, when)  # an fp16 overflow in this rank's backward only
+    weights, scales = [_flat(model)], []
+    for step in range(_DP_STEPS):
+        when["now"] = step == _DP_INF_STEP
+        x, y = _local(step, ctx.rank, dist.get_world_size(), ctx.device)
+        fn(model, torch.nn.functional.cross_entropy, x, y, optimizer, scaler)
+        weights.append(_flat(model))
+        scales.append(float(scaler.get_scale()))
+    return {"weights": torch.stack(weights), "scales": scales}
+
+
+def _dp_hint(ratio: float, world: int) -> str:
+    """What an update `ratio` times the right one usually means."""
+    if math.isclose(ratio, world, rel_tol=0.05):
+        return (f"your update is {world}x too large: all_reduce SUMS the gradients; divide by the world size "
+                "(dist.get_world_size()) to average them, as DDP does")
+    if math.isclose(ratio, 1 / world, rel_tol=0.05):
+        return (f"your update is 1/{world} of the right one: the gradients were averaged twice (the loss divided by "
+                "the world size AND the all-reduced gradients divided again); average once")
+    return ("zero the gradients, forward under autocast(float16), scaler.scale(loss).backward(), all-reduce and "
+            "average every gradient, then scaler.step(optimizer) and scaler.update()")
+
+
+def check_rank_step(rank_step: Callable, nproc: int | None = None, device: str | None = None) -> None:
+    """Exercise 7.3: rank_step(model, loss_fn, x, y, optimizer, scaler) is one fp16 AMP step of data
+    parallelism without DDP, run on every rank; checked on N ranks under torchrun."""
+    title = "Exercise 7.3 (data parallelism by hand on real ranks, with a consistent skip)"
+    source = learner_source(title, rank_step)
+    res = run_on_ranks(title, f"{_RUNNERS}:_run_dp", {
+        "reference": (inspect.getsource(reference_rank_step), "reference_rank_step"),
+        "yours": (source, rank_step.__name__)}, nproc=nproc, device=device)
+    judge_rank_step(title, res, "yours")
+
+
+def judge_rank_step(title: str, res, name: str) -> None:
+    """The verdict on solution `name` of a 7.3 launch (separate from the launch so tests batch several)."""
+    _rank_errors(title, res, name, "run your step on one process first and read the error")
+    want, got = res.results["reference"][0], res.results[name]
+    world, last = res.nproc, res.nproc - 1
+    for step in range(_DP_STEPS):
+        after = [g["weights"][step + 1] for g in got]
+        before = [g["weights"][step] for g in got]
+        bad = [r for r in range(world) if not _same(after[r], after[0])]
+        if bad:
+            moved = [r for r in range(world) if not _same(after[r], before[r])]
+            if step == _DP_INF_STEP and 0 < len(moved) < world:
+                got_text = ", ".join(f"rank {r} {'stepped' if r in moved else 'skipped'}"
+                                     + ("" if torch.isfinite(after[r]).all() else " (weights now NaN)")
+                                     for r in range(world))
+                hint = (f"rank {last}'s backward overflowed in step {step} and only some ranks skipped. The inf check "
+                        "(scaler.unscale_ / scaler.step) must come after the all-reduce, so that the inf reaches every "
+                        "rank's gradients before any rank looks for it")
+            else:
+                got_text = f"rank {bad[0]} differs from rank 0 by {(after[bad[0]] - after[0]).abs().max().item():.3g}"
+                hint = ("each rank stepped on its own gradients: all-reduce every gradient (dist.all_reduce) before "
+                        "the optimizer step, so every rank applies the same averaged gradient")
+            failed(title, f"identical weights on all {world} ranks after step {step}", got_text, hint)
+        scales = [g["scales"][step] for g in got]
+        if len(set(scales)) > 1:
+            failed(title, f"the same loss scale on every rank after step {step}", f"scales per rank: {scales}",
+                   "call scaler.step(optimizer) and scaler.update() on every rank, after the all-reduce")
+        if step == _DP_INF_STEP:
+            if not _same(after[0], before[0]):
+                failed(title, f"every rank skips step {step} (rank {last}'s backward overflowed)",
+                       "the weights changed" if torch.isfinite(after[0]).all() else "non-finite weights",
+                       "let scaler.step(optimizer) take the step (not optimizer.step()): it skips the update when "
+                       "unscale_ finds inf/nan in the all-reduced gradients")
+            if scales[0] != want["scales"][step]:
+                failed(title, f"loss scale {want['scales'][step]:g} after the skipped step", scales[0],
+                       "call scaler.update() after scaler.step(optimizer), every step")
+            continue
+        apart = _ulps_apart(after[0], want["weights"][step + 1])
+        if apart > ULPS:
+            ref_delta = want["weights"][step + 1] - want["weights"][step]
+            ratio = ((after[0] - before[0]) @ ref_delta / (ref_delta @ ref_delta)).item()
+            failed(title, f"the weights of the reference solution after step {step} (within {ULPS} ulps)",
+                   f"{apart:.3g} ulps apart on every rank", _dp_hint(ratio, world))
+    passed(title, f"All {world} ranks ({res.device}) stepped on the averaged gradient and all skipped the step "
+                  f"where rank {last} overflowed; weights identical on every rank.")
+
+
+# --- 7.4 gradient communication in bf16: DDP's bf16_compress_hook ---------------------------------
+
+#: A bf16 value carries 8 significant bits: each rank's share and the sum are rounded once each.
+_BF16_REL = 2.0**-7
+
+
+def reference_compressed_ddp(model):
+    """DDP around `model`, sending its gradients in bf16 (the checker's reference)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def bf16_hook(state, bucket):
+        """What default_hooks.bf16_compress_hook does (it refuses gloo): bf16 mean in, fp32 bucket out."""
+        buffer = bucket.buffer()  # this bucket's fp32 gradients, flattened
+        # Divide before the sum: each share is rounded once to bf16, and the sum cannot overflow.
+        compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+        sent = dist.all_reduce(compressed, async_op=True).get_future()
+        return sent.then(lambda fut: buffer.copy_(fut.value()[0]))  # decompress into the fp32 bucket
+
+    ddp = DDP(model)  # device_ids=None: DDP uses the (single) device the module lives on
+    ddp.register_comm_hook(None, bf16_hook)  # state=None: the hook needs none
+    return ddp
+
+
+def _run_compress(fn: Callable, ctx, params: dict) -> dict:
+    """Worker side of 7.4: one backward through plain DDP (fp32 all-reduce) and one through fn's model."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x, y = _local(0, ctx.rank, dist.get_world_size(), ctx.device)
+    plain = DDP(_tiny_model(ctx.device))
+    nn.functional.cross_entropy(plain(x), y).backward()
+    sent: list[tuple[str, int]] = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        """dist.all_reduce, noting what it sends (Python comm hooks call it; DDP's built-in reducer does not)."""
+        sent.append((str(tensor.dtype).replace("torch.", ""), tensor.numel() * tensor.element_size()))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        net = fn(_tiny_model(ctx.device))
+        if not isinstance(net, DDP):
+            raise TypeError(f"expected the DistributedDataParallel model back, got {type(net).__name__}")
+        nn.functional.cross_entropy(net(x), y).backward()
+    finally:
+        dist.all_reduce = real
+
+    def grads(m: nn.Module) -> torch.Tensor:
+        return torch.cat([p.grad.detach().float().reshape(-1).cpu() for p in m.parameters()])
+    return {"fp32": grads(plain), "yours": grads(net), "sent": sent,
+            "n_params": sum(p.numel() for p in net.parameters())}
+
+
+def check_compressed_ddp(compressed_ddp: Callable, nproc: int | None = None, device: str | None = None) -> None:
+    """Exercise 7.4: compressed_ddp(model) returns DDP(model) whose gradient all-reduce sends bf16; checked on
+    N ranks: the averaged gradient, its error against DDP's fp32 all-reduce, and the bytes sent."""
+    title = "Exercise 7.4 (gradients all-reduced in bf16)"
+    source = learner_source(title, compressed_ddp)
+    res = run_on_ranks(title, f"{_RUNNERS}:_run_compress", {"yours": (source, compressed_ddp.__name__)},
+                       nproc=nproc, device=device)
+    judge_compressed_ddp(title, res, "yours")
+
+
+def judge_compressed_ddp(title: str, res, name: str) -> None:
+    """The verdict on solution `name` of a 7.4 launch."""
+    _rank_errors(title, res, name, "call your function on a model in a process group of one first")
+    for rank, got in enumerate(res.results[name]):
+        fp32, yours, n = got["fp32"], got["yours"], got["n_params"]
+        want_bytes = 2 * n
+        sent_bytes = sum(b for _, b in got["sent"])
+        dtypes = sorted({d for d, _ in got["sent"]})
+        if not got["sent"]:
+            failed(title, f"{want_bytes} bytes sent in bf16 per step ({n} gradients x 2 bytes)",
+                   f"rank {rank}: no comm hook ran: DDP's built-in all-reduce sent {4 * n} bytes of fp32",
+                   "register a communication hook: ddp.register_comm_hook(None, hook), where hook(state, bucket) sends "
+                   "bucket.buffer() as bf16 (on NCCL: default_hooks.bf16_compress_hook)")
+        if dtypes != ["bfloat16"]:
+            hint = ("fp16 keeps more bits than bf16 but not its range: gradients above 65504 overflow to inf and "
+                    "those below 2**-24 flush to zero; send bf16" if "float16" in dtypes else
+                    "compress the bucket to torch.bfloat16 before the all-reduce")
+            failed(title, "gradients sent as bfloat16", f"rank {rank} sent {dtypes}", hint)
+        if sent_bytes != want_bytes:
+            failed(title, f"{want_bytes} bytes per step (every gradient once, 2 bytes each)",
+                   f"rank {rank} sent {sent_bytes} bytes", "all-reduce each bucket once, compressed")
+        scale = fp32.abs().max().item()
+        err = (yours - fp32).abs().max().item() / scale
+        if not torch.isfinite(yours).all() or err > _BF16_REL:
+            ratio = (yours @ fp32 / (fp32 @ fp32)).item()
+            hint = (f"your gradients are {ratio:.2g}x DDP's: the hook must return the MEAN (divide by the world size "
+                    "once)" if not math.isclose(ratio, 1.0, rel_tol=0.05) else
+                    "decompress into the bucket's fp32 buffer after the all-reduce (fut.then(...)) and return it")
+            failed(title, f"the averaged gradient within {_BF16_REL:g} (relative) of DDP's fp32 all-reduce",
+                   f"rank {rank}: {err:.3g} apart", hint)
+        if err == 0.0:
+            failed(title, "bf16 rounding in the averaged gradient", f"rank {rank}: bit-identical to fp32",
+                   "the hook must send the bf16 tensor and copy the result back, not the fp32 bucket")
+    errs = [(g["yours"] - g["fp32"]).abs().max().item() / g["fp32"].abs().max().item() for g in res.results[name]]
+    passed(title, f"On {res.nproc} ranks ({res.device}): half the bytes of fp32 ({2 * res.results[name][0]['n_params']}"
+                  f" instead of {4 * res.results[name][0]['n_params']} per step); largest error vs the fp32 all-reduce "
+                  f"{max(errs):.2g} of the largest gradient (bf16 keeps 8 significant bits).")
