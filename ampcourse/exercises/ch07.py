@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .. import distributed
 from ..distributed import memory_per_gpu
 from ._core import failed, passed
 from ._torchrun import learner_source, run_on_ranks
@@ -231,6 +232,9 @@ def _rank_errors(title: str, res, name: str, hint: str) -> None:
         if "NotImplementedError" in text:
             failed(title, "an implementation", "NotImplementedError",
                    "replace the `raise NotImplementedError` stub with your code")
+        if "communication hook required CUDA" in text:
+            hint = ("DDP's built-in bf16_compress_hook runs on NCCL only; on gloo write the same hook yourself: "
+                    "hook(state, bucket) sends bucket.buffer() as bf16 and copies the mean back")
         if "NameError" in text:
             hint = ("your function runs in fresh processes: it sees only torch, dist, nn, os, math and what it "
                     "imports itself, not the notebook's variables")
@@ -452,3 +456,314 @@ def judge_compressed_ddp(title: str, res, name: str) -> None:
     passed(title, f"On {res.nproc} ranks ({res.device}): half the bytes of fp32 ({2 * res.results[name][0]['n_params']}"
                   f" instead of {4 * res.results[name][0]['n_params']} per step); largest error vs the fp32 all-reduce "
                   f"{max(errs):.2g} of the largest gradient (bf16 keeps 8 significant bits).")
+
+
+# --- 7.5 FSDP2's MixedPrecisionPolicy --------------------------------------------------------------
+
+_FSDP_STEPS, _FSDP_LR = 4, 1e-3
+#: The loss is multiplied by this, as a sum normalised over ~16M outputs would be: gradients near 1e-8,
+#: inside bf16's range (fp32's exponent) and below fp16's smallest subnormal (2**-24).
+_FSDP_LOSS_SCALE = 2.0**-24
+#: Largest allowed distance to the fp32 run, as a fraction of how far the fp32 run moved the weights.
+_FSDP_TOL = 0.2
+
+
+class ShardMe(nn.Module):
+    """Two residual MLP blocks and a head: the model exercise 7.5 shards (FSDP2 units: each block, the root)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 64, out: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+                                    for _ in range(2))
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def reference_shard(model, mesh):
+    """Shard `model` (a ShardMe) with FSDP2: bf16 compute, fp32 gradient reduction, fp32 output (reference)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    inner = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:  # one unit per block: only one block's full weights exist at a time
+        fully_shard(block, mesh=mesh, mp_policy=inner)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    fully_shard(model, mesh=mesh, mp_policy=root)  # the root: the head, and fp32 logits for the loss
+
+
+def _fsdp_batch(step: int, rank: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of a regression batch (16 samples)."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    x = torch.randn(16, 16, generator=gen)
+    y = torch.randn(16, 4, generator=gen)
+    n = 16 // world
+    return x[rank * n:(rank + 1) * n].to(device), y[rank * n:(rank + 1) * n].to(device)
+
+
+def _fsdp_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error, in fp32, times the tiny normalisation factor."""
+    return nn.functional.mse_loss(out.float(), y) * _FSDP_LOSS_SCALE
+
+
+def _run_fsdp(fn: Callable, ctx, params: dict) -> dict:
+    """Worker side of 7.5: the fp32 run (unsharded, whole batch on every rank) and fn's sharded run."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+
+    def fresh() -> ShardMe:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return ShardMe().to(ctx.device)
+
+    ref = fresh()
+    start = _flat(ref)
+    opt = torch.optim.Adam(ref.parameters(), lr=_FSDP_LR, eps=1e-30)
+    for step in range(_FSDP_STEPS):
+        opt.zero_grad()
+        x, y = _fsdp_batch(step, 0, 1, ctx.device)
+        _fsdp_loss(ref(x), y).backward()
+        opt.step()
+
+    model = fresh()
+    gathered = {"bytes": 0}
+    seen_dtypes: set[str] = set()
+
+    def note(module, inputs, output):
+        """While a unit runs, its weights (and the root's) are plain all-gathered tensors, the rest DTensor shards."""
+        full = [p for p in model.parameters() if not hasattr(p, "to_local")]
+        gathered["bytes"] = max(gathered["bytes"], sum(p.nbytes for p in full))
+        seen_dtypes.update(str(p.dtype).replace("torch.", "") for p in full)
+    for block in model.blocks:
+        block.register_forward_hook(note)  # before fully_shard's hooks: runs while the block is still gathered
+    model.head.register_forward_hook(note)
+    mesh = init_device_mesh(ctx.device.type, (world,))
+    fn(model, mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=_FSDP_LR, eps=1e-30)
+    out_dtype = None
+    for step in range(_FSDP_STEPS):
+        opt.zero_grad()
+        x, y = _fsdp_batch(step, ctx.rank, world, ctx.device)
+        out = model(x)
+        out_dtype = str(out.dtype).replace("torch.", "")
+        _fsdp_loss(out, y).backward()
+        opt.step()
+    state = distributed.local_state_bytes(model, opt)
+    return {"start": start, "fp32": _flat(ref), "yours": _flat(model), "state_bytes": state["total"],
+            "gathered_bytes": gathered["bytes"], "param_dtypes": sorted(seen_dtypes), "out_dtype": out_dtype,
+            "n_params": sum(p.numel() for p in ref.parameters())}
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for a (possibly sharded) tensor."""
+    return (t.to_local() if hasattr(t, "to_local") else t).nbytes
+
+
+def check_fsdp_policy(shard: Callable, nproc: int | None = None, device: str | None = None) -> None:
+    """Exercise 7.5: shard(model, mesh) applies FSDP2 with a MixedPrecisionPolicy to a ShardMe; checked on N ranks
+    against the fp32 run (tolerance) and against the bytes per rank of the reference policy (memory bound)."""
+    title = "Exercise 7.5 (FSDP2 MixedPrecisionPolicy: accuracy and memory)"
+    source = learner_source(title, shard)
+    res = run_on_ranks(title, f"{_RUNNERS}:_run_fsdp", {
+        "reference": (inspect.getsource(reference_shard), "reference_shard"),
+        "yours": (source, shard.__name__)}, nproc=nproc, device=device)
+    judge_fsdp_policy(title, res, "yours")
+
+
+def judge_fsdp_policy(title: str, res, name: str) -> None:
+    """The verdict on solution `name` of a 7.5 launch."""
+    _rank_errors(title, res, name, "shard the model with fully_shard(module, mesh=mesh, mp_policy=...) and read the error")
+    for rank, (want, got) in enumerate(zip(res.results["reference"], res.results[name])):
+        bound = want["state_bytes"] + want["gathered_bytes"]
+        used = got["state_bytes"] + got["gathered_bytes"]
+        n = got["n_params"]
+        if used > bound:
+            if got["state_bytes"] > want["state_bytes"]:
+                hint = (f"rank {rank} holds {got['state_bytes']} bytes of weights, gradients and Adam state: all of "
+                        f"them ({16 * n} for {n} parameters). fully_shard each block and then the root, so every rank "
+                        "keeps 1/world_size of them")
+            elif "float32" in got["param_dtypes"]:
+                hint = ("the all-gathered weights are fp32 (4 bytes each): set param_dtype=torch.bfloat16 so FSDP2 "
+                        "casts the shard before the all-gather and the unit runs in bf16")
+            else:
+                hint = ("the whole model is gathered at once: fully_shard each block (its own unit) before the root, so "
+                        "only one block's full weights exist at a time")
+            failed(title, f"at most {bound} bytes per rank (sharded fp32 state + the largest gathered unit in bf16)",
+                   f"rank {rank}: {got['state_bytes']} state + {got['gathered_bytes']} gathered = {used}", hint)
+        moved = (got["fp32"] - got["start"]).norm().item()
+        off = (got["yours"] - got["fp32"]).norm().item() / moved
+        if not math.isfinite(off) or off > _FSDP_TOL:
+            hint = ("the loss here is multiplied by 2**-24 (a sum normalised over ~16M outputs), so its gradients fall "
+                    "below fp16's smallest subnormal (2**-24) and flush to zero. bf16 has fp32's exponent range: use "
+                    "param_dtype=torch.bfloat16 (fp16 would need a GradScaler)" if "float16" in got["param_dtypes"]
+                    else "keep the weights and the optimizer in fp32 (FSDP2 keeps the sharded parameters fp32) and "
+                         "reduce the gradients over all ranks (fully_shard does, with reduce_dtype)")
+            failed(title, f"final weights within {_FSDP_TOL:g} of the fp32 run (distance / how far fp32 moved them)",
+                   f"rank {rank}: {off:.3g}", hint)
+    got = res.results[name][0]
+    off = (got["yours"] - got["fp32"]).norm().item() / (got["fp32"] - got["start"]).norm().item()
+    passed(title, f"On {res.nproc} ranks ({res.device}): {got['state_bytes'] + got['gathered_bytes']} bytes per rank "
+                  f"(fp32 unsharded: {16 * got['n_params'] + 4 * got['n_params']}), {off:.2g} from the fp32 run "
+                  f"(allowed {_FSDP_TOL:g}); the units ran in {', '.join(got['param_dtypes'])}.")
+
+
+# --- 7.6 restartable training: rank-0 checkpoints, barriers, resume --------------------------------
+
+_RS_STEPS, _RS_KILL, _RS_INF_STEP = 6, 4, 1
+#: How long rank 0's write of the checkpoint right before the kill takes (slow shared storage, simulated).
+_RS_SLOW_WRITE_S = 2.0
+
+
+def reference_train_restartable(model, optimizer, scaler, run_step, steps, path):
+    """Train for `steps` steps, checkpointing after each on rank 0 and resuming from `path` (the reference)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    start = 0
+    if os.path.exists(path):  # a restarted round: every rank loads the same file
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])  # the loss scale is training state too
+        start = state["step"]
+    for step in range(start, steps):
+        run_step(step)
+        if dist.get_rank() == 0:  # one writer: the replicas are identical
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scaler": scaler.state_dict(), "step": step + 1}
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # atomic: a reader sees the old file or the new one, never half
+        dist.barrier()  # nobody runs ahead (and can die) while rank 0 is still writing
+
+
+def _run_restartable(fn: Callable, ctx, params: dict) -> dict:
+    """Worker side of 7.6: the uninterrupted run, then fn; the last rank SIGKILLs itself in round `kill_round`."""
+    import io
+    import json
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    env = distributed.torchrun_env()
+    rnd, kill_round, world = env.restart_count, params.get("kill_round", params["case_index"]), dist.get_world_size()
+    work, case = Path(params["workdir"]), params["case"]
+
+    def setup():
+        net = DDP(_tiny_model(ctx.device))
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler(ctx.device.type, init_scale=2.0**10, growth_interval=2)
+        return net, opt, scaler
+
+    def stepper(net, opt, scaler, log: list[int], kill: bool):
+        def run_step(step: int) -> None:
+            """One fp16 AMP step of DDP on this rank's slice (rank 0 overflows once)."""
+            log.append(step)
+            if kill and step == _RS_KILL and ctx.rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a node failure, mid-run
+            x, y = _local(step, ctx.rank, world, ctx.device)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(ctx.device.type, dtype=torch.float16):
+                loss = nn.functional.cross_entropy(net(x), y)
+            if step == _RS_INF_STEP and ctx.rank == 0:
+                loss = loss * math.inf
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return run_step
+
+    net, opt, scaler = setup()
+    whole = stepper(net, opt, scaler, [], kill=False)
+    for step in range(_RS_STEPS):
+        whole(step)
+    want = {"weights": _flat(net), "scale": float(scaler.get_scale())}
+
+    net, opt, scaler = setup()
+    log: list[int] = []
+    # Rounds before this case's kill round train on a throwaway file; the kill round and the next share one.
+    path = work / (f"ckpt-{case}-main.pt" if rnd >= kill_round else f"ckpt-{case}-warmup{rnd}.pt")
+    real_save = torch.save
+
+    def watched_save(obj, f, *args, **kwargs):
+        """torch.save, noting which rank wrote; the write before the kill is slow (and dies torn without a barrier)."""
+        with open(work / f"savers-{case}.txt", "a") as fh:
+            fh.write(f"{ctx.rank}\n")
+        if not (rnd == kill_round and log and log[-1] == _RS_KILL - 1 and isinstance(f, (str, os.PathLike))):
+            return real_save(obj, f, *args, **kwargs)
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()
+        with open(f, "wb") as fh:
+            fh.write(data[:len(data) // 2])
+            fh.flush()
+            time.sleep(_RS_SLOW_WRITE_S)
+            fh.write(data[len(data) // 2:])
+
+    torch.save = watched_save
+    try:
+        fn(net, opt, scaler, stepper(net, opt, scaler, log, kill=rnd == kill_round), _RS_STEPS, str(path))
+    finally:
+        torch.save = real_save
+    if rnd == kill_round + 1 and ctx.rank == 0:
+        (work / f"resume-{case}.json").write_text(json.dumps(log[:1]))
+    resumed = work / f"resume-{case}.json"
+    savers = work / f"savers-{case}.txt"
+    return {"want": want, "weights": _flat(net), "scale": float(scaler.get_scale()), "round": rnd,
+            "resumed_at": json.loads(resumed.read_text()) if resumed.exists() else None,
+            "savers": sorted({int(r) for r in savers.read_text().split()}) if savers.exists() else []}
+
+
+def check_restartable(train_restartable: Callable, nproc: int | None = None, device: str | None = None) -> None:
+    """Exercise 7.6: train_restartable(model, optimizer, scaler, run_step, steps, path) checkpoints on rank 0 and
+    resumes; checked under torchrun --max-restarts 1 with one rank killed mid-run."""
+    title = "Exercise 7.6 (restartable training: rank-0 checkpoints and resume)"
+    source = learner_source(title, train_restartable)
+    res = run_on_ranks(title, f"{_RUNNERS}:_run_restartable", {"yours": (source, train_restartable.__name__)},
+                       nproc=nproc, device=device, max_restarts=1)
+    judge_restartable(title, res, "yours")
+
+
+def judge_restartable(title: str, res, name: str) -> None:
+    """The verdict on solution `name` of a 7.6 launch."""
+    last = res.nproc - 1
+    errors = res.errors(name)
+    if errors and any(w in errors[0][1] for w in ("Unpickl", "PytorchStreamReader", "EOF", "zip archive")):
+        failed(title, "the restarted ranks load a complete checkpoint",
+               f"rank {errors[0][0]} raised {errors[0][1]}",
+               f"rank {last} died while rank 0 was still writing the checkpoint, and torchrun stopped rank 0 mid-write: "
+               "a torn file. Put dist.barrier() after rank 0's save (no rank runs ahead while it writes), and write to "
+               "a temporary file then os.replace it onto the checkpoint (a reader never sees half a file)")
+    _rank_errors(title, res, name, "run it once without torchrun's restart and read the error")
+    got = res.results[name]
+    if res.restarts < 1:
+        failed(title, "torchrun to restart the workers once", "no restart happened",
+               "the checker kills a rank mid-run; your function must run every step through run_step(step)")
+    savers = got[0]["savers"]
+    if savers != [0]:
+        failed(title, "only rank 0 writes the checkpoint", f"torch.save was called on ranks {savers}",
+               "the replicas are identical: save on rank 0 only (if dist.get_rank() == 0: ...); every rank writing the "
+               "same file races, and on shared storage one rank can read another's half-written file")
+    if got[0]["resumed_at"] != [_RS_KILL]:
+        failed(title, f"the restarted round resumes at step {_RS_KILL} (the last checkpoint)",
+               f"it started at step {got[0]['resumed_at']}",
+               "at the start, load the checkpoint if it exists (model, optimizer, scaler) and continue from its step")
+    for rank, g in enumerate(got):
+        if g["scale"] != g["want"]["scale"]:
+            failed(title, f"final loss scale {g['want']['scale']:g} (uninterrupted run)", f"rank {rank}: {g['scale']:g}",
+                   "save and load the GradScaler's state_dict() too: its scale and growth tracker are training state")
+        if not _same(g["weights"], g["want"]["weights"]):
+            failed(title, "final weights equal to the uninterrupted run", f"rank {rank}: differ by "
+                   f"{(g['weights'] - g['want']['weights']).abs().max().item():.3g}",
+                   "save and restore the optimizer's state_dict() with the model's (AdamW keeps two moments per weight)")
+    passed(title, f"Rank {last} was killed at step {_RS_KILL}; torchrun restarted all {res.nproc} ranks, they resumed "
+                  "from rank 0's checkpoint and ended with the weights and loss scale of the uninterrupted run.")
