@@ -736,8 +736,13 @@ def check_restartable(train_restartable: Callable, nproc: int | None = None, dev
 def judge_restartable(title: str, res, name: str) -> None:
     """The verdict on solution `name` of a 7.6 launch."""
     last = res.nproc - 1
+    savers = res.results[name][0].get("savers") or []
+    if len(savers) > 1:
+        failed(title, "only rank 0 writes the checkpoint", f"torch.save was called on ranks {savers}",
+               "the replicas are identical: save on rank 0 only (if dist.get_rank() == 0: ...); every rank writing the "
+               "same file races, and on shared storage one rank can read another's half-written file")
     errors = res.errors(name)
-    if errors and any(w in errors[0][1] for w in ("Unpickl", "PytorchStreamReader", "EOF", "zip archive")):
+    if errors and any(w in errors[0][1] for w in ("torch.load", "Unpickl", "PytorchStreamReader", "zip archive")):
         failed(title, "the restarted ranks load a complete checkpoint",
                f"rank {errors[0][0]} raised {errors[0][1]}",
                f"rank {last} died while rank 0 was still writing the checkpoint, and torchrun stopped rank 0 mid-write: "
@@ -748,14 +753,12 @@ def judge_restartable(title: str, res, name: str) -> None:
     if res.restarts < 1:
         failed(title, "torchrun to restart the workers once", "no restart happened",
                "the checker kills a rank mid-run; your function must run every step through run_step(step)")
-    savers = got[0]["savers"]
     if savers != [0]:
-        failed(title, "only rank 0 writes the checkpoint", f"torch.save was called on ranks {savers}",
-               "the replicas are identical: save on rank 0 only (if dist.get_rank() == 0: ...); every rank writing the "
-               "same file races, and on shared storage one rank can read another's half-written file")
+        failed(title, "rank 0 writes a checkpoint", f"torch.save was called on ranks {savers}",
+               "save with torch.save(state, path) on rank 0 after each step (path is the file to write and read)")
     if got[0]["resumed_at"] != [_RS_KILL]:
         failed(title, f"the restarted round resumes at step {_RS_KILL} (the last checkpoint)",
-               f"it started at step {got[0]['resumed_at']}",
+               "it started at step " + (str(got[0]["resumed_at"][0]) if got[0]["resumed_at"] else "?"),
                "at the start, load the checkpoint if it exists (model, optimizer, scaler) and continue from its step")
     for rank, g in enumerate(got):
         if g["scale"] != g["want"]["scale"]:
