@@ -24,6 +24,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import sys
 import tempfile
 import textwrap
@@ -101,8 +102,8 @@ def _hang_hint(exercise: str) -> str:
 
 
 def run_on_ranks(title: str, runner: str, solutions: Mapping[str, tuple[str, str]], *, nproc: int | None = None,
-                 device: str | None = None, params: Mapping[str, Any] | None = None, timeout: float = 180.0,
-                 dist_timeout: float = 60.0, max_restarts: int = 0) -> RankResults:
+                 device: str | None = None, params: Mapping[str, Any] | None = None, timeout: float = 120.0,
+                 dist_timeout: float = 30.0, max_restarts: int = 0) -> RankResults:
     """Launch `runner` ('module:function') on N ranks for every solution {name: (source, function name)}.
 
     Returns every rank's results, or gives the learner's verdict (ExerciseError) when the launch hung or
@@ -124,15 +125,23 @@ def run_on_ranks(title: str, runner: str, solutions: Mapping[str, tuple[str, str
                                      max_restarts=max_restarts, cwd=tmp, timeout=timeout,
                                      monitor_interval=0.5 if max_restarts else None)
         except distributed.LaunchTimeout:
-            done = sorted(int(p.stem.split("-")[1]) for p in Path(tmp).glob("rank-*.pt"))
+            # A rank stuck in a collective gives up after dist_timeout and writes its error; the culprit never does.
+            done = {int(p.stem.split("-")[1]): p for p in Path(tmp).glob("rank-*.pt")}
             missing = [r for r in range(procs) if r not in done]
+            waited = []
+            for r, path in sorted(done.items()):
+                errors = [res["error"] for res in torch.load(path, weights_only=True)["results"].values() if "error" in res]
+                waited += [f"rank {r}: {errors[0][:160]}"] if errors else []
             failed(title, f"all {procs} ranks to finish within {timeout:g} s",
                    f"a hang: rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} never finished "
-                   f"(torchrun and every worker were killed)", _hang_hint(title))
+                   "(torchrun and every worker were killed)" + "".join(f"; {w}" for w in waited), _hang_hint(title))
         files = {r: Path(tmp) / f"rank-{r}.pt" for r in range(procs)}
         missing = [r for r, f in files.items() if not f.exists()]
         if missing:
             tail = "\n".join(run.stderr.strip().splitlines()[-6:])
+            if re.search(r"timed? ?out|watchdog", run.stderr, re.IGNORECASE):  # NCCL's watchdog aborts the waiting rank
+                failed(title, f"all {procs} ranks to finish", f"a hang: a collective timed out after {dist_timeout:g} s "
+                       f"and torchrun stopped the job (ranks {missing} wrote no result)", _hang_hint(title))
             failed(title, f"all {procs} ranks to finish", f"torchrun exited {run.returncode}; ranks {missing} wrote "
                    f"no result. Last lines:\n{textwrap.indent(tail, '             ')}",
                    "a rank crashed outside your function (or torchrun could not restart it): read the lines above")
