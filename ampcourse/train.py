@@ -113,6 +113,7 @@ class History:
     lr: list[float] = field(default_factory=list)
     step_time: list[float] = field(default_factory=list)  # seconds per step, wall clock
     final_scale: float = 1.0  # the scaler's scale after the last update
+    peak_device_bytes: int | None = None  # CUDA: peak memory allocated by the training steps (after the preflight)
     model: nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -199,14 +200,21 @@ def local_indices(step: int, seed: int, dataset_size: int, batch_size: int, rank
 # Building blocks: optimizer, scheduler, one step
 # ---------------------------------------------------------------------------------------------
 
-def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """'adamw', 'adam', 'sgd' (plain, no momentum) or a callable(params, lr, weight_decay)."""
+def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float = 0.0,
+                   fused: bool | None = None) -> torch.optim.Optimizer:
+    """'adamw', 'adam', 'sgd' (plain, no momentum) or a callable(params, lr, weight_decay).
+
+    fused (Adam/AdamW only): one fused kernel per step that also takes GradScaler's inf check on the device,
+    so scaler.step() needs no host sync. None: fused when every parameter is on a CUDA device.
+    """
     if callable(spec):
         return spec(params, lr=lr, weight_decay=weight_decay)
-    if spec == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if spec == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if spec in ("adam", "adamw"):
+        params = list(params)
+        if fused is None:
+            fused = bool(params) and all(isinstance(p, torch.Tensor) and p.device.type == "cuda" for p in params)
+        cls = torch.optim.AdamW if spec == "adamw" else torch.optim.Adam
+        return cls(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
     if spec == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {spec!r}; choose one of {', '.join(OPTIMIZERS)} or pass a callable")
@@ -265,6 +273,36 @@ def _squared_norm_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_mul(norms, norms))
 
 
+def _scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """A copy of the scaler's scale, still on the device (no host sync); None when the scaler is disabled.
+
+    A copy because update() changes the scale in place. get_scale() would be a .item(): a host sync.
+    """
+    if not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_get_scale_async", lambda: None)()
+    return scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+
+
+#: A dataset moves to the GPU once when it needs at most this share of the free device memory.
+_DATA_ON_DEVICE_SHARE = 0.25
+
+
+def _data_on_device(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The dataset on the device when it fits comfortably (a CUDA device), else where it is.
+
+    On the device, each step's batch is a gather on the GPU; otherwise a gather from pageable host memory
+    and a copy every step. Values are identical either way.
+    """
+    if device.type != "cuda":
+        return tuple(tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    free, _ = torch.cuda.mem_get_info(device)
+    if nbytes > _DATA_ON_DEVICE_SHARE * free:
+        return tuple(tensors)
+    return tuple(t.to(device) for t in tensors)
+
+
 def _read_back(tensors: list[torch.Tensor]) -> list[float]:
     """0-dim tensors as Python floats: on a GPU stacked into one device-to-host copy, on a CPU one by one."""
     first = tensors[0]
@@ -298,16 +336,26 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
         norm_parts = _squared_norm_parts([p.grad for p in params])
     else:
         norm_parts = [_full(torch.nn.utils.clip_grad_norm_(params, grad_clip))]
-    scale, lr = scaler.get_scale(), optimizer.param_groups[0]["lr"]
-    scaler.step(optimizer)  # skips optimizer.step() if unscale_ found inf/nan
+    lr = optimizer.param_groups[0]["lr"]
+    before = _scale_tensor(scaler)  # read on the device: get_scale() here and below would be two more syncs
+    scale_host = scaler.get_scale() if before is None else None  # 1.0 for a disabled scaler, without a sync
+    # Skips optimizer.step() if unscale_ found inf/nan. A non-fused optimizer costs a host sync here (GradScaler
+    # reads found_inf with .item()); a fused one (make_optimizer's default on CUDA) gets found_inf as a tensor.
+    scaler.step(optimizer)
     scaler.update()
+    scales = [before, _scale_tensor(scaler)] if before is not None else []
+    # Losses, norms and the scale before and after reach the host together: on a GPU one sync per step.
+    values = _read_back([*losses, *norm_parts, *scales])
+    if scales:
+        scale, new_scale = values[-2:]
+        values = values[:-2]
+    else:  # a disabled scaler (fp32, bf16): 1.0 both times, never a skip
+        scale, new_scale = scale_host, scaler.get_scale()
     # The scaler lowers its scale exactly when it skipped the step; optimizer.step() returns None either
     # way, so the scale is the signal. A skipped step must not advance the LR schedule.
-    skipped = scaler.get_scale() < scale
+    skipped = new_scale < scale
     if scheduler is not None and not skipped:
         scheduler.step()
-    # Losses and norms reach the host together: on a GPU one sync per step, not one per micro-batch and norm.
-    values = _read_back([*losses, *norm_parts])
     norm = values[n] if grad_clip is not None else math.sqrt(sum(values[n:], 0.0))  # inf or nan if a gradient was
     return StepStats(loss=sum(values[:n], 0.0) / n, grad_norm=norm, scale=scale, skipped=skipped, lr=float(lr))
 
@@ -585,6 +633,8 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     first = local_indices(0, seed, n, batch_size, rank, world_size)[:batch_size // (world_size * accum_steps)]
     _preflight(module, data.tensors[0][first].to(amp.device), data.tensors[1][first].to(amp.device),
                models.loss_fn if loss_fn is None else None, amp, autocast)
+    if amp.device_type == "cuda":  # the peak we report is the training steps', not the preflight's
+        torch.cuda.reset_peak_memory_stats(amp.device)
     loss_fn = loss_fn or models.loss_fn
     net = wrap(module) if wrap is not None else module
     opt = make_optimizer(optimizer, net.parameters(), lr, weight_decay)
@@ -606,12 +656,14 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         else:
             torch.manual_seed(seed)
         hist.start_step = start
-        xs, ys = data.tensors
+        xs, ys = _data_on_device(data.tensors, amp.device)
         bar = tqdm(total=steps, initial=start, desc=f"train {amp.precision}", disable=not progress or rank != 0,
                    unit="step")
         for step in range(start, steps):
             t0 = time.perf_counter()
             idx = local_indices(step, seed, n, batch_size, rank, world_size)
+            if xs.device != idx.device:  # the data lives on the GPU: gather there (the indices are a few bytes)
+                idx = idx.to(xs.device, non_blocking=True)
             micro = [(xs[i].to(amp.device, non_blocking=True), ys[i].to(amp.device, non_blocking=True))
                      for i in (idx.view(accum_steps, -1) if accum_steps > 1 else (idx,))]
             stats = train_step(net, micro, loss_fn, opt, scaler, amp, grad_clip=grad_clip, scheduler=sched,
@@ -627,6 +679,8 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
                             scheduler=sched, device=amp.device, config=config, history=hist.series())
         bar.close()
     hist.final_scale = scaler.get_scale()
+    if amp.device_type == "cuda":
+        hist.peak_device_bytes = torch.cuda.max_memory_allocated(amp.device)
     return hist
 
 
@@ -652,7 +706,8 @@ def _parser() -> argparse.ArgumentParser:
                                             "Under torchrun, --strategy ddp|fsdp trains on every process.")
     p.add_argument("--model", choices=models.MODELS, default="mlp")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
-                   help="default: the device's AMP dtype (fp16 on CUDA, bf16 on CPU)")
+                   help="default: the device's AMP dtype (bf16 on CPU and on GPUs with native bf16, "
+                        "compute capability >= 8.0; fp16 + GradScaler on older GPUs)")
     p.add_argument("--strategy", choices=STRATEGIES, default="single",
                    help="single: one process; ddp (DistributedDataParallel) and fsdp (FSDP2): under torchrun")
     p.add_argument("--steps", type=int, default=100)
@@ -662,6 +717,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=None)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused Adam/AdamW kernel (no host sync in the scaler's step); default: on for CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=tuple(models.SIZES), default="tiny")
     p.add_argument("--samples", type=int, default=1024, help="synthetic dataset size")
@@ -831,7 +888,7 @@ def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]
     made: list[torch.optim.Optimizer] = []
 
     def optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        made.append(make_optimizer(args.optimizer, params, lr, weight_decay))  # kept for the memory report
+        made.append(make_optimizer(args.optimizer, params, lr, weight_decay, fused=args.fused))  # kept for the memory report
         return made[-1]
 
     loss = (models.loss_fn if args.inject_inf is None
@@ -853,8 +910,7 @@ def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]
     if args.history_out is not None:
         mine = {"rank": env.rank, **hist.series(), "final_scale": hist.final_scale,
                 "state_bytes": distributed.local_state_bytes(hist.model, made[0]),
-                "peak_cuda_bytes": (torch.cuda.max_memory_allocated(plan.device)
-                                    if str(plan.device).startswith("cuda") else None),
+                "peak_cuda_bytes": hist.peak_device_bytes,  # whichever device train() picked, after its preflight
                 # DDP replicas must stay identical; FSDP2 ranks hold different shards, so no per-rank checksum
                 "replica_checksum": None if args.strategy == "fsdp" else state_checksum(hist.model)}
         ranks = distributed.gather(mine)

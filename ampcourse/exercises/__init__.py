@@ -14,6 +14,7 @@ from .ch05 import check_fp8_scale, check_rms_norm, check_square_function
 from .ch06 import check_no_flush_scale, check_scale_prediction, check_update_rule
 from .ch07 import (check_compressed_ddp, check_data_parallel_step, check_fsdp_policy, check_rank_step,
                    check_restartable, check_state_bytes)
+from .ch09 import check_delayed_scales, check_mx_scale
 
 __all__ = ["ExerciseError", "passed", "failed",
            "check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example",
@@ -23,4 +24,5 @@ __all__ = ["ExerciseError", "passed", "failed",
            "check_rms_norm", "check_square_function", "check_fp8_scale",
            "check_no_flush_scale", "check_scale_prediction", "check_update_rule",
            "check_data_parallel_step", "check_state_bytes",
-           "check_rank_step", "check_compressed_ddp", "check_fsdp_policy", "check_restartable"]
+           "check_rank_step", "check_compressed_ddp", "check_fsdp_policy", "check_restartable",
+           "check_mx_scale", "check_delayed_scales"]
