@@ -203,3 +203,18 @@ def test_nproc_is_checked():
     with pytest.raises(ValueError, match="nproc must be an int >= 1"):
         run_on_ranks("t", "ampcourse.exercises.ch07:_run_dp", {}, nproc=0)
     assert os.environ.get("RANK") is None  # the checkers run in the notebook's process, not under torchrun
+
+
+def test_one_process_per_gpu_when_cuda_is_there(monkeypatch):
+    """N = the GPU count on a GPU node (NCCL), 2 CPU processes without CUDA; a bad device name is refused."""
+    from ampcourse.exercises._torchrun import default_nproc
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    assert default_nproc(None) == (4, "cuda") and default_nproc("cpu") == (2, "cpu")
+    with pytest.raises(ValueError, match="nproc=8 but this node has 4 GPUs"):
+        run_on_ranks("t", "ampcourse.exercises.ch07:_run_dp", {}, nproc=8, device="cuda")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert default_nproc(None) == (2, "cpu")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or None"):
+        default_nproc("tpu")
