@@ -134,6 +134,7 @@ def restart_launch():
                                  ('torch.save(state, path + ".tmp")', "torch.save(state, path)"),
                                  ('os.replace(path + ".tmp", path)', "pass")],
                      no_scaler=[('scaler.load_state_dict(state["scaler"])', "pass")],
+                     no_barrier=[("dist.barrier()", "pass")],
                      # torn last: its restarted ranks fail to load, which ends that case on every rank alike
                      torn=[('torch.save(state, path + ".tmp")', "torch.save(state, path)"),
                            ('os.replace(path + ".tmp", path)', "pass"), ("dist.barrier()", "pass")])
@@ -142,13 +143,14 @@ def restart_launch():
 
 
 def test_restartable_accepts_the_reference(restart_launch, capsys):
-    assert restart_launch.restarts == 4
+    assert restart_launch.restarts == 5
     assert "✅" in verdict(ch07.judge_restartable, restart_launch, "right", capsys)
 
 
 @pytest.mark.parametrize("name,hint", [
     ("every_rank", "save on rank 0 only"),
     ("no_scaler", "GradScaler's state_dict"),
+    ("no_barrier", "resumed at step 3: the newest checkpoint was not complete"),
     ("torn", "a torn file. Put dist.barrier"),
 ])
 def test_restartable_rejects(restart_launch, name, hint, capsys):

@@ -615,8 +615,10 @@ def judge_fsdp_policy(title: str, res, name: str) -> None:
 # --- 7.6 restartable training: rank-0 checkpoints, barriers, resume --------------------------------
 
 _RS_STEPS, _RS_KILL, _RS_INF_STEP = 6, 4, 1
-#: How long rank 0's write of the checkpoint right before the kill takes (slow shared storage, simulated).
-_RS_SLOW_WRITE_S = 2.0
+#: Rank 0's write of the checkpoint right before the kill is slow (shared storage, simulated): halfway through it
+#: waits this long for a sign that the last rank has already run ahead into the next step (no barrier) and is
+#: dying; if so, it stalls until torchrun stops it, leaving the half-written file behind.
+_RS_SLOW_WRITE_S = 1.5
 
 
 def reference_train_restartable(model, optimizer, scaler, run_step, steps, path):
@@ -670,6 +672,7 @@ def _run_restartable(fn: Callable, ctx, params: dict) -> dict:
             """One fp16 AMP step of DDP on this rank's slice (rank 0 overflows once)."""
             log.append(step)
             if kill and step == _RS_KILL and ctx.rank == world - 1:
+                (work / f"dying-{case}").touch()  # for rank 0's slow write (see _RS_SLOW_WRITE_S)
                 os.kill(os.getpid(), signal.SIGKILL)  # a node failure, mid-run
             x, y = _local(step, ctx.rank, world, ctx.device)
             opt.zero_grad(set_to_none=True)
@@ -706,7 +709,11 @@ def _run_restartable(fn: Callable, ctx, params: dict) -> dict:
         with open(f, "wb") as fh:
             fh.write(data[:len(data) // 2])
             fh.flush()
-            time.sleep(_RS_SLOW_WRITE_S)
+            deadline = time.monotonic() + _RS_SLOW_WRITE_S
+            while time.monotonic() < deadline:
+                if (work / f"dying-{case}").exists():  # a rank ran ahead of this write and died: torchrun stops us
+                    time.sleep(10 * _RS_SLOW_WRITE_S)
+                time.sleep(0.05)
             fh.write(data[len(data) // 2:])
 
     torch.save = watched_save
@@ -756,6 +763,12 @@ def judge_restartable(title: str, res, name: str) -> None:
     if savers != [0]:
         failed(title, "rank 0 writes a checkpoint", f"torch.save was called on ranks {savers}",
                "save with torch.save(state, path) on rank 0 after each step (path is the file to write and read)")
+    resumed = got[0]["resumed_at"]
+    if resumed and 0 < resumed[0] < _RS_KILL:
+        failed(title, f"the restarted round resumes at step {_RS_KILL} (rank 0 saved it before rank {last} died)",
+               f"it resumed at step {resumed[0]}: the newest checkpoint was not complete",
+               f"rank {last} ran ahead into step {_RS_KILL} and died while rank 0 was still writing: put dist.barrier() "
+               "after rank 0's save, so no rank moves on before the checkpoint is on disk")
     if got[0]["resumed_at"] != [_RS_KILL]:
         failed(title, f"the restarted round resumes at step {_RS_KILL} (the last checkpoint)",
                "it started at step " + (str(got[0]["resumed_at"][0]) if got[0]["resumed_at"] else "?"),
