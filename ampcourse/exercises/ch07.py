@@ -13,7 +13,7 @@ import torch.nn as nn
 from .. import distributed
 from ..distributed import memory_per_gpu
 from ._core import failed, passed
-from ._torchrun import learner_source, run_on_ranks
+from ._torchrun import RankResults, learner_source, run_on_ranks
 
 __all__ = ["check_data_parallel_step", "check_state_bytes", "check_rank_step", "check_compressed_ddp",
            "check_fsdp_policy", "check_restartable"]
@@ -224,7 +224,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-def _rank_errors(title: str, res, name: str, hint: str) -> None:
+def _rank_errors(title: str, res: RankResults, name: str, hint: str) -> None:
     """Feedback naming the first rank whose run of the learner's function raised."""
     errors = res.errors(name)
     if errors:
@@ -306,7 +306,7 @@ def check_rank_step(rank_step: Callable, nproc: int | None = None, device: str |
     judge_rank_step(title, res, "yours")
 
 
-def judge_rank_step(title: str, res, name: str) -> None:
+def judge_rank_step(title: str, res: RankResults, name: str) -> None:
     """The verdict on solution `name` of a 7.3 launch (separate from the launch so tests batch several)."""
     _rank_errors(title, res, name, "run your step on one process first and read the error")
     want, got = res.results["reference"][0], res.results[name]
@@ -419,7 +419,7 @@ def check_compressed_ddp(compressed_ddp: Callable, nproc: int | None = None, dev
     judge_compressed_ddp(title, res, "yours")
 
 
-def judge_compressed_ddp(title: str, res, name: str) -> None:
+def judge_compressed_ddp(title: str, res: RankResults, name: str) -> None:
     """The verdict on solution `name` of a 7.4 launch."""
     _rank_errors(title, res, name, "call your function on a model in a process group of one first")
     for rank, got in enumerate(res.results[name]):
@@ -575,7 +575,7 @@ def check_fsdp_policy(shard: Callable, nproc: int | None = None, device: str | N
     judge_fsdp_policy(title, res, "yours")
 
 
-def judge_fsdp_policy(title: str, res, name: str) -> None:
+def judge_fsdp_policy(title: str, res: RankResults, name: str) -> None:
     """The verdict on solution `name` of a 7.5 launch."""
     _rank_errors(title, res, name, "shard the model with fully_shard(module, mesh=mesh, mp_policy=...) and read the error")
     for rank, (want, got) in enumerate(zip(res.results["reference"], res.results[name])):
@@ -740,7 +740,7 @@ def check_restartable(train_restartable: Callable, nproc: int | None = None, dev
     judge_restartable(title, res, "yours")
 
 
-def judge_restartable(title: str, res, name: str) -> None:
+def judge_restartable(title: str, res: RankResults, name: str) -> None:
     """The verdict on solution `name` of a 7.6 launch."""
     last = res.nproc - 1
     savers = res.results[name][0].get("savers") or []
