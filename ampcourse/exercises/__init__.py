@@ -12,7 +12,8 @@ from .ch03 import check_autocast_dtypes, check_scale_update
 from .ch04 import check_clip_after_unscale, check_scheduler_skip
 from .ch05 import check_fp8_scale, check_rms_norm, check_square_function
 from .ch06 import check_no_flush_scale, check_scale_prediction, check_update_rule
-from .ch07 import check_data_parallel_step, check_state_bytes
+from .ch07 import (check_compressed_ddp, check_data_parallel_step, check_fsdp_policy, check_rank_step,
+                   check_restartable, check_state_bytes)
 from .ch08 import check_fp32_islands, check_init_scale
 from .ch09 import check_delayed_scales, check_mx_scale
 
@@ -24,5 +25,6 @@ __all__ = ["ExerciseError", "passed", "failed",
            "check_rms_norm", "check_square_function", "check_fp8_scale",
            "check_no_flush_scale", "check_scale_prediction", "check_update_rule",
            "check_data_parallel_step", "check_state_bytes",
+           "check_rank_step", "check_compressed_ddp", "check_fsdp_policy", "check_restartable",
            "check_init_scale", "check_fp32_islands",
            "check_mx_scale", "check_delayed_scales"]
