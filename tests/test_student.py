@@ -245,3 +245,41 @@ def test_in_a_kernel_a_wrong_answer_prints_its_verdict_and_raising_restores_the_
     assert error_name(junk) is None and "❌ Exercise 9.9" in stdout(junk) and "replace the `...`" in stdout(junk)
     assert error_name(strict) == "ExerciseError"
     assert "Exercises done: 0 of 2" in stdout(summary)
+
+
+# --- the learner's workspace (`make lab`) ---------------------------------------------------------
+
+def test_workspace_is_made_once_kept_and_gets_new_chapters(tmp_path):
+    chapters, ws = tmp_path / "chapters", tmp_path / "workspace"
+    chapters.mkdir()
+    for p in CHAPTERS[:2]:
+        (chapters / p.name).write_bytes(p.read_bytes())
+    assert make_student.main([str(p) for p in sorted(chapters.glob("*.ipynb"))] + ["-o", str(ws)]) == 0
+    made = sorted(p.name for p in ws.glob("*.ipynb"))
+    assert made == sorted(p.name for p in CHAPTERS[:2]) and (ws / "README.md").exists()
+
+    mine = ws / CHAPTERS[0].name  # the learner edits and runs a copy ...
+    nb = read(mine)
+    nb.cells.append(nbformat.v4.new_code_cell("my_answer = 42"))
+    nbformat.write(nb, mine)
+    before = mine.read_bytes()
+    (chapters / CHAPTERS[2].name).write_bytes(CHAPTERS[2].read_bytes())  # ... and a new chapter arrives
+    assert make_student.main([str(p) for p in sorted(chapters.glob("*.ipynb"))] + ["-o", str(ws)]) == 0
+    assert mine.read_bytes() == before, "make lab overwrote the learner's copy"
+    assert (ws / CHAPTERS[2].name).exists()
+    assert not list(ws.glob(".*.tmp")), "a temporary file was left behind"
+    assert make_student.main([str(chapters / CHAPTERS[0].name), "-o", str(ws), "--overwrite"]) == 0
+    assert "my_answer" not in mine.read_text()
+
+
+def test_git_ignores_the_workspace():
+    run = subprocess.run(["git", "check-ignore", "workspace/01_precision_basics.ipynb", "workspace/README.md"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, "workspace/ must be in .gitignore: a learner's git pull would conflict with it"
+
+
+def test_binder_opens_the_same_workspace():
+    post_build = (ROOT / "binder/postBuild").read_text()
+    assert "tools/make_student.py -o workspace" in post_build
+    assert "labpath=workspace" in (ROOT / "README.md").read_text()
+    assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"' in (ROOT / "binder/start").read_text()
