@@ -282,4 +282,4 @@ def test_binder_opens_the_same_workspace():
     post_build = (ROOT / "binder/postBuild").read_text()
     assert "tools/make_student.py -o workspace" in post_build
     assert "labpath=workspace" in (ROOT / "README.md").read_text()
-    assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"' in (ROOT / "binder/start").read_text()
+    assert "--name python3" in post_build and "--env OMP_NUM_THREADS 1" in post_build
