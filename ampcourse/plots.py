@@ -81,17 +81,30 @@ def format_zones(fmt="fp16") -> list[tuple[str, float, float]]:
     return [("underflow", -np.inf, flush), ("subnormal", flush, normal), ("normal", normal, over), ("overflow", over, np.inf)]
 
 
-def shade_zones(ax, fmt="fp16", label: bool = True) -> None:
-    """Shade a log2 x-axis by what fmt does to values there (flush to zero, subnormal, normal, overflow)."""
+def shade_zones(ax, fmt="fp16", label: bool = True, fontsize: float = 8) -> None:
+    """Shade a log2 x-axis by what fmt does to values there (flush to zero, subnormal, normal, overflow).
+
+    Labels never overprint or leave the axes: each is centred on its zone but kept inside the axes,
+    and one that would touch the previous label drops to the next row (bf16's narrow subnormal zone).
+    """
     lo, hi = ax.get_xlim()
+    width_in = ax.get_position().width * ax.figure.get_figwidth()  # axes width in inches (before layout)
+    rows_right: list[float] = []  # right edge (axes fraction) of the last label in each row
     for name, a, b in format_zones(fmt):
         a, b = max(a, lo), min(b, hi)
         if a >= b:
             continue
         ax.axvspan(a, b, color=ZONE_COLORS[name], alpha=0.18, lw=0)
-        if label:
-            ax.text((a + b) / 2, 0.97, name, transform=ax.get_xaxis_transform(), ha="center", va="top",
-                    fontsize=8, color=ZONE_COLORS[name])
+        if not label:
+            continue
+        half = 0.62 * fontsize * len(name) / 72 / width_in / 2 + 0.005  # half the label's width, axes fraction
+        centre = min(max(((a + b) / 2 - lo) / (hi - lo), half), 1 - half)
+        row = next((r for r, right in enumerate(rows_right) if centre - half > right), len(rows_right))
+        if row == len(rows_right):
+            rows_right.append(0.0)
+        rows_right[row] = centre + half
+        ax.text(centre, 0.97 - 0.1 * row, name, transform=ax.transAxes, ha="center", va="top",
+                fontsize=fontsize, color=ZONE_COLORS[name])
     ax.set_xlim(lo, hi)
 
 
