@@ -12,9 +12,10 @@ In a cell tagged ``solution``, every region from a ``### BEGIN SOLUTION`` line t
 function, ``raise NotImplementedError("your code here")`` (the ``def`` line and docstring stay); at the
 top level, ``name = ...  # your code here`` for each name the region defines and the checker cell
 uses, so the cell runs and the checker prints its verdict instead of a NameError stopping "Run All".
-Every code cell loses its outputs and execution count. Two cells are added: a note at the top (where
+Every code cell loses its outputs and execution count; ``language_info`` becomes this interpreter's
+kernel's, so the copy opens unmodified in the learner's JupyterLab. Two cells are added: a note at the top (where
 the full chapter with solutions is) and, after the last cell, ``exercises.summary([...])`` with the
-checkers the notebook calls. Nothing else changes: markdown, tags and notebook metadata stay as
+checkers the notebook calls. Nothing else changes: markdown, tags and the other metadata stay as
 they are, so a learner copy differs from its chapter only where a learner has work to do.
 """
 
@@ -27,6 +28,9 @@ import sys
 from pathlib import Path
 
 import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nbtool import kernel_language_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / "workspace"
@@ -176,6 +180,9 @@ def learner_copy(nb: nbformat.NotebookNode, name: str | None = None) -> nbformat
             checkers += [c for c in checker_calls(cell) if c not in checkers]
     if checkers:
         copy.cells.append(summary_cell(checkers))
+    # JupyterLab marks a notebook modified on open unless its language_info is exactly what the
+    # kernel reports: this interpreter's, the one `make lab` (and Binder) run the kernel with.
+    copy.metadata["language_info"] = kernel_language_info()
     if name is not None:  # under the title, if the notebook starts with one
         title = bool(copy.cells) and copy.cells[0].cell_type == "markdown" and copy.cells[0].source.startswith("# ")
         copy.cells.insert(1 if title else 0, note_cell(name))
