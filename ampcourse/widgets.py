@@ -88,6 +88,9 @@ class _Guarded:
     """
 
     message: W.HTML
+    _reverting = False      # True while a refused value is being put back
+    _reverting_owner = None  # the control being put back: only its own observer runs meanwhile
+    _guard_error = False    # the message shows an error from _recover (the next good change clears it)
 
     def _watch(self, control: W.Widget, handler) -> None:
         """Observe control's value through handler, guarded."""
@@ -95,14 +98,14 @@ class _Guarded:
 
     def _guarded(self, handler, change) -> None:
         """Run handler; on an error, restore the control's last good value and say why."""
-        if getattr(self, "_reverting", False) and change.get("owner") is not getattr(self, "_reverting_owner", None):
+        if self._reverting and change.get("owner") is not self._reverting_owner:
             return
         try:
             handler(change)
         except Exception as err:  # noqa: BLE001 (a widget callback must never raise into the kernel)
             self._recover(change, err)
             return
-        if getattr(self, "_guard_error", False) and not getattr(self, "_reverting", False):
+        if self._guard_error and not self._reverting:
             self._guard_error = False
             self.message.value = ""
 
@@ -110,7 +113,7 @@ class _Guarded:
         """Put the control back to its previous value (redrawing that state) and show the error."""
         owner, old = change.get("owner"), change.get("old")
         kept = ""
-        if owner is not None and not getattr(self, "_reverting", False):
+        if owner is not None and not self._reverting:
             self._reverting, self._reverting_owner = True, owner
             try:
                 owner.value = old
@@ -120,7 +123,7 @@ class _Guarded:
             finally:
                 self._reverting, self._reverting_owner = False, None
         self._guard_error = True
-        self.message.value = _error_html(err)[:-7] + kept + "</span>"
+        self.message.value = _error_html(err, kept)
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget view plus a text/plain that says how to see it (shown where no widget state is stored)."""
@@ -221,9 +224,9 @@ def format_explorer(value: float = 1.0001, fmts: tuple[str, ...] = ("fp32", "fp1
 
 # -- shared by the figure widgets -------------------------------------------------------------------------
 
-def _error_html(err: Exception) -> str:
-    """A visible, escaped error line for the widget (learners see it instead of a traceback)."""
-    return f'<span style="color:#d62728">{html.escape(str(err))}</span>'
+def _error_html(err: Exception, then: str = "") -> str:
+    """A visible, escaped error line for the widget (learners see it instead of a traceback); then: HTML after it."""
+    return f'<span style="color:#d62728">{html.escape(str(err))}{then}</span>'
 
 
 class _FigureImage:
