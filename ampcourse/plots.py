@@ -8,7 +8,7 @@ import numpy as np
 from . import formats
 
 __all__ = ["bit_layouts", "ulp_staircase", "relative_error", "gradient_histogram", "scale_trajectories",
-           "loss_curves", "training_monitor", "shade_zones", "format_zones", "log2_window"]
+           "loss_curves", "training_monitor", "legend_outside", "shade_zones", "format_zones", "log2_window"]
 
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
@@ -46,7 +46,7 @@ def ulp_staircase(fmts=("fp16", "bf16", "fp32"), lo: float = 2.0**-26, hi: float
            title="Precision shrinks as magnitude grows; below the normals it stops shrinking")
     ax.axvline(formats.spec("fp16").min_normal, color="grey", ls=":", lw=1)
     ax.axvline(formats.spec("fp16").max, color="grey", ls="--", lw=1)
-    _legend_outside(ax)
+    legend_outside(ax)
     return fig
 
 
@@ -63,7 +63,7 @@ def relative_error(fmts=("fp16", "bf16"), lo: float = 1e-9, hi: float = 1e6, n: 
     ax.set(xscale="log", yscale="log", xlabel="|x|", ylabel="relative error", ylim=(1e-6, 1.5))
     ax.axvline(formats.spec("fp16").min_normal, color="grey", ls=":", lw=1)
     ax.axvline(formats.spec("fp16").max, color="grey", ls="--", lw=1)
-    _legend_outside(ax, markerscale=4)
+    legend_outside(ax, markerscale=4)
     return fig
 
 
@@ -149,11 +149,11 @@ def scale_trajectories(runs: dict[str, tuple[list[float], list[bool]]], title: s
         skipped = np.asarray(overflows, dtype=bool)
         ax.plot(steps[skipped], y[skipped], ".", color=line.get_color(), ms=5)
     ax.set(xlabel="step", ylabel="log2(scale)", title=title)
-    _legend_outside(ax)
+    legend_outside(ax)
     return fig
 
 
-def _legend_outside(ax, **kwargs) -> None:
+def legend_outside(ax, **kwargs) -> None:
     """A legend right of the axes (with a constrained layout the figure makes room): it never covers data."""
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False, **kwargs)
 

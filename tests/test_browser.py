@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 sys.path.insert(0, str(ROOT / "tools"))
 import make_student  # noqa: E402
+import nbtool  # noqa: E402
 
 STUDENT_CHAPTER = "01_precision_basics.ipynb"  # the learner copy run to the end: quick, with 3 exercises
 ARTIFACTS = ROOT / "artifacts" / "browser"
@@ -155,6 +156,10 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
         copy_without_outputs(CHAPTERS / case.notebook, root / case.notebook)
     if (CHAPTERS / STUDENT_CHAPTER).exists():  # the learner copy, where `make lab` puts it
         make_student.make_student([CHAPTERS / STUDENT_CHAPTER], root / "workspace")
+        # the chapter as stored in git after `nbtool.py clean`, outputs and all (never run in this test)
+        stored = nbtool.clean(nbformat.read(CHAPTERS / STUDENT_CHAPTER, as_version=4))
+        (root / "stored").mkdir()
+        nbformat.write(stored, root / "stored" / STUDENT_CHAPTER)
     port = free_port()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     log = ARTIFACTS / "jupyterlab.log"
@@ -372,6 +377,34 @@ def test_every_widget_chapter_has_a_browser_case():
         code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
         for name in re.findall(r"\b(\w+_explorer)\(", code):
             assert name in widgets and path.name in cased, f"{path.name} shows {name}: add a BrowserCase for it"
+
+
+@pytest.mark.timeout(180)
+def test_a_stored_chapter_opens_unmodified_and_its_widget_says_run_the_cells(request):
+    """Before any cell runs: no "modified" mark, and "run this cell ..." where the widget will be, not an error."""
+    from playwright.sync_api import expect
+
+    require_browser()
+    lab, browser = request.getfixturevalue("lab"), request.getfixturevalue("browser")
+    from ampcourse.widgets import STORED_HINT
+
+    notebook = f"stored/{STUDENT_CHAPTER}"
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        page.goto(f"{lab.url}/lab/workspaces/stored/tree/{notebook}?token={TOKEN}")
+        expect(page.get_by_text("| Idle")).to_be_visible(timeout=60_000)
+        time.sleep(1.0)  # JupyterLab writes the kernel's language_info just after it connects
+        dirty = page.evaluate("() => [...document.querySelectorAll('.lm-TabBar-tab.jp-mod-dirty')].map(t => t.textContent)")
+        assert dirty == [], f"JupyterLab marked the stored chapter modified on open: {dirty}"
+        hint = page.locator(".jp-OutputArea-output").filter(has_text=STORED_HINT)
+        hint.first.scroll_into_view_if_needed()
+        expect(hint).to_have_count(1)
+        assert page.get_by_text("Error displaying widget").count() == 0
+        page.screenshot(path=str(ARTIFACTS / "stored-01-before-run.png"))
+    finally:
+        context.close()
+        shut_down_kernels(lab)
 
 
 @pytest.mark.timeout(240)
