@@ -77,9 +77,10 @@ def raising() -> Iterator[None]:
 
 
 def _in_notebook() -> bool:
-    """Whether we run inside an IPython shell (a Jupyter kernel), where a verdict must not end the cell in error."""
+    """Whether we run in a Jupyter kernel (JupyterLab, Colab, VS Code), where a verdict must not end the cell in error."""
     ipython = sys.modules.get("IPython")  # never import IPython just to ask
-    return ipython is not None and ipython.get_ipython() is not None
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None  # a kernel's shell; not a bare InteractiveShell in a test
 
 
 def _label(fn: Callable) -> str:
