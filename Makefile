@@ -38,7 +38,10 @@ lab: setup  ## set up, copy the chapters you have no copy of yet into workspace/
 # Tests run with one OpenMP thread per process unless OMP_NUM_THREADS is set: the course's models are
 # tiny, and on a busy 2-core machine two spinning OpenMP threads per process made chapter 2 take 148 s
 # instead of 13 s (benchmarks/README.md, "Notebook suite wall time").
-TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
+# CUDA_VISIBLE_DEVICES= hides every GPU from the CPU suite: otherwise, on a GPU machine, pick() would choose
+# CUDA, unit tests that expect a CPU would fail, strict nbval would compare GPU numbers with the stored CPU
+# outputs, and `make notebooks` would store CUDA outputs that then fail CPU CI. The GPU suite is `make gpu-test`.
+TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=
 
 test: setup  ## set up, then run unit tests and every notebook through nbval
 	$(TEST_ENV) $(BIN)/python -m pytest
@@ -55,8 +58,12 @@ nbclean: setup  ## strip noisy metadata from the chapters without executing them
 student: setup  ## learner copies in workspace/ (solutions stubbed, outputs cleared); existing copies are kept
 	$(BIN)/python tools/make_student.py -o $(WORKSPACE)
 
-gpu-test: setup  ## on a CUDA machine: all notebooks (nbval lax) + GPU-only tests + benchmark, report in benchmarks/gpu/ (else a dry run)
-	$(BIN)/python tools/gpu_test.py $(GPU_TEST_ARGS)
+# GPU_PYTHON=python3: use a Python that already has torch (CUDA) and the test wheels instead of building .venv;
+# for GPU machines without network (tools/gpu_wheels.sh says how to bring the wheels).
+GPU_PYTHON ?=
+
+gpu-test: $(if $(GPU_PYTHON),,setup)  ## on a CUDA machine: all notebooks (nbval lax) + GPU-only tests + benchmark, report in benchmarks/gpu/ (else a dry run)
+	$(or $(GPU_PYTHON),$(BIN)/python) tools/gpu_test.py $(GPU_TEST_ARGS)
 
 clean:  ## remove the virtual environment and build leftovers
 	rm -rf $(VENV) build *.egg-info

@@ -2,17 +2,19 @@
 
 Modules, one idea each:
     device     pick device, AMP dtype and scaler, with a CPU fallback
-    formats    fp32/fp16/bf16/fp8 from their bit layout (spec, decompose, quantize)
+    formats    fp32/fp16/bf16/fp8/MX fp6, fp4 from their bit layout (spec, decompose, quantize)
     plots      static matplotlib figures for the chapters
     models     reference models (mlp, cnn, transformer) and synthetic datasets
     train      one AMP training loop (fp32/fp16/bf16), History, `python -m ampcourse.train`
     checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
     scaling    loss scaling written out: LossScaler (== GradScaler), scale simulations, range counts
     policy     per-module precision policies on top of autocast
+    optim      pure-bf16 AdamW: nearest, stochastic or Kahan-compensated weight updates (no fp32 master)
     distributed torchrun env, DDP/FSDP2 wrapping, sharded checkpoints, launch(), SLURM scripts
     widgets    ipywidgets + matplotlib explorers used in the chapters
     autocast_ops  the autocast op table, measured live per device and dtype
     memory     bytes saved for backward, weights, gradients, optimizer state
+    fp8        below 16 bits: scaled quantization (tensor/row/MX/NVFP4/tiles), delayed vs current scaling
     bench      matmul/train-step/memory benchmark (python -m ampcourse.bench)
     exercises  checkers for the chapter exercises
     course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
@@ -28,6 +30,7 @@ __version__ = "0.1.0"
 _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
+    "fp8", "optim",
 }
 
 

@@ -15,23 +15,40 @@ A file that cannot be read (missing, empty, truncated, random bytes, a pickled o
 ``weights_only=True`` refuses, a torch file of some other program) raises :class:`CheckpointError`,
 a ``ValueError`` naming the path and what to do. Nothing here deletes or overwrites a checkpoint
 except ``save`` replacing one with a complete newer file; a failed write leaves the old file in place.
+
+What a checkpoint promises (README, "Reliability"):
+
+- integrity: torch writes every piece (each tensor's bytes, the pickled structure) as a member of a zip
+  file with its CRC-32; ``load`` checks every CRC before unpickling, so a flipped bit anywhere in the data
+  is a :class:`CheckpointError`, never a silently different resume;
+- plain contents: numpy scalars in the settings, history, optimizer or scheduler state are turned into
+  Python numbers by ``capture`` (``weights_only=True`` refuses numpy objects);
+- all or nothing: ``restore`` checks the whole state against the live model, optimizer, scaler and
+  scheduler (names, shapes, optimizer kind and settings, RNG state size, a step >= 0) *before* changing
+  any of them, and puts everything back if loading still fails: a refused checkpoint leaves them untouched.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import re
 import socket
 import tempfile
 import warnings
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from . import _args
+
 __all__ = ["FORMAT", "VERSION", "FILENAME", "CheckpointError", "FileCheckpointer", "path_in", "capture", "save",
-           "load", "restore", "rng_state", "set_rng_state"]
+           "load", "restore", "check_fits", "check_settings", "rng_state", "set_rng_state"]
 
 #: Marker and version stored in every file, so a foreign torch file is recognised as such.
 FORMAT = "ampcourse.checkpoint"
@@ -47,7 +64,14 @@ class CheckpointError(ValueError):
 
 def path_in(directory: str | os.PathLike) -> Path:
     """The checkpoint file inside a run directory."""
-    return Path(directory) / FILENAME
+    return _as_path(directory, "directory") / FILENAME
+
+
+def _as_path(value: Any, name: str) -> Path:
+    """value as a Path (a str or os.PathLike); ValueError naming it otherwise (pathlib's TypeError names nothing)."""
+    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+        return Path(value)
+    raise ValueError(f"{name} must be a path (str or pathlib.Path), got {_args.shown(value)}")
 
 
 def rng_state(device: torch.device | None = None) -> dict[str, torch.Tensor | None]:
@@ -69,8 +93,8 @@ def capture(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: Any = None, *, device: torch.device | None = None, config: dict | None = None,
             history: dict | None = None) -> dict[str, Any]:
     """Everything needed to continue after `step` completed steps, as plain tensors and containers."""
-    return {
-        "format": FORMAT, "version": VERSION, "step": int(step),
+    return _plain({
+        "format": FORMAT, "version": VERSION, "step": _args.integer(step, "step", low=0),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),  # {} when the scaler is disabled (fp32, bf16)
@@ -78,7 +102,22 @@ def capture(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         "rng": rng_state(device),
         "config": dict(config or {}),
         "history": dict(history or {}),
-    }
+    })
+
+
+def _plain(obj: Any) -> Any:
+    """obj with numpy scalars (and 0-d arrays) turned into Python numbers, through dicts, lists and tuples.
+
+    torch.load(weights_only=True) refuses numpy objects, so a run started with lr=np.float64(1e-3) (which an
+    optimizer stores in its param_groups as given) would write a checkpoint it can never read back.
+    """
+    if isinstance(obj, (np.generic, np.ndarray)) and np.ndim(obj) == 0:
+        return obj.item()
+    if isinstance(obj, dict):
+        return {_plain(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):  # namedtuples stay as they are
+        return type(obj)(_plain(v) for v in obj)
+    return obj
 
 
 def _temp_prefix(path: Path) -> str:
@@ -134,7 +173,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
     A writer killed mid-write (SIGKILL, power loss) leaves the previous checkpoint intact and a temp file
     named after its host and pid; the next successful save here deletes such leftovers of dead writers.
     """
-    path = Path(path)
+    path = _as_path(path, "path")
     _check_writable_folder(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
@@ -143,7 +182,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
                               f"{str(path.parent)!r} ({err.strerror}); choose a folder you can write to") from err
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
+            torch.save(_plain(state), fh)  # numpy scalars would make the file unreadable with weights_only=True
             fh.flush()
             os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)  # atomic on POSIX and Windows: readers see the old file or the new one
@@ -177,16 +216,38 @@ def _unreadable(path: Path, why: str) -> CheckpointError:
         "in a fresh directory.")
 
 
+def _verify_crcs(path: Path) -> bool:
+    """For a zip file (torch's format): CheckpointError unless every member matches its CRC-32; True once checked.
+
+    torch.load itself does not check them, so without this a flipped bit in a tensor loads silently.
+    Not a zip at all: False, and torch.load's own error (or load()'s refusal of a legacy file) follows.
+    """
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as zf:
+            damaged = zf.testzip()  # reads every member and compares its CRC-32
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError) as err:
+        raise _unreadable(path, f"it is truncated or not a torch file ({type(err).__name__}: {err})") from err
+    except OSError as err:  # a read error, or a damaged header that made a member unreadable
+        raise _unreadable(path, f"it cannot be read ({err.strerror or err})") from err
+    if damaged is not None:
+        raise _unreadable(path, f"its data are damaged: {damaged!r} fails its CRC-32 check (a flipped bit, "
+                                "a failing disk or an incomplete copy); the bytes differ from what was saved")
+    return True
+
+
 def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
          required: tuple[str, ...] = _REQUIRED) -> dict[str, Any]:
     """Read a checkpoint with torch.load(weights_only=True) and check it is ours; CheckpointError if not."""
-    path = Path(path)
+    path = _as_path(path, "path")
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r}; train without resume first, or check the path")
     if not path.is_file():
         raise _unreadable(path, "it is not a regular file")
     if path.stat().st_size == 0:
         raise _unreadable(path, "the file is empty (a write that never finished?)")
+    checked = _verify_crcs(path)
     try:
         with warnings.catch_warnings():  # a garbage file can make the unpickler warn before it fails
             warnings.simplefilter("ignore", UserWarning)
@@ -198,6 +259,9 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
         raise _unreadable(path, "it is truncated or not a torch file (the unpickler met bytes it cannot read)") from err
     except Exception as err:  # torch.load on random bytes raises RuntimeError, IndexError, KeyError, ...
         raise _unreadable(path, f"it is truncated or not a torch file ({type(err).__name__})") from err
+    if not checked:  # torch's legacy (non-zip) format: no checksums, and never written by save()
+        raise _unreadable(path, "it is a torch file in the legacy non-zip format, which carries no checksums "
+                                "(checkpoint.save writes zip files only)")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise _unreadable(path, f"it is a torch file but not an {FORMAT} file")
     if state.get("version") != VERSION:
@@ -211,24 +275,166 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
 def restore(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler, scheduler: Any = None, *, device: torch.device | None = None,
             path: str | os.PathLike = "<checkpoint>") -> int:
-    """Load a captured state into live objects; returns the number of completed steps."""
+    """Load a captured state into live objects; returns the number of completed steps.
+
+    All or nothing: check_fits() looks at everything first, and if loading still fails midway the
+    model, optimizer, scaler and scheduler get their previous state back before the error is raised.
+    """
+    step = check_fits(state, model, optimizer, scaler, scheduler, path=path)
+    before = _snapshot(model, optimizer, scaler, scheduler)
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as err:
-        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model or optimizer: "
-                              f"{str(err).splitlines()[0]}; resume with the same model and optimizer") from err
+        if scaler.is_enabled():
+            scaler.load_state_dict(state["scaler"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"], device)
+    except Exception as err:
+        _put_back(before, model, optimizer, scaler, scheduler)
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model or optimizer: {type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}; the model and optimizer were left "
+                              "as they were. Resume with the model, optimizer and precision it was written with") from err
+    return step
+
+
+def _snapshot(model, optimizer, scaler, scheduler) -> tuple:
+    """Copies of what restore() changes, to put back if loading fails midway."""
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()}, copy.deepcopy(optimizer.state_dict()),
+            scaler.state_dict(), None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
+            torch.get_rng_state())
+
+
+def _put_back(before: tuple, model, optimizer, scaler, scheduler) -> None:
+    """Undo a partial restore()."""
+    weights, opt, scl, sched, rng = before
+    model.load_state_dict(weights)
+    optimizer.load_state_dict(opt)
+    if scl:
+        scaler.load_state_dict(scl)
+    if scheduler is not None:
+        scheduler.load_state_dict(sched)
+    torch.set_rng_state(rng)
+
+
+def _bad(path: str | os.PathLike, what: str) -> CheckpointError:
+    """The error for a well-formed checkpoint whose contents cannot be restored into this run."""
+    return CheckpointError(f"checkpoint {str(path)!r} does not fit this model or optimizer: {what}. Nothing was changed; resume "
+                           "with the model, optimizer, scheduler and precision it was written with, or start a "
+                           "fresh run in another checkpoint_dir")
+
+
+def check_fits(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler, scheduler: Any = None, *, path: str | os.PathLike = "<checkpoint>") -> int:
+    """CheckpointError unless every piece of state can be restored into these objects; returns the step. Changes nothing."""
+    if not isinstance(state, Mapping):
+        raise _bad(path, f"it holds a {type(state).__name__}, not a dict")
+    _check_model_state(state.get("model"), model, path)
+    return check_settings(state, optimizer, scaler, scheduler, path=path)
+
+
+def check_settings(state: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                   scheduler: Any = None, *, path: str | os.PathLike = "<checkpoint>") -> int:
+    """check_fits without the model (FSDP2's sharded files check the weights through DCP); returns the step."""
+    if not isinstance(state, Mapping):
+        raise _bad(path, f"it holds a {type(state).__name__}, not a dict")
+    try:
+        step = _args.integer(state.get("step"), "step", low=0)
+    except ValueError as err:
+        raise _bad(path, f"its {err}") from None
+    _check_optimizer_state(state.get("optimizer"), optimizer, state.get("config"), path)
     if scaler.is_enabled():
-        if not state["scaler"]:
+        saved = state.get("scaler")
+        if not saved:
             raise CheckpointError(f"checkpoint {str(path)!r} has no GradScaler state (written without fp16); "
                                   "resume with the precision it was written with")
-        scaler.load_state_dict(state["scaler"])
+        try:
+            from .scaling import check_scaler_args  # scaling imports models only; no cycle
+            if not isinstance(saved, Mapping):
+                raise ValueError(f"it is a {type(saved).__name__}")
+            check_scaler_args(saved.get("scale"), saved.get("growth_factor"), saved.get("backoff_factor"),
+                              saved.get("growth_interval"))
+            _args.integer(saved.get("_growth_tracker"), "_growth_tracker", low=0)
+        except ValueError as err:
+            raise _bad(path, f"its GradScaler state is impossible ({err})") from None
     if scheduler is not None:
-        if state["scheduler"] is None:
+        if state.get("scheduler") is None:
             raise CheckpointError(f"checkpoint {str(path)!r} has no scheduler state; resume without a scheduler")
-        scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"], device)
-    return int(state["step"])
+        if not isinstance(state["scheduler"], Mapping):
+            raise _bad(path, f"its scheduler state is a {type(state['scheduler']).__name__}, not a dict")
+    _check_rng_state(state.get("rng"), path)
+    for key in ("config", "history"):
+        if not isinstance(state.get(key, {}), Mapping):
+            raise _bad(path, f"its {key} is a {type(state[key]).__name__}, not a dict")
+    bad_series = [k for k, v in state.get("history", {}).items() if not isinstance(v, (list, tuple))]
+    if bad_series:
+        raise _bad(path, f"its history entries {bad_series} are not lists")
+    return step
+
+
+def _check_model_state(saved: Any, model: torch.nn.Module, path) -> None:
+    """Same names, and a tensor of the same shape under each (load_state_dict would copy the matching ones first)."""
+    if not isinstance(saved, Mapping):
+        raise _bad(path, f"its model state is {'missing' if saved is None else 'a ' + type(saved).__name__}")
+    live = model.state_dict()
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    if missing or unexpected:
+        raise _bad(path, f"the model's names differ (missing {missing[:5]}, unexpected {unexpected[:5]}): "
+                         "it was written for another model")
+    for key, value in live.items():
+        got = saved[key]
+        if not isinstance(got, torch.Tensor) or got.shape != value.shape:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise _bad(path, f"model tensor {key!r} has shape {shape} in the checkpoint, {tuple(value.shape)} here")
+        if got.dtype != value.dtype:  # load_state_dict would cast silently: float64 -> float32 is no exact resume
+            raise _bad(path, f"model tensor {key!r} is {got.dtype} in the checkpoint, {value.dtype} here")
+
+
+def _check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, config: Any, path) -> None:
+    """Same kind of optimizer, same groups and settings' names, per-parameter state of the right shapes."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("param_groups"), (list, tuple)) \
+            or not isinstance(saved.get("state"), Mapping):
+        raise _bad(path, "its optimizer state is missing or is not an optimizer's state_dict "
+                         "(a dict with 'state' and 'param_groups')")
+    kind = config.get("optimizer") if isinstance(config, Mapping) else None
+    if isinstance(kind, str) and kind != type(optimizer).__name__:
+        raise _bad(path, f"it was written by a {kind} optimizer, and this run uses {type(optimizer).__name__}")
+    groups, live = saved["param_groups"], optimizer.param_groups
+    if len(groups) != len(live):
+        raise _bad(path, f"its optimizer has {len(groups)} parameter groups, this one {len(live)}")
+    params = {}
+    for i, (g, lg) in enumerate(zip(groups, live)):
+        if not isinstance(g, Mapping) or not isinstance(g.get("params"), (list, tuple)):
+            raise _bad(path, f"its optimizer's parameter group {i} is not a dict with a 'params' list")
+        # Every setting this optimizer reads must be there (AdamW's state lacks SGD's 'momentum': KeyError in
+        # step 1). Extra keys are allowed: an LR scheduler adds 'initial_lr' to the groups it drives.
+        missing = sorted(set(lg) - set(g) - {"initial_lr"})
+        if missing:
+            raise _bad(path, f"its optimizer settings lack {missing} (group {i}), which {type(optimizer).__name__} "
+                             "needs: it was written by another kind of optimizer")
+        if len(g["params"]) != len(lg["params"]):
+            raise _bad(path, f"its optimizer's group {i} holds {len(g['params'])} parameters, this one {len(lg['params'])}")
+        params.update(zip(g["params"], lg["params"]))
+    for pid, entry in saved["state"].items():
+        if pid not in params or not isinstance(entry, Mapping):
+            raise _bad(path, f"its optimizer state has an entry for parameter {pid!r}, which no group holds")
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[pid].shape:
+                raise _bad(path, f"optimizer state {name!r} of parameter {pid!r} has shape {tuple(value.shape)}, "
+                                 f"the parameter {tuple(params[pid].shape)}")
+
+
+def _check_rng_state(saved: Any, path) -> None:
+    """A CPU generator state of the size and dtype torch.set_rng_state takes (and a CUDA one that is a byte tensor)."""
+    want = torch.get_rng_state()
+    cpu = saved.get("cpu") if isinstance(saved, Mapping) else None
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != want.dtype or cpu.shape != want.shape:
+        got = (f"{tuple(cpu.shape)} {cpu.dtype}" if isinstance(cpu, torch.Tensor)
+               else type(cpu if isinstance(saved, Mapping) else saved).__name__)
+        raise _bad(path, f"its CPU random-number state is {got}, not {tuple(want.shape)} {want.dtype}")
+    cuda = saved.get("cuda")
+    if cuda is not None and (not isinstance(cuda, torch.Tensor) or cuda.dtype != torch.uint8):
+        raise _bad(path, "its CUDA random-number state is not a byte tensor")
 
 
 class FileCheckpointer:

@@ -57,19 +57,24 @@ OUTLINE: tuple[OutlineSection, ...] = (
     OutlineSection("2.1", "precision basics: how floats are stored", 1, ("1.1", "1.2")),
     OutlineSection("2.1.1", "fp16 vs fp32: rounding, overflow, underflow, accumulation", 1, ("1.3", "1.4", "1.5", "1.6")),
     OutlineSection("2.1.2", "benefits of mixed precision: speed and memory", 2),
-    OutlineSection("2.2.1", "autocast", 3, ("3.1", "3.2", "3.3", "3.4")),
+    OutlineSection("2.2.1", "autocast", 3, ("3.1", "3.2", "3.3", "3.4", "3.10")),
     OutlineSection("2.2.2", "GradScaler", 3, ("3.5", "3.6", "3.7", "3.8")),
     OutlineSection("2.3.1", "training with AMP: the loop", 4, ("4.1", "4.2", "4.4")),
-    OutlineSection("2.3.2", "training with AMP: the scaler in the loop", 4, ("4.3", "4.5")),
+    OutlineSection("2.3.2", "training with AMP: the scaler in the loop", 4, ("4.3", "4.5", "4.6", "4.11")),
     OutlineSection("2.3.3", "training with AMP: adapting model and optimizer", 4, ("4.8", "4.9")),
-    OutlineSection("3.1.1", "custom precision strategies", 5),
+    # The outline's 3.1.1 is about custom GradScaler settings (init_scale, growth, backoff): chapter 6 teaches
+    # them in 6.3. Chapter 5 (fp32 islands, per-module precision, fp8) goes beyond the outline.
+    OutlineSection("3.1.1", "custom precision strategies: GradScaler's init_scale, growth and backoff settings", 6,
+                   ("6.3",)),
     OutlineSection("3.1.2", "loss scaling", 6),
 )
 
-#: What each chapter covers of the outline (chapter 7 goes beyond it: AMP on several GPUs).
+#: What each chapter covers of the outline (chapters 5 and 7 go beyond it).
 CHAPTER_OUTLINE: dict[int, str] = {
-    1: "1, 2.1, 2.1.1", 2: "2.1.2", 3: "2.2.1, 2.2.2", 4: "2.3.1–2.3.3", 5: "3.1.1", 6: "3.1.2",
+    1: "1, 2.1, 2.1.1", 2: "2.1.2", 3: "2.2.1, 2.2.2", 4: "2.3.1–2.3.3",
+    5: "beyond the outline (3.1.1's theme, taken further): fp32 islands, per-module precision, fp8", 6: "3.1.1 (in 6.3), 3.1.2",
     7: "beyond the outline: multi-GPU AMP",
+    9: "beyond the outline: fp8, MX and fp4",
 }
 
 _f32, _f16, _bf16 = formats.spec("fp32"), formats.spec("fp16"), formats.spec("bf16")
@@ -88,11 +93,14 @@ GLOSSARY: tuple[Term, ...] = (
     Term("bfloat16 (bf16)", "脑浮点数 (bfloat16)", f"{_bf16.bits} bits, {_layout(_bf16)}: fp32's range with little precision", 1),
     Term("exponent / mantissa", "指数位 / 尾数位", "the fields of a float: the exponent sets the range, the mantissa the precision", 1),
     Term("machine epsilon", "机器精度 (机器ε)", f"the gap between 1 and the next representable number (fp16: {_f16.eps:g}, bf16: {_bf16.eps:g})", 1),
+    Term("round to nearest, ties to even", "就近舍入 (偶数优先)", "IEEE rounding: to the nearest representable value; a value "
+         "exactly halfway goes to the neighbour whose last mantissa bit is 0, so 1 + eps/2 rounds to 1", 1),
     Term("overflow", "上溢", f"a result too large for the format becomes inf (in fp16: anything that rounds above {_f16.max:g})", 1),
-    Term("underflow", "下溢", f"a result too small for the format becomes zero (fp16 below half of {_f16.min_subnormal:.3g})", 1),
+    Term("underflow", "下溢", f"a nonzero result too small for the format becomes zero (fp16: at or below half of "
+         f"{_f16.min_subnormal:.3g}; exactly half is a tie, and ties round to the even neighbour, zero)", 1),
     Term("subnormal number", "非规格化数 (次正规数)", f"values below the smallest normal ({_f16.min_normal:.3g} in fp16), with fewer significant bits", 1),
     Term("accumulation in fp32", "FP32 累加", "summing low-precision products in an fp32 accumulator so small terms are not lost", 1),
-    Term("tensor core", "张量核心", "GPU matrix units that multiply fp16/bf16 inputs fast and accumulate in fp32", 2),
+    Term("tensor core", "张量核心", "GPU matrix units that multiply fp16/bf16 inputs fast and accumulate in a wider type: fp32, though fp16 GEMMs may reduce partial sums in fp16", 2),
     Term("autocast", "自动类型转换 (autocast)", "a context manager that runs each op in the dtype chosen for it: matmuls in 16 bits, losses in fp32", 3),
     Term("gradient scaling", "梯度缩放", "multiplying the loss so fp16 gradients stay above the underflow threshold, then dividing it out", 3),
     Term("loss scaling", "损失缩放", "the same idea named after what is scaled: the loss before backward()", 6),
@@ -100,8 +108,16 @@ GLOSSARY: tuple[Term, ...] = (
     Term("master weights", "主权重", "the fp32 copy of the weights that the optimizer updates; low-precision copies are derived from it", 4),
     Term("gradient clipping", "梯度裁剪", "limiting the gradient norm; with a GradScaler, unscale the gradients first", 4),
     Term("gradient accumulation", "梯度累积", "summing gradients over several micro-batches before one optimizer step", 4),
+    Term("stochastic rounding", "随机舍入", "rounding up with probability equal to the fraction of the gap, so small "
+         "updates survive on average (pure bf16 training)", 4),
+    Term("Kahan summation", "Kahan 求和 (补偿求和)", "keeping the rounding error of each addition in a compensation buffer "
+         "and adding it to the next one", 4),
+    Term("activation checkpointing", "激活检查点 (重计算)", "freeing activations after forward and recomputing them in "
+         "backward; under autocast the recomputation runs under the forward pass's autocast state", 3),
     Term("fp32 island", "FP32 区域", "a region run with autocast disabled and inputs cast to fp32, for numerically delicate code", 5),
     Term("data parallel (DDP)", "数据并行", "one model copy per GPU, gradients averaged by all-reduce after backward", 7),
+    Term("microscaling (MX) format", "微缩放格式 (MX)", "blocks of 32 narrow elements sharing one power-of-two (e8m0) scale", 9),
+    Term("delayed scaling", "延迟缩放", "an fp8 scale taken from the amax history of earlier steps, not from the tensor being cast", 9),
 )
 
 

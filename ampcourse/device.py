@@ -7,8 +7,14 @@
     ...     ...
     >>> scaler = amp.make_scaler()        # torch.amp.GradScaler(device), enabled only for fp16
 
-Defaults: fp16 + GradScaler on CUDA (what most GPUs train with, and what needs loss scaling),
+Defaults: bf16 on CUDA GPUs with native bf16 tensor cores (compute capability >= 8.0: Ampere and
+later; no GradScaler needed), fp16 + GradScaler on older GPUs (Volta, Turing: bf16 there is emulated),
 bf16 on CPU (CPU fp16 autocast exists but has no fast kernels on most CPUs), fp16 on Apple MPS.
+Chapters that teach the GradScaler ask for fp16 explicitly: ``pick(precision="fp16")``.
+
+Native bf16 is decided by the compute capability of the device picked, not by
+``torch.cuda.is_bf16_supported()``: that defaults to ``including_emulation=True`` (True on a T4 or
+V100, which have no bf16 units) and looks at the *current* device, not necessarily the chosen one.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PRECISIONS", "AmpSetup", "pick", "parse_precision", "cpu_flags"]
+__all__ = ["PRECISIONS", "AmpSetup", "pick", "parse_precision", "cpu_flags", "native_bf16", "NATIVE_BF16_CAPABILITY"]
+
+#: The first CUDA compute capability with bf16 (and tf32) tensor cores: Ampere, sm_80.
+NATIVE_BF16_CAPABILITY = (8, 0)
 
 #: Precision names the course accepts, mapped to the autocast dtype (None: autocast off).
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -62,14 +71,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def native_bf16(device: str | torch.device) -> bool:
+    """True if this CUDA device has bf16 tensor cores (compute capability >= 8.0); False for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return tuple(torch.cuda.get_device_capability(device)) >= NATIVE_BF16_CAPABILITY
+
+
 def _native_units(device: torch.device, precision: str) -> tuple[bool, str]:
     """Whether the hardware has fast units for this precision, and what they are called."""
     if precision == "fp32":
         return True, "fp32"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        need = 8 if precision == "bf16" else 7  # bf16 tensor cores arrived with Ampere (sm_80)
-        return major >= need, f"tensor cores (sm_{major}{minor})"
+        if precision == "bf16" and not native_bf16(device):  # bf16 tensor cores arrived with Ampere (sm_80)
+            return False, f"no bf16 tensor cores (sm_{major}{minor} < sm_80: bf16 is emulated)"
+        return major >= 7, f"tensor cores (sm_{major}{minor})"
     if device.type == "mps":
         return True, "Apple GPU"
     flags = cpu_flags()
@@ -151,7 +169,9 @@ def _default_device() -> torch.device:
 
 
 def _default_precision(device: torch.device) -> str:
-    """fp16 on CUDA and MPS, bf16 on CPU."""
+    """bf16 on CPU and on CUDA GPUs with native bf16 (no scaler needed); fp16 on older GPUs and on MPS."""
+    if device.type == "cuda":
+        return "bf16" if native_bf16(device) else "fp16"
     return "bf16" if device.type == "cpu" else "fp16"
 
 
@@ -166,10 +186,19 @@ def pick(device: str | torch.device | None = None, precision: str | torch.dtype 
             raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N', 'mps' or None") from err
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available; use device=None or 'cpu'")
+        if dev.type == "cuda":
+            # Name the GPU explicitly, so capability checks and tensor placement agree on which one.
+            dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+            if dev.index >= torch.cuda.device_count():
+                raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices "
+                                 f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
         if dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"unsupported device type {dev.type!r}; use 'cpu', 'cuda' or 'mps'")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"device {str(device)!r} requested but Apple MPS is not available here; "
+                             "use device=None (the best available) or 'cpu'")
     prec = _default_precision(dev) if precision is None else parse_precision(precision)
-    if prec == "bf16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"{torch.cuda.get_device_name(dev)} has no bf16 support; use precision='fp16'")
+    # An explicit bf16 on a pre-Ampere GPU is allowed (torch emulates it, so it runs), but it is marked
+    # not native: the summary then says to expect it to be slow.
     native, units = _native_units(dev, prec)
     return AmpSetup(dev, prec, native, units)

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, models
+from . import _args, checkpoint, models
 from .device import AmpSetup
 
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
@@ -434,6 +434,9 @@ class ShardedCheckpointer(checkpoint.FileCheckpointer):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         folder = self._current(directory)
+        # Everything but the shards first: a wrong optimizer, scaler state or step fails before DCP touches the model.
+        checkpoint.check_settings({**state, "optimizer": {"state": {}, "param_groups": state.get("param_groups")}},
+                                  optimizer, scaler, scheduler, path=folder)
         target, _ = self._dcp_state(net, optimizer)
         try:
             dcp.load(target, storage_reader=_safe_reader(folder), planner=_tensor_only_planner())
@@ -445,14 +448,9 @@ class ShardedCheckpointer(checkpoint.FileCheckpointer):
                                              f"model ({type(err).__name__}: {first})") from err
         set_model_state_dict(net, target["model"])
         set_optimizer_state_dict(net, optimizer, {"state": target["optim"], "param_groups": state["param_groups"]})
-        if scaler.is_enabled():
-            if not state["scaler"]:
-                raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r} has no GradScaler state (written "
-                                                 "without fp16); resume with the precision it was written with")
+        if scaler.is_enabled():  # present and sensible: check_settings said so
             scaler.load_state_dict(state["scaler"])
         if scheduler is not None:
-            if state["scheduler"] is None:
-                raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r} has no scheduler state")
             scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"], device)
         return int(state["step"])
@@ -509,10 +507,8 @@ def memory_per_gpu(n_params: int, world_size: int, strategy: str) -> dict[str, f
     DDP's autocast copy is the whole model, FSDP2's is one unit at a time (here: the whole model, an upper
     bound for a single-unit model).
     """
-    if not isinstance(n_params, int) or n_params < 0:
-        raise ValueError(f"n_params must be an int >= 0, got {n_params!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    n_params = _args.integer(n_params, "n_params", low=0)  # numpy and 0-d tensor ints too
+    world_size = _args.integer(world_size, "world_size", low=1)
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"unknown strategy {strategy!r}; choose ddp or fsdp")
     share = 1.0 if strategy == "ddp" else 1.0 / world_size
@@ -566,11 +562,9 @@ def torchrun_command(args: Sequence[str] = (), *, nproc_per_node: int = 2, nnode
         raise ValueError("pass module= or script=, not both")
     if script is None:
         module = module or "ampcourse.train"
-    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    nproc_per_node = _args.integer(nproc_per_node, "nproc_per_node", low=1)
+    nnodes = _args.integer(nnodes, "nnodes", low=1)
+    max_restarts = _args.integer(max_restarts, "max_restarts", low=0)
     cmd = [python or sys.executable, "-m", "torch.distributed.run"]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd += ["--standalone"]
@@ -635,9 +629,8 @@ def launch(args: Sequence[str] = (), *, timeout: float = 120.0, cwd: str | os.Pa
     SIGKILL and LaunchTimeout is raised with the output so far.
     """
     cmd = torchrun_command(args, **command)
-    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float("inf")
-    if not ok:  # checked before anything starts: a timeout of 0 or less would kill the job it just launched
-        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    # checked before anything starts: a timeout of 0 or less would kill the job it just launched
+    timeout = _args.real(timeout, "timeout", positive=True, what="a finite number of seconds > 0")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             env=launch_env(env), start_new_session=True)
@@ -703,10 +696,11 @@ def render_slurm(nodes: int, gpus_per_node: int, train_args: Sequence[str] = ("-
                  job_name: str = "ampcourse", time_limit: str = "01:00:00", cpus_per_task: int | None = None,
                  port: int = 29500, max_restarts: int = 1) -> str:
     """The SLURM batch script (templates/train.slurm) for `nodes` nodes with `gpus_per_node` GPUs each."""
-    for name, value, low in (("nodes", nodes, 1), ("gpus_per_node", gpus_per_node, 1), ("port", port, 1),
-                             ("max_restarts", max_restarts, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    nodes, gpus_per_node = _args.integer(nodes, "nodes", low=1), _args.integer(gpus_per_node, "gpus_per_node", low=1)
+    port = _args.integer(port, "port", low=1, high=65535)
+    max_restarts = _args.integer(max_restarts, "max_restarts", low=0)
+    if cpus_per_task is not None:
+        cpus_per_task = _args.integer(cpus_per_task, "cpus_per_task", low=1)
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job_name):
         raise ValueError(f"job_name {job_name!r}: use letters, digits, '_', '.', '-' (at most 64)")
     if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", time_limit):

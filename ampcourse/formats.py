@@ -1,4 +1,4 @@
-"""Floating-point formats from their bit layout: fp32, fp16, bf16 and two fp8 variants.
+"""Floating-point formats from their bit layout: fp32, fp16, bf16, fp8, and the OCP MX formats below 8 bits.
 
 Everything here is computed from (exponent bits, mantissa bits, bias); nothing asks torch what a
 format can hold. The tests check the results against numpy's float16 (all 65,536 bit patterns)
@@ -12,6 +12,24 @@ fp8_e4m3 is OCP's E4M3FN (``torch.float8_e4m3fn``): there is no infinity, the on
 all-ones pattern ``S.1111.111``, so its largest value is 448; casts *saturate*: any finite value
 or infinity beyond the range becomes +-448 (torch's cast does the same), NaN stays NaN.
 fp8_e5m2 follows the IEEE rules of fp16 (overflow to inf).
+
+The formats of the OCP Microscaling (MX) spec v1.0 (checked against ml_dtypes on every bit pattern):
+- fp8_e8m0 (``torch.float8_e8m0fnu``, ml_dtypes ``float8_e8m0fnu``): the MX *scale*. Eight exponent
+  bits, no sign, no mantissa, bias 127: the values are the powers of two 2**-127 .. 2**127, and the
+  pattern 0xFF is NaN. No zero, no infinity, no subnormals. Rounding is to the nearest power of two
+  (a tie, 1.5 * 2**k, goes up); values below 2**-127 clamp to 2**-127; values that round past 2**127,
+  infinities, zero, negative numbers and NaN become NaN (ml_dtypes' convention). torch's cast agrees
+  on every positive value but differs in two places: it maps 0.0 to 2**-127 and a negative x to the
+  result for |x| (the sign is dropped, not turned into NaN). One more difference, from both: they
+  round every x strictly between 2**-127 and 2**-126 up to 2**-126 (they work on float32 bits, and that
+  binade is float32's subnormal range); here it rounds to the nearest power like every other binade.
+  Only scales below 2**-126 are affected.
+- fp6_e2m3, fp6_e3m2, fp4_e2m1 (ml_dtypes ``float6_e2m3fn``, ``float6_e3m2fn``, ``float4_e2m1fn``):
+  signed, with subnormals, *no* infinity and *no* NaN encoding; every bit pattern is a number (largest
+  7.5, 28 and 6). Casts saturate: a finite value or infinity past the range becomes +-max. A NaN has
+  nowhere to go: the OCP spec leaves that conversion to the implementation; here quantize returns NaN
+  (ml_dtypes returns -0.0, which would hide the NaN) and decompose raises ValueError. torch has no
+  fp6 dtype, and its fp4 dtype (``float4_e2m1fn_x2``, two values per byte) has no cast kernel on CPU.
 """
 
 from __future__ import annotations
@@ -34,11 +52,14 @@ class FormatSpec:
     mantissa_bits: int
     has_inf: bool = True  # False: E4M3FN, whose top exponent holds normal numbers
     saturates: bool = False  # True: casts clamp to +-max instead of overflowing
+    has_nan: bool = True  # False: fp6/fp4, where every bit pattern is a finite number
+    signed: bool = True  # False: e8m0, which has no sign bit (and no zero)
+    has_subnormals: bool = True  # False: e8m0, whose exponent field 0 is the power 2**-bias
 
     @property
     def bits(self) -> int:
         """Total width in bits (sign + exponent + mantissa)."""
-        return 1 + self.exponent_bits + self.mantissa_bits
+        return int(self.signed) + self.exponent_bits + self.mantissa_bits
 
     @property
     def bias(self) -> int:
@@ -47,21 +68,23 @@ class FormatSpec:
 
     @property
     def emin(self) -> int:
-        """Smallest exponent of a normal number (field value 1)."""
-        return 1 - self.bias
+        """Smallest exponent of a normal number (field value 1; field 0 where there are no subnormals)."""
+        return 1 - self.bias if self.has_subnormals else -self.bias
 
     @property
     def emax(self) -> int:
         """Largest exponent of a finite number."""
         top_field = 2**self.exponent_bits - 1
-        return (top_field - 1 if self.has_inf else top_field) - self.bias
+        # IEEE formats keep the top field for inf/NaN; so does e8m0, whose only top pattern is NaN
+        reserved = self.has_inf or (self.has_nan and self.mantissa_bits == 0)
+        return (top_field - 1 if reserved else top_field) - self.bias
 
     @property
     def max(self) -> float:
         """Largest finite value."""
         p = self.mantissa_bits
-        if self.has_inf:
-            frac = 2 - 2.0**-p  # mantissa all ones
+        if self.has_inf or not self.has_nan or p == 0:
+            frac = 2 - 2.0**-p  # mantissa all ones (1.0 when there is no mantissa)
         else:
             frac = 2 - 2.0 ** (1 - p)  # all ones is NaN, so the largest mantissa ends in ...110
         return math.ldexp(frac, self.emax)
@@ -73,7 +96,9 @@ class FormatSpec:
 
     @property
     def min_subnormal(self) -> float:
-        """Smallest positive subnormal value, 2**(emin - mantissa_bits)."""
+        """Smallest positive subnormal value, 2**(emin - mantissa_bits) (min_normal if there are none)."""
+        if not self.has_subnormals:
+            return self.min_normal
         return math.ldexp(1.0, self.emin - self.mantissa_bits)
 
     @property
@@ -87,9 +112,9 @@ class FormatSpec:
         return (self.mantissa_bits + 1) * math.log10(2)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        """The torch dtype with this layout."""
-        return _TORCH_DTYPES[self.name]
+    def torch_dtype(self) -> torch.dtype | None:
+        """The torch dtype with this layout (None for fp6/fp4: torch has no castable dtype for them)."""
+        return _TORCH_DTYPES.get(self.name)
 
 
 FORMATS: dict[str, FormatSpec] = {
@@ -98,7 +123,15 @@ FORMATS: dict[str, FormatSpec] = {
     "bf16": FormatSpec("bf16", 8, 7),
     "fp8_e4m3": FormatSpec("fp8_e4m3", 4, 3, has_inf=False, saturates=True),
     "fp8_e5m2": FormatSpec("fp8_e5m2", 5, 2),
+    # OCP MX v1.0: the e8m0 block scale and the fp6/fp4 element formats (module docstring: their rules)
+    "fp8_e8m0": FormatSpec("fp8_e8m0", 8, 0, has_inf=False, signed=False, has_subnormals=False),
+    "fp6_e2m3": FormatSpec("fp6_e2m3", 2, 3, has_inf=False, saturates=True, has_nan=False),
+    "fp6_e3m2": FormatSpec("fp6_e3m2", 3, 2, has_inf=False, saturates=True, has_nan=False),
+    "fp4_e2m1": FormatSpec("fp4_e2m1", 2, 1, has_inf=False, saturates=True, has_nan=False),
 }
+
+#: The formats training runs in and torch can cast to; names() lists only these unless asked.
+_CLASSIC = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 
 _TORCH_DTYPES = {
     "fp32": torch.float32,
@@ -106,6 +139,7 @@ _TORCH_DTYPES = {
     "bf16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp8_e8m0": torch.float8_e8m0fnu,
 }
 
 _ALIASES = {
@@ -114,12 +148,16 @@ _ALIASES = {
     "bfloat16": "bf16",
     "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
     "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
+    "e8m0": "fp8_e8m0", "float8_e8m0fnu": "fp8_e8m0", "fp8_e8m0fnu": "fp8_e8m0",
+    "e2m3": "fp6_e2m3", "float6_e2m3fn": "fp6_e2m3", "fp6_e2m3fn": "fp6_e2m3",
+    "e3m2": "fp6_e3m2", "float6_e3m2fn": "fp6_e3m2", "fp6_e3m2fn": "fp6_e3m2",
+    "e2m1": "fp4_e2m1", "float4_e2m1fn": "fp4_e2m1", "fp4_e2m1fn": "fp4_e2m1",
 }
 
 
-def names() -> list[str]:
-    """The canonical format names, widest first."""
-    return list(FORMATS)
+def names(narrow: bool = False) -> list[str]:
+    """The canonical format names, widest first; narrow=True adds e8m0, fp6 and fp4 (OCP MX)."""
+    return list(FORMATS) if narrow else list(_CLASSIC)
 
 
 def spec(fmt: str | torch.dtype | FormatSpec) -> FormatSpec:
@@ -145,6 +183,9 @@ def _real(x, name: str = "x") -> float:
         raise ValueError(f"{name} must be a real number (a float, an int or a one-element tensor), got {x!r}")
     try:
         return float(x)
+    except OverflowError:  # an int like 10**400: no float (of any format here) holds it
+        raise ValueError(f"{name} must be a real number within float64's range (|x| < 1.8e308), "
+                         f"got an int of {len(str(abs(int(x))))} digits") from None
     except (TypeError, ValueError, RuntimeError):  # None, lists, tensors with several elements, ...
         raise ValueError(f"{name} must be a real number (a float, an int or a one-element tensor), got {x!r}") from None
 
@@ -162,7 +203,7 @@ def _real_array(values, name: str = "values") -> np.ndarray:
             if arr.dtype.kind == "c":
                 raise TypeError("complex")
             return arr.astype(np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: ints beyond float64 (10**400)
         shown = repr(values) if len(repr(values)) <= 60 else repr(values)[:57] + "..."
         raise ValueError(f"{name} must be real numbers (a float, a sequence, an array or a tensor), got {shown}") from None
 
@@ -176,10 +217,20 @@ def _round_unbounded(a: np.ndarray, f: FormatSpec) -> np.ndarray:
     return np.ldexp(np.rint(np.ldexp(a, -step_exp)), step_exp)
 
 
+def _quantize_unsigned(x: np.ndarray, f: FormatSpec) -> np.ndarray:
+    """Round to an unsigned, zero-less format (e8m0): nearest power, tiny -> smallest, the rest NaN."""
+    ok = np.isfinite(x) & (x > 0)  # zero, negatives, inf and NaN have no encoding but NaN
+    out = _round_unbounded(np.where(ok, x, 1.0), f)
+    out = np.maximum(out, f.min_normal)  # there is no zero to underflow to
+    return np.where(ok & (out <= f.max), out, np.nan)
+
+
 def quantize(values, fmt: str | torch.dtype | FormatSpec) -> np.ndarray:
     """Round values to fmt (nearest, ties to even) and return them as float64 numpy."""
     f = spec(fmt)
     x = _real_array(values)
+    if not f.signed:
+        return _quantize_unsigned(x, f)
     a = np.abs(x)
     finite = np.isfinite(a)
     out = np.where(finite, _round_unbounded(np.where(finite, a, 0.0), f), a)
@@ -187,7 +238,7 @@ def quantize(values, fmt: str | torch.dtype | FormatSpec) -> np.ndarray:
     if f.saturates:
         out = np.where(too_big, f.max, out)
     else:
-        out = np.where(too_big, np.inf, out)
+        out = np.where(too_big, np.inf if f.has_inf else np.nan, out)
     return np.copysign(out, x)  # keeps -0.0 and the sign of NaN-free values
 
 
@@ -210,7 +261,11 @@ class Decomposed:
     def bits(self) -> str:
         """The fields as a bit string 'S EEEEE MMMMMMMMMM'."""
         f = spec(self.fmt)
-        return f"{self.sign} {self.exponent:0{f.exponent_bits}b} {self.mantissa:0{f.mantissa_bits}b}"
+        fields = [f"{self.sign}"] if f.signed else []
+        fields.append(f"{self.exponent:0{f.exponent_bits}b}")
+        if f.mantissa_bits:
+            fields.append(f"{self.mantissa:0{f.mantissa_bits}b}")
+        return " ".join(fields)
 
     @property
     def power(self) -> int | None:
@@ -227,7 +282,10 @@ def decompose(x: float, fmt: str | torch.dtype | FormatSpec) -> Decomposed:
     f = spec(fmt)
     x = _real(x)
     value = float(quantize(np.array([x]), f)[0])
-    sign = 1 if math.copysign(1.0, value) < 0 else 0
+    if math.isnan(value) and not f.has_nan:
+        raise ValueError(f"x is {x!r}, which {f.name} cannot encode: it has no NaN "
+                         "(quantize returns NaN for it; pass a finite number or an infinity)")
+    sign = 1 if f.signed and math.copysign(1.0, value) < 0 else 0
     top = 2**f.exponent_bits - 1
     p = f.mantissa_bits
     a = abs(value)
@@ -237,12 +295,14 @@ def decompose(x: float, fmt: str | torch.dtype | FormatSpec) -> Decomposed:
         kind, exponent, mantissa = "inf", top, 0
     elif a == 0.0:
         kind, exponent, mantissa = "zero", 0, 0
-    elif a < f.min_normal:
+    elif a < f.min_normal and f.has_subnormals:
         kind, exponent, mantissa = "subnormal", 0, int(a / f.min_subnormal)
     else:
         e = math.frexp(a)[1] - 1
         kind, exponent, mantissa = "normal", e + f.bias, int(math.ldexp(a, p - e)) - 2**p
     overflow = math.isfinite(x) and float(_round_unbounded(np.array([abs(x)]), f)[0]) > f.max
+    if not f.signed:  # e8m0: rounding past 2**127 gives NaN; there is no zero to underflow to
+        overflow = math.isfinite(x) and x > 0 and float(_round_unbounded(np.array([x]), f)[0]) > f.max
     underflow = x != 0.0 and math.isfinite(x) and value == 0.0
     if not math.isfinite(x) or not math.isfinite(value):
         rel_error = 0.0 if (math.isinf(x) and value == x) else math.nan

@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from . import _args
+
 __all__ = ["MODELS", "SIZES", "Task", "make_task", "make_model", "make_dataset", "loss_fn", "expected_data",
            "check_data", "data_errors", "MLP", "SmallCNN", "TinyTransformer"]
 
@@ -140,17 +142,31 @@ def _check_size(size: str) -> int:
 
 
 def _check_seed(seed: int) -> int:
-    """Validate a seed: an int >= 0 (torch would wrap a negative one and truncate a float without a word)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    return seed
+    """A seed as a Python int in torch's range (torch would wrap a negative one and truncate a float without a word)."""
+    return _args.seed(seed)
+
+
+#: The synthetic datasets are for teaching: refuse one that would need more memory than this, before allocating.
+MAX_DATASET_BYTES = 2**31
+
+
+def _check_samples(name: str, n: int, w: int) -> int:
+    """n as a Python int >= 1 whose dataset fits in MAX_DATASET_BYTES; ValueError naming it otherwise."""
+    n = _args.integer(n, "dataset size (n_samples)", low=1, high=None, what="a positive int")
+    seq = 16 if w < 32 else 256
+    per_sample = {"mlp": 32 * 4 + 8, "cnn": 16 * 16 * 4 + 8}.get(name, 2 * seq * 8)  # inputs + targets
+    most = MAX_DATASET_BYTES // per_sample
+    if n > most:
+        raise ValueError(f"dataset size (n_samples) must be a positive int of at most {most} for {name!r} "
+                         f"(the synthetic data would need {n * per_sample:.3g} bytes), got {n!r}")
+    return n
 
 
 def make_model(name: str, size: str = "tiny", seed: int = 0) -> nn.Module:
     """A freshly initialised reference model ('mlp', 'cnn' or 'transformer'), seeded."""
     _check_name(name)
     w = _check_size(size)
-    _check_seed(seed)
+    seed = _check_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name == "mlp":
@@ -165,9 +181,8 @@ def make_dataset(name: str, n: int = 1024, seed: int = 0, size: str = "tiny") ->
     """A synthetic dataset for a reference model; the same seed gives the same data."""
     _check_name(name)
     w = _check_size(size)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"dataset size must be a positive int, got {n!r}")
-    _check_seed(seed)
+    n = _check_samples(name, n, w)
+    seed = _check_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     if name == "mlp":
         return _mlp_data(n, gen)

@@ -15,10 +15,19 @@ torch's kernels, because they decide the last bit:
 - the scale is a float32 tensor; growth and backoff multiply it in float64 and round the product
   to float32 once (``_amp_update_scale_``), and an update that would overflow float32 is dropped;
 - unscaling multiplies by ``1 / scale`` computed in float64 and rounded to float32, and low-precision
-  gradients are multiplied in float32 and rounded once (``_amp_foreach_non_finite_check_and_unscale_``).
+  gradients are multiplied in float32 and rounded once (``_amp_foreach_non_finite_check_and_unscale_``);
+  even the bits of NaN gradients come out as that CPU kernel writes them (see ``_nan_bits_like_kernel``).
 
-Where it differs on purpose: bad constructor arguments raise ``ValueError`` naming the argument
-(GradScaler asserts only on the two factors), and misuse that GradScaler reports with an
+It has the whole public API of ``torch.amp.GradScaler``: ``scale`` (a tensor or nested lists/tuples/iterables),
+``unscale_``, ``step`` (fused optimizers included), ``update(new_scale)``, ``get_scale``, ``get``/``set_growth_factor``,
+``get``/``set_backoff_factor``, ``get``/``set_growth_interval``, ``is_enabled``, ``state_dict``/``load_state_dict``
+and pickling; tests/test_gradscaler_upstream.py runs PyTorch's own GradScaler tests against both. It leaves
+out GradScaler's private pieces (``_unscale_grads_``, ``_per_optimizer_states``, ``_check_inf_per_device``,
+per-device found-inf dicts for multi-GPU models) and the deprecated ``step(grad_scaler=...)`` protocol.
+
+Where it differs on purpose: bad constructor and setter arguments raise ``ValueError`` naming the argument
+(GradScaler asserts only on the two factors; it takes ``growth_interval=2**63`` and fails inside torch at the
+first ``update()``), numbers may be numpy or 0-d tensor scalars (stored as Python numbers), and misuse that GradScaler reports with an
 ``AssertionError`` (``step``/``update`` before ``scale``, ``update`` without any ``step``) is a
 ``RuntimeError`` saying what to do. The misuse errors GradScaler raises as ``RuntimeError``
 (``unscale_`` twice, ``step`` twice, closures) are the same here.
@@ -33,7 +42,6 @@ gradients of one forward/backward pass).
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import formats
+from . import _args, formats
 from .models import data_errors
 
 __all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
@@ -52,25 +60,32 @@ __all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_ar
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within one iteration
 
 
-def check_scaler_args(init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int) -> None:
-    """Raise ValueError naming the bad argument when the four scaler settings make no sense."""
-    def real(name: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        return float(value)
+#: The clean-step counter is an int32 tensor (as in GradScaler), so it cannot count further than this.
+MAX_GROWTH_INTERVAL = _args.INT32_MAX
 
-    init = real("init_scale", init_scale)
-    if not (math.isfinite(init) and init > 0 and math.isfinite(_float32(init)) and _float32(init) > 0):
-        raise ValueError(f"init_scale must be a positive finite float32 number (2**-149 .. 3.4e38), got {init_scale!r}; "
-                         "GradScaler's default is 2**16 = 65536")
-    growth = real("growth_factor", growth_factor)
-    if not (growth > 1 and math.isfinite(growth)):
-        raise ValueError(f"growth_factor must be a finite number > 1 (the scale grows by it), got {growth_factor!r}")
-    backoff = real("backoff_factor", backoff_factor)
+
+def check_scaler_args(init_scale: float, growth_factor: float, backoff_factor: float,
+                      growth_interval: int) -> tuple[float, float, float, int]:
+    """The four scaler settings as Python numbers; ValueError naming the first one that makes no sense.
+
+    Each may be an int, a float, a numpy scalar or a 0-d tensor (see ampcourse._args).
+    """
+    init = _args.real(init_scale, "init_scale", what="a positive finite float32 number (2**-149 .. 3.4e38)")
+    if not (init > 0 and math.isfinite(_float32(init)) and _float32(init) > 0):
+        raise ValueError(f"init_scale must be a positive finite float32 number (2**-149 .. 3.4e38), "
+                         f"got {_args.shown(init_scale)}; GradScaler's default is 2**16 = 65536")
+    growth = _args.real(growth_factor, "growth_factor", what="a finite number > 1 (the scale grows by it)")
+    if not growth > 1:
+        raise ValueError(f"growth_factor must be a finite number > 1 (the scale grows by it), got {_args.shown(growth_factor)}")
+    backoff = _args.real(backoff_factor, "backoff_factor",
+                         what="a number strictly between 0 and 1 (the scale shrinks by it)")
     if not 0 < backoff < 1:
-        raise ValueError(f"backoff_factor must lie strictly between 0 and 1 (the scale shrinks by it), got {backoff_factor!r}")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral) or growth_interval < 1:
-        raise ValueError(f"growth_interval must be an int >= 1 (clean steps before the scale grows), got {growth_interval!r}")
+        raise ValueError(f"backoff_factor must lie strictly between 0 and 1 (the scale shrinks by it), "
+                         f"got {_args.shown(backoff_factor)}")
+    interval = _args.integer(growth_interval, "growth_interval", low=1, high=MAX_GROWTH_INTERVAL,
+                             what="an int >= 1 and <= 2**31 - 1 (clean steps before the scale grows; "
+                                  "the step counter is an int32)")
+    return init, growth, backoff, interval
 
 
 def _float32(x: float) -> float:
@@ -100,7 +115,8 @@ def _sequence(values, name: str, what: str) -> Iterable:
 def simulate_scale(overflows: Iterable[bool], init_scale: float = 2.0**16, growth_factor: float = 2.0,
                    backoff_factor: float = 0.5, growth_interval: int = 2000) -> list[float]:
     """The scale after each update() for a sequence of steps (True: that step overflowed), as GradScaler computes it."""
-    check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+    init_scale, growth_factor, backoff_factor, growth_interval = check_scaler_args(
+        init_scale, growth_factor, backoff_factor, growth_interval)
     overflows = _sequence(overflows, "overflows", "booleans (True: that step overflowed)")
     scale, tracker, out = _float32(init_scale), 0, []
     for overflow in overflows:
@@ -113,7 +129,8 @@ def simulate_training(max_grads: Iterable[float], init_scale: float = 2.0**16, g
                       backoff_factor: float = 0.5, growth_interval: int = 2000,
                       fmt: str = "fp16") -> tuple[list[float], list[bool]]:
     """Dynamic scaling with feedback: step i overflows when scale * max_grads[i] overflows fmt; (scales, overflows)."""
-    check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+    init_scale, growth_factor, backoff_factor, growth_interval = check_scaler_args(
+        init_scale, growth_factor, backoff_factor, growth_interval)
     limit = zone_thresholds(fmt)[2]
     max_grads = formats._real_array(_sequence(max_grads, "max_grads", "numbers (each step's largest |gradient|)"),
                                     "max_grads").ravel().tolist()
@@ -154,9 +171,65 @@ def _unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, 
         found_inf.copy_(torch.maximum(found_inf, nonfinite))
         inv = inv_scale.to(g.device)
         if g.dtype in (torch.float16, torch.bfloat16):
-            g.copy_(g.float() * inv)  # compute in float32 and round once, like the fused kernel
+            out = (g.float() * inv).to(g.dtype)  # compute in float32 and round once, like the kernel
+            g.copy_(_nan_bits_like_kernel(out, g))
+        elif inv.device.type == "cpu":
+            # The kernel leaves the values alone when inv_scale is exactly 1 (a signalling NaN stays signalling);
+            # float64 widens the float32 reciprocal exactly. Reading a CPU scalar costs no sync.
+            if inv.item() != 1.0:
+                g.mul_(inv.to(g.dtype))
         else:
-            g.mul_(inv.to(g.dtype))  # float32 as is; float64 widens the float32 reciprocal exactly
+            g.copy_(torch.where(inv == 1, g, g * inv.to(g.dtype)))  # the same choice, without a host sync
+
+
+#: Elements of a 16-bit format the kernel's vectorised loop handles per step, by torch's CPU capability; the
+#: scalar tail converts the rest (see _nan_bits_like_kernel). Measured: 32 on AVX512 and on AVX2 (forced with
+#: ATEN_CPU_CAPABILITY=avx2). Capabilities not listed (DEFAULT: no vector kernel) convert element by element.
+_LANES = {"AVX512": 32, "AVX2": 32}
+#: torch's at::parallel_for splits an element-wise kernel across threads only above this many elements.
+_GRAIN_SIZE = 32768
+
+
+def _nan_bits_like_kernel(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """out (grad unscaled, in fp16/bf16) with every NaN given the bit pattern torch's CPU unscale kernel writes.
+
+    The values are the same either way; only the bits of NaNs differ, and "bit for bit" includes them.
+    A plain cast widens and narrows NaNs with vector instructions that replace them by 0x7FFF (fp16) or
+    0xFFFF (bf16); the kernel converts element by element in places:
+    fp16 with a vector kernel (AVX2/AVX512): a NaN keeps its sign and payload and becomes quiet
+    (bits | 0x0200); without one: sign | 0x7E00. A NaN made by inf x 0 is the x86 default NaN, 0xFE00.
+    bf16: the kernel's vectorised body writes 0xFFFF, but its scalar tail, the last len % lanes elements
+    of each thread's share, writes 0x7FC0 (c10::BFloat16's NaN). Small tensors such as biases lie wholly
+    in the tail: that was the 0xFFFF-versus-0x7FC0 mismatch.
+    """
+    if out.device.type != "cpu":  # measured on CPU kernels only; and on a GPU the check below would be a host sync
+        return out
+    nan = torch.isnan(out)
+    if not bool(nan.any()):  # the common case: nothing to fix
+        return out
+    bits = out.view(torch.int16)
+    lanes = _LANES.get(torch.backends.cpu.get_cpu_capability())
+    if out.dtype == torch.float16:
+        kept = grad.view(torch.int16) | 0x0200 if lanes else (grad.view(torch.int16) & -0x8000) | 0x7E00
+        made = torch.tensor(0xFE00 - 0x10000, dtype=torch.int16)  # int16 holds the bits 0xFE00 as a negative
+        return torch.where(nan, torch.where(torch.isnan(grad), kept, made), bits).view(torch.float16)
+    if not out.is_contiguous():
+        return out
+    tail = torch.ones(out.numel(), dtype=torch.bool) if lanes is None else _scalar_tail(out.numel(), lanes)
+    canonical = torch.tensor(0x7FC0, dtype=torch.int16)
+    return torch.where(nan & tail.view(out.shape), canonical, bits).view(torch.bfloat16)
+
+
+def _scalar_tail(n: int, lanes: int) -> torch.Tensor:
+    """Which of n elements torch's element-wise CPU loop handles one at a time: per thread's share, the last n % lanes."""
+    threads = torch.get_num_threads()
+    tasks = 1 if n <= _GRAIN_SIZE or threads == 1 else min(threads, -(-n // _GRAIN_SIZE))
+    chunk = -(-n // tasks)
+    tail = torch.zeros(n, dtype=torch.bool)
+    for begin in range(0, n, chunk):
+        end = min(n, begin + chunk)
+        tail[end - (end - begin) % lanes:end] = True
+    return tail
 
 
 @dataclass
@@ -172,7 +245,8 @@ class LossScaler:
 
     def __init__(self, device: str | torch.device = "cpu", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
-        check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interval)
+        init_scale, growth_factor, backoff_factor, growth_interval = check_scaler_args(
+            init_scale, growth_factor, backoff_factor, growth_interval)
         self.device = _device_type(device)
         self._enabled = bool(enabled)
         if self._enabled and self.device == "cuda" and not torch.cuda.is_available():
@@ -180,11 +254,11 @@ class LossScaler:
                           "(like torch.amp.GradScaler). Use LossScaler('cpu') or ampcourse.device.pick().",
                           stacklevel=2)
             self._enabled = False
-        self._init_scale = float(init_scale)
+        self._init_scale = init_scale
         self._init_growth_tracker = 0
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
         # Created by the first scale() call, on the loss's device (so no device needs to be guessed here).
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
@@ -326,16 +400,19 @@ class LossScaler:
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         """Fill the scale with a number or a one-element tensor (the growth counter is left alone, as in torch)."""
-        if isinstance(new_scale, torch.Tensor):
+        if isinstance(new_scale, torch.Tensor) and new_scale.dim() > 0:
             if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError("new_scale must be a number or a one-element tensor that does not require grad")
-            self._scale.copy_(new_scale.detach().reshape(()))
+                raise ValueError("new_scale must be a positive finite number or a one-element tensor that does not "
+                                 f"require grad, got a tensor of shape {tuple(new_scale.shape)}")
+            new_scale = new_scale.reshape(())
+        if isinstance(new_scale, torch.Tensor) and new_scale.requires_grad:
+            raise ValueError("new_scale must be a positive finite number or a one-element tensor that does not "
+                             "require grad")
+        if isinstance(new_scale, torch.Tensor) and new_scale.is_floating_point():
+            self._scale.copy_(new_scale.detach())  # as GradScaler does: on the device, no host sync
             return
-        if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
-            raise ValueError(f"new_scale must be a number or a one-element tensor, got {new_scale!r}")
-        if not (math.isfinite(new_scale) and new_scale > 0):
-            raise ValueError(f"new_scale must be a positive finite number, got {new_scale!r}")
-        self._scale.fill_(float(new_scale))
+        value = _args.real(new_scale, "new_scale", positive=True, what="a positive finite number or a one-element tensor")
+        self._scale.fill_(value)
 
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         """This iteration's state for one optimizer (created on first use)."""
@@ -359,6 +436,33 @@ class LossScaler:
         """Whether scaling is on (a disabled scaler passes everything through)."""
         return self._enabled
 
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after growth_interval clean steps."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (a finite number > 1; checked, unlike GradScaler)."""
+        self._growth_factor = check_scaler_args(self._init_scale, new_factor, self._backoff_factor,
+                                                self._growth_interval)[1]
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale shrinks by after an overflow."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (strictly between 0 and 1; checked, unlike GradScaler)."""
+        self._backoff_factor = check_scaler_args(self._init_scale, self._growth_factor, new_factor,
+                                                 self._growth_interval)[2]
+
+    def get_growth_interval(self) -> int:
+        """How many clean steps in a row make the scale grow."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int in 1..2**31 - 1; checked, unlike GradScaler)."""
+        self._growth_interval = check_scaler_args(self._init_scale, self._growth_factor, self._backoff_factor,
+                                                  new_interval)[3]
+
     def state_dict(self) -> dict[str, Any]:
         """The scale, the three settings and the growth counter (the keys GradScaler uses; {} when disabled)."""
         if not self._enabled:
@@ -367,24 +471,39 @@ class LossScaler:
                 "growth_interval": self._growth_interval, "_growth_tracker": self.growth_tracker}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from state_dict() (ours or a torch.amp.GradScaler's)."""
+        """Restore from state_dict() (ours or a torch.amp.GradScaler's); checked whole before anything changes."""
         if not self._enabled:
             return
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled scaler.")
         missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - set(state_dict)
         if missing:
             raise ValueError(f"scaler state dict lacks {sorted(missing)}")
-        check_scaler_args(state_dict["scale"], state_dict["growth_factor"], state_dict["backoff_factor"],
-                          state_dict["growth_interval"])
-        self._init_scale = float(state_dict["scale"])
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        scale, growth, backoff, interval = check_scaler_args(state_dict["scale"], state_dict["growth_factor"],
+                                                             state_dict["backoff_factor"], state_dict["growth_interval"])
+        tracker = _args.integer(state_dict["_growth_tracker"], "_growth_tracker", low=0, high=MAX_GROWTH_INTERVAL)
+        self._init_scale, self._growth_factor, self._backoff_factor = scale, growth, backoff
+        self._growth_interval, self._init_growth_tracker = interval, tracker
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
             self._growth_tracker.fill_(self._init_growth_tracker)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle support, as GradScaler: only between iterations; the tensors are rebuilt lazily after unpickling."""
+        if self._enabled and self._per_optimizer:
+            raise RuntimeError("A LossScaler can only be pickled at the start of an iteration or after update().")
+        state = self.__dict__.copy()
+        if self._enabled:
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self.growth_tracker
+            state["_scale"] = state["_growth_tracker"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Undo __getstate__."""
+        self.__dict__.update(state)
 
 
 def _device_type(device: str | torch.device) -> str:

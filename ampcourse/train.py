@@ -54,7 +54,6 @@ import functools
 import hashlib
 import json
 import math
-import numbers
 import os
 import sys
 import tempfile
@@ -65,12 +64,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from . import checkpoint, models, scaling
+from . import _args, checkpoint, models, scaling
 from .device import AmpSetup, parse_precision, pick
 
 __all__ = ["History", "StepStats", "train", "train_step", "batch_indices", "local_indices", "make_optimizer",
@@ -83,7 +83,9 @@ STRATEGIES = ("single", "ddp", "fsdp")  # ddp and fsdp run under torchrun, throu
 _SERIES = ("loss", "scale", "skipped", "grad_norm", "lr", "step_time")
 # Settings a resumed run must share with the checkpoint: they fix which samples each step sees
 # and what the saved scaler state means.
-_MUST_MATCH = ("precision", "seed", "batch_size", "dataset_size")
+# lr and weight_decay too: optimizer.load_state_dict would silently put back the checkpoint's values, so a
+# resume "with lr=1e-4" would go on with the old one. Refused, not warned: a resumed run stays the run it was.
+_MUST_MATCH = ("precision", "seed", "batch_size", "dataset_size", "lr", "weight_decay")
 
 
 @dataclass
@@ -113,6 +115,7 @@ class History:
     lr: list[float] = field(default_factory=list)
     step_time: list[float] = field(default_factory=list)  # seconds per step, wall clock
     final_scale: float = 1.0  # the scaler's scale after the last update
+    peak_device_bytes: int | None = None  # CUDA: peak memory allocated by the training steps (after the preflight)
     model: nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -177,6 +180,9 @@ def batch_indices(step: int, seed: int, dataset_size: int, batch_size: int) -> t
     Each epoch is a fresh seeded permutation cut into floor(dataset_size / batch_size) batches
     (the remainder is dropped, so every batch has distinct samples).
     """
+    # Plain ints: a numpy seed would overflow in _epoch_generator's arithmetic and miss the permutation cache.
+    step, seed = _args.integer(step, "step", low=0), _args.seed(seed)
+    dataset_size, batch_size = _args.integer(dataset_size, "dataset_size", low=1), _args.integer(batch_size, "batch_size", low=1)
     per_epoch = dataset_size // batch_size
     if per_epoch < 1:
         raise ValueError(f"batch_size {batch_size} is larger than the dataset ({dataset_size} samples)")
@@ -199,14 +205,21 @@ def local_indices(step: int, seed: int, dataset_size: int, batch_size: int, rank
 # Building blocks: optimizer, scheduler, one step
 # ---------------------------------------------------------------------------------------------
 
-def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """'adamw', 'adam', 'sgd' (plain, no momentum) or a callable(params, lr, weight_decay)."""
+def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float = 0.0,
+                   fused: bool | None = None) -> torch.optim.Optimizer:
+    """'adamw', 'adam', 'sgd' (plain, no momentum) or a callable(params, lr, weight_decay).
+
+    fused (Adam/AdamW only): one fused kernel per step that also takes GradScaler's inf check on the device,
+    so scaler.step() needs no host sync. None: fused when every parameter is on a CUDA device.
+    """
     if callable(spec):
         return spec(params, lr=lr, weight_decay=weight_decay)
-    if spec == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if spec == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if spec in ("adam", "adamw"):
+        params = list(params)
+        if fused is None:
+            fused = bool(params) and all(isinstance(p, torch.Tensor) and p.device.type == "cuda" for p in params)
+        cls = torch.optim.AdamW if spec == "adamw" else torch.optim.Adam
+        return cls(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
     if spec == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {spec!r}; choose one of {', '.join(OPTIMIZERS)} or pass a callable")
@@ -265,6 +278,36 @@ def _squared_norm_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_mul(norms, norms))
 
 
+def _scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """A copy of the scaler's scale, still on the device (no host sync); None when the scaler is disabled.
+
+    A copy because update() changes the scale in place. get_scale() would be a .item(): a host sync.
+    """
+    if not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_get_scale_async", lambda: None)()
+    return scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+
+
+#: A dataset moves to the GPU once when it needs at most this share of the free device memory.
+_DATA_ON_DEVICE_SHARE = 0.25
+
+
+def _data_on_device(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The dataset on the device when it fits comfortably (a CUDA device), else where it is.
+
+    On the device, each step's batch is a gather on the GPU; otherwise a gather from pageable host memory
+    and a copy every step. Values are identical either way.
+    """
+    if device.type != "cuda":
+        return tuple(tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    free, _ = torch.cuda.mem_get_info(device)
+    if nbytes > _DATA_ON_DEVICE_SHARE * free:
+        return tuple(tensors)
+    return tuple(t.to(device) for t in tensors)
+
+
 def _read_back(tensors: list[torch.Tensor]) -> list[float]:
     """0-dim tensors as Python floats: on a GPU stacked into one device-to-host copy, on a CPU one by one."""
     first = tensors[0]
@@ -298,16 +341,26 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
         norm_parts = _squared_norm_parts([p.grad for p in params])
     else:
         norm_parts = [_full(torch.nn.utils.clip_grad_norm_(params, grad_clip))]
-    scale, lr = scaler.get_scale(), optimizer.param_groups[0]["lr"]
-    scaler.step(optimizer)  # skips optimizer.step() if unscale_ found inf/nan
+    lr = optimizer.param_groups[0]["lr"]
+    before = _scale_tensor(scaler)  # read on the device: get_scale() here and below would be two more syncs
+    scale_host = scaler.get_scale() if before is None else None  # 1.0 for a disabled scaler, without a sync
+    # Skips optimizer.step() if unscale_ found inf/nan. A non-fused optimizer costs a host sync here (GradScaler
+    # reads found_inf with .item()); a fused one (make_optimizer's default on CUDA) gets found_inf as a tensor.
+    scaler.step(optimizer)
     scaler.update()
+    scales = [before, _scale_tensor(scaler)] if before is not None else []
+    # Losses, norms and the scale before and after reach the host together: on a GPU one sync per step.
+    values = _read_back([*losses, *norm_parts, *scales])
+    if scales:
+        scale, new_scale = values[-2:]
+        values = values[:-2]
+    else:  # a disabled scaler (fp32, bf16): 1.0 both times, never a skip
+        scale, new_scale = scale_host, scaler.get_scale()
     # The scaler lowers its scale exactly when it skipped the step; optimizer.step() returns None either
     # way, so the scale is the signal. A skipped step must not advance the LR schedule.
-    skipped = scaler.get_scale() < scale
+    skipped = new_scale < scale
     if scheduler is not None and not skipped:
         scheduler.step()
-    # Losses and norms reach the host together: on a GPU one sync per step, not one per micro-batch and norm.
-    values = _read_back([*losses, *norm_parts])
     norm = values[n] if grad_clip is not None else math.sqrt(sum(values[n:], 0.0))  # inf or nan if a gradient was
     return StepStats(loss=sum(values[:n], 0.0) / n, grad_norm=norm, scale=scale, skipped=skipped, lr=float(lr))
 
@@ -333,23 +386,21 @@ def state_checksum(model: nn.Module) -> str:
 # Argument checks: all before any work
 # ---------------------------------------------------------------------------------------------
 
-def _is_int(x: Any) -> bool:
-    """An int that is not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+def _need_int(name: str, value: Any, low: int, what: str) -> int:
+    """value as a Python int >= low (ints, numpy ints, 0-d int tensors); ValueError naming it otherwise."""
+    return _args.integer(value, name, low=low, what=what)
 
 
-def _need_int(name: str, value: Any, low: int, what: str) -> None:
-    """ValueError unless value is an int >= low."""
-    if not _is_int(value) or value < low:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+def _need_positive_float(name: str, value: Any, allow_zero: bool = False) -> float:
+    """value as a finite Python float > 0 (or >= 0); ValueError naming it otherwise (10**400 included)."""
+    return _args.real(value, name, positive=not allow_zero, nonnegative=allow_zero)
 
 
-def _need_positive_float(name: str, value: Any, allow_zero: bool = False) -> None:
-    """ValueError unless value is a finite real number > 0 (or >= 0)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+def _need_bool(name: str, value: Any) -> bool:
+    """True or False (numpy bools too); ValueError naming it otherwise ('no' would be truthy)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {_args.shown(value)}")
 
 
 _MODEL_NAMES = {models.MLP: "mlp", models.SmallCNN: "cnn", models.TinyTransformer: "transformer"}
@@ -362,8 +413,22 @@ def _resolve_model(model: nn.Module | str, size: str, seed: int) -> tuple[nn.Mod
             raise ValueError(f"unknown model {model!r}; choose one of {', '.join(models.MODELS)} or pass an nn.Module")
         return models.make_model(model, size=size, seed=seed), model
     if isinstance(model, nn.Module):
+        _check_trainable(model)
         return model, _MODEL_NAMES.get(type(model))
     raise ValueError(f"model must be an nn.Module or one of {', '.join(models.MODELS)}, got {type(model).__name__}")
+
+
+def _check_trainable(model: nn.Module) -> None:
+    """ValueError unless the model holds real (not meta) tensors and at least one parameter that trains."""
+    tensors = [*model.parameters(), *model.buffers()]
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"model holds tensors on the meta device (shapes without values), e.g. {meta[0]!r}; "
+                         "give it real weights first (model.to_empty(device='cpu') and initialise, or load a state_dict)")
+    if not tensors or not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"model {type(model).__name__} has no trainable parameters "
+                         f"({'none at all' if not tensors else 'all have requires_grad=False'}); "
+                         "unfreeze some (p.requires_grad_(True)) before training")
 
 
 def _resolve_data(data: TensorDataset | None, name: str | None, n: int, seed: int, size: str) -> TensorDataset:
@@ -376,6 +441,9 @@ def _resolve_data(data: TensorDataset | None, name: str | None, n: int, seed: in
     if not isinstance(data, TensorDataset) or len(data.tensors) != 2:
         raise ValueError(f"data must be a TensorDataset(inputs, targets) or None, got {type(data).__name__}"
                          + (f" with {len(data.tensors)} tensors" if isinstance(data, TensorDataset) else ""))
+    for what, t in zip(("inputs", "targets"), data.tensors):
+        if t.is_meta:
+            raise ValueError(f"data {what} are on the meta device (shapes without values); pass real tensors")
     return data
 
 
@@ -407,6 +475,9 @@ def _check_checkpoint_dir(directory: Path, resume: bool, ckpt: Path) -> None:
         raise ValueError(f"checkpoint_dir {str(directory)!r} exists and is not a directory; pass a directory path")
     probe = directory
     while not probe.exists():  # the nearest existing ancestor must let us create the directory
+        if probe.is_symlink():  # a link to nothing: exists() says no, yet mkdir() would meet the name
+            raise ValueError(f"checkpoint_dir {str(directory)!r} cannot be created: {str(probe)!r} is a symbolic link "
+                             f"to {os.readlink(probe)!r}, which does not exist; remove the link or create its target")
         probe = probe.parent
     if not probe.is_dir():
         raise ValueError(f"checkpoint_dir {str(directory)!r} cannot be created: {str(probe)!r} is a file")
@@ -438,45 +509,61 @@ def _check_resumable(state: dict, config: dict, path: Path, scheduler: bool) -> 
 
 
 def _check_arguments(*, steps, lr, seed, accum_steps, batch_size, rank, world_size, grad_clip, weight_decay,
-                     resume, checkpoint_dir, checkpoint_every, optimizer, scheduler, size) -> None:
-    """The checks on train()'s arguments that need neither the model nor the data."""
-    _need_int("steps", steps, 1, "an int >= 1")
-    _need_positive_float("lr", lr)
-    _need_int("seed", seed, 0, "an int >= 0")
-    _need_int("accum_steps", accum_steps, 1, "an int >= 1 (1 = no accumulation)")
-    _need_int("batch_size", batch_size, 1, "an int >= 1 (the global batch size)")
-    _need_int("world_size", world_size, 1, "an int >= 1")
-    if not _is_int(rank) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in 0..{world_size - 1} (world_size={world_size}), got {rank!r}")
-    if grad_clip is not None:
-        _need_positive_float("grad_clip", grad_clip)
-    _need_positive_float("weight_decay", weight_decay, allow_zero=True)
-    if checkpoint_every is not None:
-        _need_int("checkpoint_every", checkpoint_every, 1, "an int >= 1 or None (only at the end)")
-    if checkpoint_dir is None and (resume or checkpoint_every is not None):
+                     resume, checkpoint_dir, checkpoint_every, optimizer, scheduler, size, n_samples) -> dict[str, Any]:
+    """The checks on train()'s arguments that need neither the model nor the data; returns them as Python values.
+
+    Numbers may come as Python, numpy or 0-d tensor scalars; what goes on (into the loop, the batch order,
+    the checkpoint's settings) is plain int/float, so a checkpoint written with np.float64 lr loads with
+    weights_only=True like any other.
+    """
+    v = {"steps": _need_int("steps", steps, 1, "an int >= 1"),
+         "lr": _need_positive_float("lr", lr),
+         "seed": _args.seed(seed),
+         "accum_steps": _need_int("accum_steps", accum_steps, 1, "an int >= 1 (1 = no accumulation)"),
+         "batch_size": _need_int("batch_size", batch_size, 1, "an int >= 1 (the global batch size)"),
+         "world_size": _need_int("world_size", world_size, 1, "an int >= 1"),
+         "n_samples": _need_int("n_samples", n_samples, 1, "a positive int (the synthetic dataset size)"),
+         "resume": _need_bool("resume", resume)}
+    world = v["world_size"]
+    v["rank"] = _args.integer(rank, "rank", low=0, high=world - 1,
+                              what=f"an int in 0..{world - 1} (world_size={world})")
+    v["grad_clip"] = None if grad_clip is None else _need_positive_float("grad_clip", grad_clip)
+    v["weight_decay"] = _need_positive_float("weight_decay", weight_decay, allow_zero=True)
+    v["checkpoint_every"] = (None if checkpoint_every is None else
+                             _need_int("checkpoint_every", checkpoint_every, 1, "an int >= 1 or None (only at the end)"))
+    if checkpoint_dir is None and (v["resume"] or v["checkpoint_every"] is not None):
         raise ValueError("resume and checkpoint_every need a checkpoint_dir")
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise ValueError(f"checkpoint_dir must be a path (str or pathlib.Path) or None, got {_args.shown(checkpoint_dir)}")
     if not callable(optimizer) and optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)} or pass a callable")
     if scheduler is not None and not callable(scheduler) and scheduler not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose None, {', '.join(SCHEDULERS)} or pass a callable")
-    if size not in models.SIZES:
+    if not isinstance(size, str) or size not in models.SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
+    return v
 
 
 _SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
 
-def _check_scaler_kwargs(scaler_kwargs: dict | None) -> None:
-    """scaler_kwargs holds only GradScaler's settings, each one sensible (GradScaler itself accepts a negative scale)."""
+def _check_scaler_kwargs(scaler_kwargs: dict | None) -> dict[str, Any]:
+    """scaler_kwargs holds only GradScaler's settings, each one sensible (GradScaler itself accepts a negative scale).
+
+    Returns them as Python numbers (GradScaler passes them to a C++ kernel that takes no numpy scalars).
+    """
     if scaler_kwargs is None:
-        return
+        return {}
     if not isinstance(scaler_kwargs, dict):
         raise ValueError(f"scaler_kwargs must be a dict or None, got {scaler_kwargs!r}")
     unknown = sorted(set(scaler_kwargs) - {*_SCALER_DEFAULTS, "enabled"})
     if unknown:
         raise ValueError(f"unknown scaler_kwargs {unknown}; GradScaler takes {', '.join([*_SCALER_DEFAULTS, 'enabled'])}")
     settings = {**_SCALER_DEFAULTS, **{k: v for k, v in scaler_kwargs.items() if k != "enabled"}}
-    scaling.check_scaler_args(**settings)
+    normalised = dict(zip(_SCALER_DEFAULTS, scaling.check_scaler_args(**settings)))
+    if "enabled" in scaler_kwargs:
+        normalised["enabled"] = _need_bool("scaler_kwargs['enabled']", scaler_kwargs["enabled"])
+    return normalised
 
 
 def _check_finite(data: TensorDataset) -> None:
@@ -537,7 +624,11 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         default from `pick`). batch_size: the GLOBAL batch per optimizer step (all ranks and micro-batches);
         it must divide by world_size * accum_steps. grad_clip: max L2 norm of the true gradients.
         checkpoint_dir: write checkpoint.pt there every `checkpoint_every` steps and at the end;
-        resume=True continues from it (bit-identical to an uninterrupted run on CPU).
+        resume=True continues from it (bit-identical to an uninterrupted run on CPU). A resume is refused
+        (ValueError) if precision, seed, batch_size, the dataset size, lr or weight_decay differ from the
+        checkpoint's: the optimizer state would silently put the old lr back, so a changed lr is an error,
+        not a warning. Numbers may be Python, numpy or 0-d tensor scalars; they are checked and converted
+        to Python ints/floats before any work (ampcourse._args).
         optimizer: 'adamw' | 'adam' | 'sgd' or callable(params, lr=, weight_decay=). scheduler: None |
         'cosine' | callable(optimizer); it is not stepped on steps the GradScaler skipped.
         rank/world_size/wrap: hooks for ampcourse.distributed (wrap gets the model on its device).
@@ -547,10 +638,18 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     """
     # --- validate everything before any work ---
     prec = parse_precision(precision) if precision is not None else None
-    _check_arguments(steps=steps, lr=lr, seed=seed, accum_steps=accum_steps, batch_size=batch_size, rank=rank,
-                     world_size=world_size, grad_clip=grad_clip, weight_decay=weight_decay, resume=resume,
-                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, optimizer=optimizer,
-                     scheduler=scheduler, size=size)
+    checked = _check_arguments(steps=steps, lr=lr, seed=seed, accum_steps=accum_steps, batch_size=batch_size,
+                               rank=rank, world_size=world_size, grad_clip=grad_clip, weight_decay=weight_decay,
+                               resume=resume, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                               optimizer=optimizer, scheduler=scheduler, size=size, n_samples=n_samples)
+    # From here on every number is a plain Python int/float (numpy and tensor scalars were normalised).
+    steps, lr, seed, accum_steps, batch_size = (checked[k] for k in ("steps", "lr", "seed", "accum_steps", "batch_size"))
+    rank, world_size, grad_clip, weight_decay = (checked[k] for k in ("rank", "world_size", "grad_clip", "weight_decay"))
+    resume, checkpoint_every, n_samples = checked["resume"], checked["checkpoint_every"], checked["n_samples"]
+    scaler_kwargs = _check_scaler_kwargs(scaler_kwargs)
+    for name, hook in (("loss_fn", loss_fn), ("wrap", wrap)):
+        if hook is not None and not callable(hook):  # else a TypeError from deep inside the first step
+            raise ValueError(f"{name} must be a callable or None, got {_args.shown(hook)}")
     amp = pick(device, prec)
     problem = _amp_works(amp.device_type, amp.precision)
     if problem:
@@ -566,11 +665,11 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     if batch_size % (world_size * accum_steps):
         raise ValueError(f"batch_size {batch_size} must divide by world_size * accum_steps = "
                          f"{world_size} * {accum_steps}, so every micro-batch has the same size")
-    _check_scaler_kwargs(scaler_kwargs)
     models.check_data(module, data, targets=loss_fn is None)
     _check_finite(data)
     config = {"precision": amp.precision, "seed": seed, "batch_size": batch_size, "dataset_size": n, "steps": steps,
-              "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size}
+              "model": name or type(module).__name__, "accum_steps": accum_steps, "world_size": world_size,
+              "lr": lr, "weight_decay": weight_decay}
     state, ckpt_path = None, None
     store = checkpointer if checkpointer is not None else checkpoint.FileCheckpointer(rank)
     if checkpoint_dir is not None:
@@ -585,11 +684,14 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     first = local_indices(0, seed, n, batch_size, rank, world_size)[:batch_size // (world_size * accum_steps)]
     _preflight(module, data.tensors[0][first].to(amp.device), data.tensors[1][first].to(amp.device),
                models.loss_fn if loss_fn is None else None, amp, autocast)
+    if amp.device_type == "cuda":  # the peak we report is the training steps', not the preflight's
+        torch.cuda.reset_peak_memory_stats(amp.device)
     loss_fn = loss_fn or models.loss_fn
     net = wrap(module) if wrap is not None else module
     opt = make_optimizer(optimizer, net.parameters(), lr, weight_decay)
     sched = make_scheduler(scheduler, opt, steps)
-    scaler = amp.make_scaler(**(scaler_kwargs or {}))
+    scaler = amp.make_scaler(**scaler_kwargs)
+    config["optimizer"] = type(opt).__name__  # restore() refuses a checkpoint of another optimizer by this name
     hist = History(precision=amp.precision, device_type=amp.device_type, world_size=world_size, model=module)
     if checkpoint_dir is not None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -606,12 +708,14 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         else:
             torch.manual_seed(seed)
         hist.start_step = start
-        xs, ys = data.tensors
+        xs, ys = _data_on_device(data.tensors, amp.device)
         bar = tqdm(total=steps, initial=start, desc=f"train {amp.precision}", disable=not progress or rank != 0,
                    unit="step")
         for step in range(start, steps):
             t0 = time.perf_counter()
             idx = local_indices(step, seed, n, batch_size, rank, world_size)
+            if xs.device != idx.device:  # the data lives on the GPU: gather there (the indices are a few bytes)
+                idx = idx.to(xs.device, non_blocking=True)
             micro = [(xs[i].to(amp.device, non_blocking=True), ys[i].to(amp.device, non_blocking=True))
                      for i in (idx.view(accum_steps, -1) if accum_steps > 1 else (idx,))]
             stats = train_step(net, micro, loss_fn, opt, scaler, amp, grad_clip=grad_clip, scheduler=sched,
@@ -627,6 +731,8 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
                             scheduler=sched, device=amp.device, config=config, history=hist.series())
         bar.close()
     hist.final_scale = scaler.get_scale()
+    if amp.device_type == "cuda":
+        hist.peak_device_bytes = torch.cuda.max_memory_allocated(amp.device)
     return hist
 
 
@@ -652,7 +758,8 @@ def _parser() -> argparse.ArgumentParser:
                                             "Under torchrun, --strategy ddp|fsdp trains on every process.")
     p.add_argument("--model", choices=models.MODELS, default="mlp")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
-                   help="default: the device's AMP dtype (fp16 on CUDA, bf16 on CPU)")
+                   help="default: the device's AMP dtype (bf16 on CPU and on GPUs with native bf16, "
+                        "compute capability >= 8.0; fp16 + GradScaler on older GPUs)")
     p.add_argument("--strategy", choices=STRATEGIES, default="single",
                    help="single: one process; ddp (DistributedDataParallel) and fsdp (FSDP2): under torchrun")
     p.add_argument("--steps", type=int, default=100)
@@ -662,6 +769,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=None)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused Adam/AdamW kernel (no host sync in the scaler's step); default: on for CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=tuple(models.SIZES), default="tiny")
     p.add_argument("--samples", type=int, default=1024, help="synthetic dataset size")
@@ -700,13 +809,25 @@ def _fail(message: str, local_rank: int) -> None:
 
 
 def _check_writable(flag: str, path: str | None) -> None:
-    """Fail before training if an output file cannot be written."""
+    """Fail before training if an output file cannot be written: by creating it (and removing it again if it was new).
+
+    Looking at the folder is not enough: /proc/x has a folder, a read-only mount or a full quota says no
+    only when a file is opened. An existing file is opened for appending, which changes nothing in it.
+    """
     if path is None:
         return
     target = Path(path)
     if target.is_dir() or not target.resolve().parent.is_dir():
         raise ValueError(f"cannot write {flag} {path!r}: "
                          f"{'it is a directory' if target.is_dir() else 'its folder does not exist'}")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot write {flag} {path!r}: {err.strerror or err}; choose a file you can write to") from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def _plan(args: argparse.Namespace, env) -> _Plan:
@@ -778,7 +899,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"ampcourse.train: error: {err}") from None
     try:
         plan = _plan(args, env)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         _fail(str(err), env.local_rank)
     warning = distributed.shared_store_warning(env)
     if warning and env.is_main and env.restart_count == 0:  # once per job, from rank 0
@@ -794,7 +915,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             distributed.teardown()
             raise
         distributed.teardown(barrier=True)  # every rank is done communicating before any rank shuts down
-    except ValueError as err:  # includes CheckpointError
+    except (ValueError, TypeError) as err:  # includes CheckpointError
         _fail(str(err), env.local_rank)
     if not env.is_main:
         return 0
@@ -831,7 +952,7 @@ def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]
     made: list[torch.optim.Optimizer] = []
 
     def optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        made.append(make_optimizer(args.optimizer, params, lr, weight_decay))  # kept for the memory report
+        made.append(make_optimizer(args.optimizer, params, lr, weight_decay, fused=args.fused))  # kept for the memory report
         return made[-1]
 
     loss = (models.loss_fn if args.inject_inf is None
@@ -853,8 +974,7 @@ def _run(args: argparse.Namespace, env, plan: _Plan) -> tuple[dict, dict | None]
     if args.history_out is not None:
         mine = {"rank": env.rank, **hist.series(), "final_scale": hist.final_scale,
                 "state_bytes": distributed.local_state_bytes(hist.model, made[0]),
-                "peak_cuda_bytes": (torch.cuda.max_memory_allocated(plan.device)
-                                    if str(plan.device).startswith("cuda") else None),
+                "peak_cuda_bytes": hist.peak_device_bytes,  # whichever device train() picked, after its preflight
                 # DDP replicas must stay identical; FSDP2 ranks hold different shards, so no per-rank checksum
                 "replica_checksum": None if args.strategy == "fsdp" else state_checksum(hist.model)}
         ranks = distributed.gather(mine)

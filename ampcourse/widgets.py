@@ -671,3 +671,98 @@ def _main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main())
+
+
+# --- chapter 9: one outlier against the scaling granularity ---------------------------------------------
+# Appended as its own section (imports local to it) so edits to the widgets above merge cleanly.
+
+_OUTLIER_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
+
+
+class OutlierExplorer(W.VBox):
+    """Move one outlier and the block size; see each scaling granularity's error (chapter 9).
+
+        >>> w = outlier_explorer()
+        >>> w.magnitude.value = 10          # the outlier becomes 2**10
+        >>> w.block.value = 16              # blocks of 16 for the two block schemes
+        >>> w.results["tensor"]["rel_error"], w.results["block e8m0"]["underflowed"]
+
+    Schemes (keys of ``results``): "tensor", "row", "block fp32" (fp32 scale per block), "block e8m0"
+    (MX: power-of-two scale per block), and "nvfp4" when the element format is fp4_e2m1.
+    """
+
+    def __init__(self, x=None, element: str = "fp4_e2m1", magnitude: int = 8, position: int = 5, block_size: int = 32,
+                 seed: int = 0):
+        import torch
+
+        if x is None:
+            x = torch.randn(4, 256, generator=torch.Generator().manual_seed(seed))
+        self.base = torch.as_tensor(x, dtype=torch.float64).reshape(-1, torch.as_tensor(x).shape[-1]).clone()
+        cols = self.base.shape[1]
+        blocks = [b for b in (8, 16, 32, 64, 128) if cols % b == 0]
+        if not blocks:
+            raise ValueError(f"x needs a row length divisible by 8, got {cols}")
+        if block_size not in blocks:
+            raise ValueError(f"block_size must be one of {blocks} for rows of {cols}, got {block_size!r}")
+        element = formats.spec(element).name
+        if element not in _OUTLIER_ELEMENTS:
+            raise ValueError(f"element must be one of {', '.join(_OUTLIER_ELEMENTS)}, got {element!r}")
+        if not 0 <= position < cols:
+            raise ValueError(f"position must be in 0..{cols - 1}, got {position!r}")
+        self.element = W.Dropdown(options=_OUTLIER_ELEMENTS, value=element, description="element")
+        self.magnitude = W.IntSlider(value=magnitude, min=0, max=16, description="log2 outlier")
+        self.position = W.IntSlider(value=position, min=0, max=cols - 1, description="position")
+        self.block = W.Dropdown(options=blocks, value=block_size, description="block size")
+        self.table = W.HTML()
+        self.results: dict[str, dict[str, float]] = {}
+        for control in (self.element, self.magnitude, self.position, self.block):
+            control.observe(lambda change: self._update(), names="value")
+        super().__init__([W.HBox([self.element, self.block]), W.HBox([self.magnitude, self.position]), self.table])
+        self._update()
+
+    def __repr__(self) -> str:
+        return (f"OutlierExplorer(element={self.element.value!r}, outlier=2**{self.magnitude.value}, "
+                f"position={self.position.value}, block={self.block.value})")
+
+    def tensor(self):
+        """The tensor being quantized: the base values with row 0's element at `position` set to the outlier."""
+        x = self.base.clone()
+        x[0, self.position.value] = 2.0**self.magnitude.value
+        return x
+
+    def _update(self) -> None:
+        """Quantize with every scheme and refresh results and the table."""
+        from . import fp8
+
+        x, el, b = self.tensor(), self.element.value, self.block.value
+        schemes = {"tensor": ("tensor", None), "row": ("row", None), "block fp32": ("1x128", b), "block e8m0": ("mx", b)}
+        if el == "fp4_e2m1":
+            schemes["nvfp4"] = ("nvfp4", None)
+        self.results = {}
+        for name, (gran, size) in schemes.items():
+            r = fp8.quantize_scaled(x, el, gran, block_size=size)
+            self.results[name] = {"rel_error": fp8.relative_error(x, r.values), "sqnr_db": fp8.sqnr_db(x, r.values),
+                                  "underflowed": r.underflowed, "saturated": r.saturated}
+        self.table.value = self._table_html()
+
+    def _table_html(self) -> str:
+        """The results as an HTML table with a bar per scheme (longer bar = larger error)."""
+        worst = max(r["rel_error"] for r in self.results.values()) or 1.0
+        rows = []
+        for name, r in self.results.items():
+            width = int(200 * r["rel_error"] / worst)
+            rows.append(f"<tr><td>{html.escape(name)}</td><td>{r['rel_error']:.4f}</td><td>{r['sqnr_db']:.1f}</td>"
+                        f"<td>{r['underflowed']:,}</td><td>{r['saturated']:,}</td>"
+                        f'<td><div style="background:#d62728;height:10px;width:{width}px"></div></td></tr>')
+        head = ("<tr><th>scheme</th><th>relative error</th><th>SQNR dB</th><th>flushed to 0</th>"
+                "<th>saturated</th><th></th></tr>")
+        return f"<table>{head}{''.join(rows)}</table>"
+
+
+def outlier_explorer(x=None, element: str = "fp4_e2m1", magnitude: int = 8, position: int = 5,
+                     block_size: int = 32) -> OutlierExplorer:
+    """Chapter 9: one outlier, a block size, and the error of per-tensor, per-row and block scaling."""
+    return OutlierExplorer(x, element, magnitude, position, block_size)
+
+
+__all__ += ["OutlierExplorer", "outlier_explorer"]

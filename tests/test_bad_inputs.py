@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -59,6 +60,26 @@ def a_file(tmp: Path) -> Path:
 def a_dir(tmp: Path) -> Path:
     (tmp / "a_dir").mkdir()
     return tmp / "a_dir"
+
+
+def dangling(tmp: Path) -> Path:
+    """A symbolic link to a folder that does not exist."""
+    link = tmp / "dangling"
+    if not link.is_symlink():
+        link.symlink_to(tmp / "gone")
+    return link
+
+
+def frozen_mlp() -> torch.nn.Module:
+    return models.make_model("mlp").requires_grad_(False)
+
+
+def meta_mlp() -> torch.nn.Module:
+    with torch.device("meta"):
+        return torch.nn.Linear(32, 10)
+
+
+HUGE = 10**400  # an int no float holds
 
 
 def scaler_after_one_scale() -> LossScaler:
@@ -141,6 +162,8 @@ API = {
                                                "does not exist; create it first"),
     "checkpoint.save to a directory": Row(lambda t: checkpoint.save({}, a_dir(t)), "a_dir'",
                                           r"it is a directory; give a file path"),
+    "checkpoint.load of a number": Row(lambda t: checkpoint.load(5), "got 5", r"path must be a path \(str or pathlib.Path\)"),
+    "checkpoint.save to None": Row(lambda t: checkpoint.save({}, None), "got None", "path must be a path"),
     "checkpoint.save below a file": Row(lambda t: checkpoint.save({}, a_file(t) / "c.pt"), "a_file", "is not a directory"),
     # scaling
     "LossScaler init_scale nan": Row(lambda t: LossScaler("cpu", init_scale=NAN), "nan", "positive finite"),
@@ -197,6 +220,57 @@ API = {
     "torchrun_command 0 nodes": Row(lambda t: distributed.torchrun_command([], nnodes=0), "0", "int >= 1"),
     "launch with timeout 0": Row(lambda t: distributed.launch([], timeout=0), "0", "finite number of seconds > 0"),
     "render_slurm 0 GPUs per node": Row(lambda t: distributed.render_slurm(2, 0), "0", "int >= 1"),
+    # numbers that no float or int64 holds, and numpy scalars where ints are meant (issue 12)
+    "formats.decompose 10**400": Row(lambda t: formats.decompose(HUGE, "fp16"), "401 digits", "float64's range"),
+    "formats.quantize 10**400": Row(lambda t: formats.quantize([HUGE], "fp16"), "[1000", "real numbers"),
+    "range_counts scale 10**400": Row(lambda t: scaling.range_counts([1.0], scale=HUGE), "401 digits", "float64's range"),
+    "train lr 10**400": Row(lambda t: train(t, lr=HUGE), "too large for a float", "lr must be a finite number > 0"),
+    "train grad_clip 10**400": Row(lambda t: train(t, grad_clip=HUGE), "too large for a float", "grad_clip must be"),
+    "train weight_decay 10**400": Row(lambda t: train(t, weight_decay=HUGE), "too large for a float",
+                                      "weight_decay must be a finite number >= 0"),
+    "train init_scale 10**400": Row(lambda t: train(t, precision="fp16", scaler_kwargs={"init_scale": HUGE}),
+                                    "too large for a float", "init_scale must be a positive finite float32"),
+    "train growth_factor 10**400": Row(lambda t: train(t, precision="fp16", scaler_kwargs={"growth_factor": HUGE}),
+                                       "too large for a float", "growth_factor must be"),
+    "train growth_interval 10**30": Row(lambda t: train(t, precision="fp16", scaler_kwargs={"growth_interval": 10**30}),
+                                        "1" + "0" * 30, r"growth_interval must be an int >= 1 and <= 2\*\*31 - 1"),
+    "train scaler enabled 'no'": Row(lambda t: train(t, precision="fp16", scaler_kwargs={"enabled": "no"}), "'no'",
+                                     "True or False"),
+    "LossScaler growth_interval 2**63": Row(lambda t: LossScaler("cpu", growth_interval=2**63), str(2**63),
+                                            "the step counter is an int32"),
+    "LossScaler growth_interval np.float64": Row(lambda t: LossScaler("cpu", growth_interval=np.float64(4.0)), "4.0",
+                                                 "growth_interval must be an int >= 1"),
+    "LossScaler.set_growth_interval(0)": Row(lambda t: LossScaler("cpu").set_growth_interval(0), "got 0",
+                                             "growth_interval must be an int >= 1"),
+    "LossScaler.set_backoff_factor(1)": Row(lambda t: LossScaler("cpu").set_backoff_factor(1), "got 1",
+                                            "strictly between 0 and 1"),
+    "LossScaler.update(10**400)": Row(lambda t: scaler_after_one_scale().update(HUGE), "too large for a float",
+                                      "new_scale must be a positive finite number"),
+    "LossScaler.load_state_dict negative counter": Row(lambda t: LossScaler("cpu").load_state_dict(
+        {**LossScaler("cpu").state_dict(), "_growth_tracker": -1}), "-1", "_growth_tracker must be an int in 0.."),
+    # seeds: one rule everywhere (Python or numpy ints in 0 .. 2**64 - 1)
+    "train seed 2**64": Row(lambda t: train(t, seed=2**64), str(2**64), r"seed must be an int >= 0 and < 2\*\*64"),
+    "train seed np.float64": Row(lambda t: train(t, seed=np.float64(1.0)), "1.0", "seed must be an int >= 0"),
+    "make_model seed 2**64": Row(lambda t: models.make_model("mlp", seed=2**64), str(2**64), r"< 2\*\*64"),
+    "make_dataset seed -1 as numpy": Row(lambda t: models.make_dataset("mlp", seed=np.int64(-1)), "-1", "int >= 0"),
+    "batch_indices seed 2**64": Row(lambda t: train_mod.batch_indices(0, 2**64, 64, 32), str(2**64), "seed must be"),
+    # devices, models and data that cannot train
+    "train device mps without MPS": Row(lambda t: train(t, device="mps"), "'mps'", "not available here; use device=None"),
+    "train model on the meta device": Row(lambda t: train(t, meta_mlp(), mlp_data()), "meta device",
+                                          "give it real weights first"),
+    "train data on the meta device": Row(lambda t: train(t, torch.nn.Linear(32, 10), TensorDataset(
+        torch.empty(64, 32, device="meta"), torch.zeros(64, dtype=torch.long))), "meta device", "pass real tensors"),
+    "train all parameters frozen": Row(lambda t: train(t, frozen_mlp(), mlp_data()), "requires_grad=False",
+                                       "unfreeze some"),
+    "train n_samples 10**13": Row(lambda t: train(t, n_samples=10**13), "10000000000000", "positive int of at most"),
+    "make_dataset n 2**64": Row(lambda t: models.make_dataset("cnn", n=2**64), str(2**64), "at most"),
+    "train loss_fn not callable": Row(lambda t: train(t, loss_fn="mse"), "'mse'", "loss_fn must be a callable or None"),
+    "train resume 'yes'": Row(lambda t: train(t, resume="yes", checkpoint_dir=t / "run"), "'yes'", "True or False"),
+    "train checkpoint_dir 5": Row(lambda t: train(t, checkpoint_dir=5), "5", r"a path \(str or pathlib.Path\)"),
+    "train checkpoint_dir a dangling symlink": Row(lambda t: train(t, checkpoint_dir=dangling(t)), "dangling",
+                                                   "which does not exist; remove the link or create its target"),
+    "render_slurm port 70000": Row(lambda t: distributed.render_slurm(1, 1, port=70000), "70000", r"1\.\.65535"),
+    "memory_per_gpu 10**30 as float": Row(lambda t: distributed.memory_per_gpu(1e30, 1, "ddp"), "1e+30", "int >= 0"),
     # widgets, built with bad arguments
     "parse_scale 2**2000": Row(lambda t: widgets.parse_scale("2**2000"), "'2**2000'", "positive finite"),
     "parse_steps backwards": Row(lambda t: widgets.parse_steps("20-10", 100), "'20-10'", "10-20"),
@@ -237,7 +311,7 @@ def test_api_rejects_bad_input_clearly(row, tmp_path, monkeypatch):
     assert raised_in_ampcourse(info.tb), f"raised inside {traceback.extract_tb(info.tb)[-1].filename}"
     after = snapshot(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before, "an existing file changed"
-    assert set(after) - set(before) <= {"a_file", "a_dir"}, f"files appeared: {set(after) - set(before)}"
+    assert set(after) - set(before) <= {"a_file", "a_dir", "dangling"}, f"files appeared: {set(after) - set(before)}"
 
 
 # --- command lines: exit status not 0 and one line naming the value, no traceback --------------------
@@ -263,6 +337,24 @@ CLI = {
                                              "checkpoint.pt", "truncated or not a torch file"),
     "train --resume from another program's pickle": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/pickled",
                                                                        "--resume"], "checkpoint.pt", "weights_only=True"),
+    "train --samples 10**13": (train_mod.main, [*CLI_BASE, "--samples", "10000000000000"], "10000000000000",
+                               "positive int of at most"),
+    "train --seed 2**64": (train_mod.main, [*CLI_BASE, "--seed", str(2**64)], str(2**64), r"< 2\*\*64"),
+    "train --lr 1e400": (train_mod.main, [*CLI_BASE, "--lr", "1e400"], "got inf", "finite number > 0"),
+    "train --device mps without MPS": (train_mod.main, [*CLI_BASE, "--device", "mps"], "'mps'", "not available here"),
+    "train --out under /proc": (train_mod.main, [*CLI_BASE, "--out", "/proc/ampcourse-summary.json"],
+                                "/proc/ampcourse-summary.json", "choose a file you can write to"),
+    "train --history-out under /proc": (train_mod.main, [*CLI_BASE, "--history-out", "/proc/ampcourse-h.json"],
+                                        "/proc/ampcourse-h.json", "choose a file you can write to"),
+    "train --checkpoint-dir a dangling symlink": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/dangling"],
+                                                  "dangling", "which does not exist"),
+    "train --resume from a flipped bit": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/flipped", "--resume"],
+                                          "checkpoint.pt", "fails its CRC-32 check"),
+    "train --resume with another optimizer": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/adamw", "--resume",
+                                                               "--optimizer", "sgd"], "AdamW", "this run uses SGD"),
+    "train --resume with another lr": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/adamw", "--resume",
+                                                        "--lr", "0.01"], "lr=0.001 in the checkpoint, 0.01 now",
+                                       "Resume with the same settings"),
     "bench --threads 0": (bench.main, ["--out", "{tmp}/b", "--threads", "0"], "got 0", ">= 1"),
     "bench --precision fp32": (bench.main, ["--out", "{tmp}/b", "--precision", "fp32"], "fp32", "'fp16' or 'bf16'"),
     "bench --out is a file": (bench.main, ["--out", "{tmp}/a_file", "--quick"], "a_file", "give a folder"),
@@ -318,6 +410,14 @@ def prepare_files(tmp: Path) -> None:
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     (tmp / "pickled").mkdir()
     torch.save({"format": checkpoint.FORMAT, "obj": Pickled()}, checkpoint.path_in(tmp / "pickled"))
+    dangling(tmp)
+    # a good checkpoint with one bit flipped in a tensor, and a good one written by AdamW with lr 1e-3
+    train_mod.train("mlp", None, "fp32", checkpoint_dir=tmp / "flipped", **{**FAST, "steps": 1})
+    flipped = checkpoint.path_in(tmp / "flipped")
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x04  # the middle of the file lies in the tensors' bytes
+    flipped.write_bytes(bytes(data))
+    train_mod.train("mlp", None, None, checkpoint_dir=tmp / "adamw", **{**FAST, "steps": 1})  # the CLI's precision
 
 
 @pytest.mark.parametrize("name", CLI)

@@ -115,3 +115,81 @@ def test_bare_amp_loop_trains_the_model():
 def test_trainer_overhead_rejects_warmup_longer_than_the_run():
     with pytest.raises(ValueError, match="warmup"):
         bench.trainer_overhead(["mlp"], "cpu", steps=3, warmup=3)
+
+
+def test_a_slow_first_call_is_a_warm_up_not_a_measurement(monkeypatch):
+    """A cold first call (library start-up) longer than the budget must not mark a dtype bounded and drop it."""
+    import time
+
+    import torch
+
+    real = torch.Tensor.__matmul__
+    calls = {"n": 0}
+
+    def cold_first(a, b):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            time.sleep(0.3)  # over the 0.25 s budget, like a first cuBLAS call
+        return real(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", cold_first)
+    rows = bench.matmul_tflops("cpu", dtypes=["fp32"], sizes=[32, 64], min_run_time=0.01, repeats=1, budget_s=0.25)
+    assert [(r["n"], r["bounded"]) for r in rows] == [(32, False), (64, False)]
+    assert all(r["seconds"] < 0.25 for r in rows)
+
+
+def test_fp32_math_uses_the_new_tf32_api_and_restores_it():
+    """On CUDA: TF32 off (ieee) for matmuls and cuDNN convs, or on; the previous values come back; no legacy mix."""
+    import torch
+
+    before = bench.tf32_settings()
+    assert before["api"] == "fp32_precision"  # torch >= 2.9
+    with bench.fp32_math(tf32=False, device="cuda"):
+        assert bench.tf32_settings() == {"api": "fp32_precision", "matmul": "ieee", "cudnn_conv": "ieee"}
+    with bench.fp32_math(tf32=True, device="cuda"):
+        assert bench.tf32_settings()["matmul"] == "tf32" and bench.tf32_settings()["cudnn_conv"] == "tf32"
+    assert bench.tf32_settings() == before
+    with bench.fp32_math(tf32=True, device="cpu"):  # off CUDA it changes nothing
+        assert bench.tf32_settings() == before
+    # the legacy API was never touched, so reading it still works (it raises after a mix of the two)
+    assert torch.backends.cuda.matmul.fp32_precision == before["matmul"]
+
+
+def test_bench_json_records_the_tf32_settings(quick_run):
+    report = json.loads((quick_run[0] / "bench.json").read_text())
+    assert set(report["env"]["tf32"]) == {"api", "matmul", "cudnn_conv"}
+    assert all(r["fp32_math"] == "default" for r in report["train_step"])  # a CPU has no TF32
+
+
+@pytest.mark.parametrize("capability,dtypes", [((7, 5), ("fp32", "fp16")), ((8, 0), ("fp32", "tf32", "bf16", "fp16"))])
+def test_matmul_dtypes_follow_the_chosen_gpus_capability(monkeypatch, capability, dtypes):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # must not decide
+    assert bench.matmul_dtypes(torch.device("cuda", 0)) == dtypes
+
+
+def test_fraction_of_peak_excludes_the_reference_from_the_peak():
+    rows = [{"dtype": "bf16", "n": n, "tflops": t} for n, t in ((4096, 800.0), (8192, 700.0), (16384, 760.0))]
+    result = bench.fraction_of_peak(rows, "bf16", 4096, "NVIDIA H200")
+    assert result["peak_n"] == 16384 and result["peak_sizes"] == [8192, 16384]
+    assert result["fraction_of_peak"] == pytest.approx(800 / 760)  # above 1: the reference beat the larger sizes
+    assert result["datasheet_tflops"] == 989.0
+    assert bench.fraction_of_peak(rows, "bf16", 4096, "NVIDIA H200 NVL")["datasheet_tflops"] is None  # exact names only
+    with pytest.raises(ValueError, match="larger than n=16384"):
+        bench.fraction_of_peak(rows, "bf16", 16384)
+
+
+def test_the_recorded_gpu_report_is_loaded_not_typed(tmp_path):
+    assert bench.load_gpu_report(tmp_path / "missing.json") is None
+    report = {"status": "passed", "started": "2026-12-01T10:00:00+00:00",
+              "machine": {"device": "NVIDIA H200", "capability": "sm_90", "torch": "2.13.0", "cuda": "12.8"},
+              "goals": [{"name": "transformer step speedup", "shown": "4.10x", "goal": ">= 3x", "met": True},
+                        {"name": "trainer overhead", "shown": "", "goal": "<= 3%", "met": None}]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    lines = bench.gpu_report_lines(bench.load_gpu_report(path))
+    assert lines[0] == "recorded GPU run: NVIDIA H200 (sm_90), torch 2.13.0 (CUDA 12.8), 2026-12-01, status passed"
+    assert lines[1:] == ["  transformer step speedup: 4.10x (goal >= 3x, met)", "  trainer overhead: not measured (goal <= 3%, -)"]

@@ -120,7 +120,8 @@ def test_resume_past_the_end_does_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("change,name", [(dict(seed=1), "seed"), (dict(batch_size=16), "batch_size"),
-                                         (dict(n_samples=128), "dataset_size"), (dict(precision="bf16"), "precision")])
+                                         (dict(n_samples=128), "dataset_size"), (dict(precision="bf16"), "precision"),
+                                         (dict(lr=2e-2), "lr"), (dict(weight_decay=0.1), "weight_decay")])
 def test_resume_refuses_other_settings(change, name, tmp_path):
     train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, **FAST)
     args = {**FAST, "precision": "fp32", **change}
@@ -232,13 +233,18 @@ def _write_bad(kind, tmp_path) -> Path:
         torch.save({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": 1}, path)
     elif kind == "a directory":
         path.mkdir()
+    elif kind == "legacy torch file":  # no zip, so no CRCs: refused even though torch could read it
+        state = torch.load(_write_good(tmp_path), weights_only=True)
+        torch.save(state, path, _use_new_zipfile_serialization=False)
     return path
 
 
-KINDS = [*BAD_FILES, "code-running pickle", "foreign torch file", "other version", "missing pieces", "a directory"]
+KINDS = [*BAD_FILES, "code-running pickle", "foreign torch file", "other version", "missing pieces", "a directory",
+         "legacy torch file"]
 WHY = {**{k: v[1] for k, v in BAD_FILES.items()}, "code-running pickle": "weights_only=True\\) refused it",
        "foreign torch file": "not an ampcourse.checkpoint file", "other version": "format version 99",
-       "missing pieces": "lacks model, optimizer", "a directory": "not a regular file"}
+       "missing pieces": "lacks model, optimizer", "a directory": "not a regular file",
+       "legacy torch file": "legacy non-zip format, which carries no checksums"}
 
 
 def _snapshot(path: Path):
@@ -289,3 +295,219 @@ def test_rng_state_round_trip():
     a = torch.rand(3)
     checkpoint.set_rng_state(state)
     assert torch.equal(torch.rand(3), a)
+
+
+# --- integrity: a flipped bit is refused, never resumed from ----------------------------------------
+
+def _members(path: Path) -> dict[str, tuple[int, int]]:
+    """Each zip member's (start, length) of stored bytes in the file (torch stores them uncompressed)."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as fh:
+        for info in zf.infolist():
+            fh.seek(info.header_offset + 26)
+            name_len, extra_len = int.from_bytes(fh.read(2), "little"), int.from_bytes(fh.read(2), "little")
+            out[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.compress_size)
+    return out
+
+
+def test_a_flipped_bit_in_any_stored_piece_is_refused(tmp_path):
+    """One bit flipped in each zip member in turn (every tensor, the pickle, the version record): CheckpointError."""
+    path = _write_good(tmp_path)
+    good = path.read_bytes()
+    members = {k: v for k, v in _members(path).items() if v[1] > 0}
+    assert sum("/data/" in k for k in members) >= 10, "the tensors are stored as separate members"
+    rng = random.Random(0)
+    for name, (start, length) in members.items():
+        damaged = bytearray(good)
+        damaged[start + rng.randrange(length)] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointError, match="fails its CRC-32 check") as info:
+            checkpoint.load(path)
+        assert name in str(info.value) and "left untouched" in str(info.value)
+    path.write_bytes(good)
+    assert checkpoint.load(path)["step"] == 1
+
+
+def test_a_flipped_bit_in_a_tensor_would_load_silently_without_the_check(tmp_path):
+    """The control: torch.load itself does not look at the CRCs, so the damage would reach the model."""
+    path = _write_good(tmp_path)
+    name, (start, length) = next((k, v) for k, v in _members(path).items() if "/data/" in k and v[1] >= 64)
+    damaged = bytearray(path.read_bytes())
+    damaged[start + length // 2] ^= 0x10
+    path.write_bytes(bytes(damaged))
+    loaded = torch.load(path, weights_only=True)  # no error
+    fresh = torch.load(_write_good(tmp_path / "again"), weights_only=True)
+    differs = [k for k in loaded["model"] if not torch.equal(loaded["model"][k], fresh["model"][k])]
+    differs += [k for k, v in loaded["optimizer"]["state"].items()
+                if any(not torch.equal(t, fresh["optimizer"]["state"][k][n]) for n, t in v.items())]
+    assert differs, "the flipped bit changed a stored tensor"
+
+
+# --- numpy-typed settings ------------------------------------------------------------------------------
+
+def test_numpy_typed_settings_write_a_checkpoint_that_resumes(tmp_path):
+    np = pytest.importorskip("numpy")
+    cfg = dict(lr=np.float64(1e-2), seed=np.int64(0), batch_size=np.int64(32), n_samples=np.int64(256), progress=False,
+               grad_clip=np.float32(1.0), weight_decay=np.float64(0.0))
+    whole = train("mlp", None, "fp16", steps=4, **{**cfg, "grad_clip": 1.0})
+    train("mlp", None, "fp16", steps=np.int64(2), checkpoint_dir=tmp_path, checkpoint_every=np.int32(1), **cfg)
+    state = checkpoint.load(checkpoint.path_in(tmp_path))  # weights_only=True: plain numbers only
+    assert all(type(v) in (int, float, str) for v in state["config"].values())
+    rest = train("mlp", None, "fp16", steps=4, checkpoint_dir=tmp_path, resume=True, **cfg)
+    same_run(whole, rest)
+
+
+def test_numpy_lr_inside_an_optimizer_of_your_own_is_saved_as_a_python_float(tmp_path):
+    np = pytest.importorskip("numpy")
+
+    def sgd(params, lr, weight_decay):
+        return torch.optim.SGD(params, lr=np.float64(lr), momentum=np.float32(0.9))
+
+    train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, optimizer=sgd, **FAST)
+    group = checkpoint.load(checkpoint.path_in(tmp_path))["optimizer"]["param_groups"][0]
+    assert type(group["lr"]) is float and type(group["momentum"]) is float
+    train("mlp", None, "fp32", steps=3, checkpoint_dir=tmp_path, resume=True, optimizer=sgd, **FAST)
+
+
+# --- impossible contents: refused before anything changes ----------------------------------------------
+
+def _sgd_state(state):
+    """The same checkpoint, with the optimizer state of an SGD (momentum) optimizer."""
+    model = models.make_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    return {**state, "optimizer": opt.state_dict(), "config": {**state["config"], "optimizer": "SGD"}}
+
+
+def _first_param_state(state, key, value):
+    opt = {**state["optimizer"], "state": {**state["optimizer"]["state"]}}
+    opt["state"][0] = {**opt["state"][0], key: value}
+    return {**state, "optimizer": opt}
+
+
+IMPOSSIBLE = {
+    "optimizer None": (lambda s: {**s, "optimizer": None}, "optimizer state is missing"),
+    "negative step": (lambda s: {**s, "step": -3}, "step must be an int >= 0"),
+    "fractional step": (lambda s: {**s, "step": 1.5}, "step must be an int"),
+    "RNG state of the wrong size": (lambda s: {**s, "rng": {"cpu": torch.zeros(10, dtype=torch.uint8), "cuda": None}},
+                                    r"random-number state is \(10,\)"),
+    "RNG state not a tensor": (lambda s: {**s, "rng": {"cpu": [1, 2], "cuda": None}}, "random-number state is list"),
+    "no RNG state": (lambda s: {**s, "rng": None}, "random-number state"),
+    "model tensor of another shape": (lambda s: {**s, "model": {**s["model"], "net.0.weight": torch.zeros(3, 3)}},
+                                      r"'net.0.weight' has shape \(3, 3\)"),
+    "model tensor missing": (lambda s: {**s, "model": {k: v for k, v in s["model"].items() if k != "net.0.bias"}},
+                             r"missing \['net.0.bias'\]"),
+    "model state not a dict": (lambda s: {**s, "model": [1, 2]}, "model state is a list"),
+    "model tensor of another dtype": (lambda s: {**s, "model": {**s["model"], "net.0.bias": s["model"]["net.0.bias"].double()}},
+                                      "'net.0.bias' is torch.float64 in the checkpoint, torch.float32 here"),
+    "another optimizer (SGD into AdamW)": (_sgd_state, "written by a SGD optimizer, and this run uses AdamW"),
+    "another optimizer, unnamed": (lambda s: {**_sgd_state(s), "config": {}}, r"lack \['amsgrad'"),
+    "one parameter group too many": (lambda s: {**s, "optimizer": {**s["optimizer"], "param_groups":
+                                     s["optimizer"]["param_groups"] * 2}}, "2 parameter groups, this one 1"),
+    "optimizer moment of another shape": (lambda s: _first_param_state(s, "exp_avg", torch.zeros(7)),
+                                          r"'exp_avg' of parameter 0 has shape \(7,\)"),
+    "optimizer state for no parameter": (lambda s: {**s, "optimizer": {**s["optimizer"], "state":
+                                         {**s["optimizer"]["state"], 99: {}}}}, "parameter 99, which no group holds"),
+    "scaler scale nan": (lambda s: {**s, "scaler": {**s["scaler"], "scale": float("nan")}}, "GradScaler state is impossible"),
+    "scaler counter negative": (lambda s: {**s, "scaler": {**s["scaler"], "_growth_tracker": -1}}, "_growth_tracker"),
+    "scaler interval beyond int64": (lambda s: {**s, "scaler": {**s["scaler"], "growth_interval": 2**70}}, "growth_interval"),
+    "history not lists": (lambda s: {**s, "history": {"loss": 3.0}}, r"history entries \['loss'\] are not lists"),
+}
+
+
+def _live(seed=5):
+    """A model, optimizer and scaler as train() builds them, in a state of their own (to detect any change)."""
+    torch.manual_seed(seed)
+    model = models.make_model("mlp", seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    return model, opt, scaler
+
+
+def _fingerprint(model, opt, scaler):
+    return ([v.clone() for v in model.state_dict().values()],
+            [(k, {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in v.items()})
+             for k, v in opt.state_dict()["state"].items()], opt.state_dict()["param_groups"], scaler.state_dict(),
+            torch.get_rng_state())
+
+
+def _same_fingerprint(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert [k for k, _ in a[1]] == [k for k, _ in b[1]]
+    assert all(torch.equal(x[n], y[n]) if isinstance(x[n], torch.Tensor) else x[n] == y[n]
+               for (_, x), (_, y) in zip(a[1], b[1]) for n in x)
+    assert a[2:4] == b[2:4] and torch.equal(a[4], b[4])
+
+
+@pytest.mark.parametrize("kind", IMPOSSIBLE)
+def test_impossible_contents_are_refused_and_nothing_changes(kind, tmp_path):
+    train("mlp", None, "fp16", steps=2, checkpoint_dir=tmp_path, **FAST)
+    path = checkpoint.path_in(tmp_path)
+    mutate, why = IMPOSSIBLE[kind]
+    checkpoint.save(mutate(checkpoint.load(path)), path)
+    state = checkpoint.load(path)  # well-formed: it loads; restoring it is what must fail
+    model, opt, scaler = _live()
+    before = _fingerprint(model, opt, scaler)
+    with pytest.raises(CheckpointError, match=why):
+        checkpoint.restore(state, model, opt, scaler, path=path)
+    _same_fingerprint(before, _fingerprint(model, opt, scaler))
+    # through train(): the caller's own model keeps its weights too
+    own = models.make_model("mlp", seed=7)
+    weights = [v.clone() for v in own.state_dict().values()]
+    with pytest.raises(CheckpointError):
+        train(own, models.make_dataset("mlp", n=256), "fp16", steps=3, checkpoint_dir=tmp_path, resume=True, **FAST)
+    assert all(torch.equal(a, b) for a, b in zip(weights, own.state_dict().values()))
+
+
+def test_resume_with_another_optimizer_is_refused_by_name(tmp_path):
+    train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, optimizer="adamw", **FAST)
+    with pytest.raises(CheckpointError, match="written by a AdamW optimizer, and this run uses SGD"):
+        train("mlp", None, "fp32", steps=3, checkpoint_dir=tmp_path, resume=True, optimizer="sgd", **FAST)
+
+
+def test_a_restore_that_fails_midway_puts_everything_back(tmp_path, monkeypatch):
+    """Even an error that no check foresaw (here: inside the scaler's load) leaves model and optimizer as they were."""
+    train("mlp", None, "fp16", steps=2, checkpoint_dir=tmp_path, **FAST)
+    state = checkpoint.load(checkpoint.path_in(tmp_path))
+    model, opt, scaler = _live()
+    before = _fingerprint(model, opt, scaler)
+    real_load, calls = scaler.load_state_dict, []
+
+    def failing_once(sd):
+        calls.append(sd)
+        if len(calls) == 1:  # the restore's load fails; the roll-back's load works
+            raise RuntimeError("disk on fire")
+        real_load(sd)
+
+    monkeypatch.setattr(scaler, "load_state_dict", failing_once)
+    with pytest.raises(CheckpointError, match="disk on fire"):
+        checkpoint.restore(state, model, opt, scaler)
+    _same_fingerprint(before, _fingerprint(model, opt, scaler))
+
+
+def test_save_turns_numpy_scalars_into_python_numbers(tmp_path):
+    """A state built by hand with numpy numbers still loads with weights_only=True."""
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "c.pt"
+    checkpoint.save({"format": checkpoint.FORMAT, "lr": np.float64(0.5), "steps": [np.int64(3)],
+                     "x": torch.arange(2)}, path)
+    state = torch.load(path, weights_only=True)
+    assert type(state["lr"]) is float and type(state["steps"][0]) is int and state["x"].tolist() == [0, 1]
+
+
+def test_check_settings_serves_sharded_checkpoints_without_the_model(tmp_path):
+    """FSDP2's meta file (no model tensors) is checked the same way before DCP loads any shard."""
+    train("mlp", None, "fp16", steps=2, checkpoint_dir=tmp_path, **FAST)
+    state = checkpoint.load(checkpoint.path_in(tmp_path))
+    meta = {k: v for k, v in state.items() if k != "model"}
+    model, opt, scaler = _live()
+    assert checkpoint.check_settings(meta, opt, scaler) == 2
+    for bad, why in [({"step": -1}, "step must be"), ({"scaler": {**meta["scaler"], "scale": -2.0}}, "GradScaler state"),
+                     (_sgd_state(state), "written by a SGD optimizer")]:
+        with pytest.raises(CheckpointError, match=why):
+            checkpoint.check_settings({**meta, **bad}, opt, scaler)

@@ -78,3 +78,54 @@ def test_cuda_requested_without_cuda_is_a_clear_error(monkeypatch):
 def test_unknown_device_is_a_clear_error(bad):
     with pytest.raises(ValueError, match="device"):
         pick(bad)
+
+
+def _fake_gpu(monkeypatch, capability: tuple[int, int], name: str, count: int = 1) -> None:
+    """Pretend CUDA has `count` GPUs of this compute capability (no CUDA call reaches the driver)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    # What is_bf16_supported() says on these GPUs with its default including_emulation=True: it must not be used.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+
+
+@pytest.mark.parametrize("capability,name,default,scaler", [((7, 0), "Tesla V100", "fp16", True),
+                                                            ((7, 5), "Tesla T4", "fp16", True),
+                                                            ((8, 0), "A100", "bf16", False),
+                                                            ((8, 9), "L4", "bf16", False),
+                                                            ((9, 0), "H200", "bf16", False)])
+def test_cuda_default_is_bf16_exactly_where_bf16_is_native(monkeypatch, capability, name, default, scaler):
+    _fake_gpu(monkeypatch, capability, name)
+    amp = pick()
+    assert amp.device == torch.device("cuda", 0)
+    assert (amp.precision, amp.use_scaler, amp.native) == (default, scaler, True)
+    assert device.native_bf16("cuda") == (capability >= (8, 0))
+
+
+def test_bf16_on_a_t4_runs_but_is_marked_emulated(monkeypatch):
+    _fake_gpu(monkeypatch, (7, 5), "Tesla T4")
+    amp = pick("cuda", "bf16")
+    assert amp.precision == "bf16" and not amp.native
+    assert "sm_75 < sm_80" in amp.summary() and amp.summary().endswith("expect AMP to be slower here")
+    fp16 = pick("cuda", "fp16")
+    assert fp16.native and fp16.use_scaler
+
+
+def test_native_bf16_looks_at_the_chosen_gpu_not_the_current_one(monkeypatch):
+    _fake_gpu(monkeypatch, (7, 5), "mixed", count=2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: (9, 0) if torch.device(device).index == 1 else (7, 5))
+    assert pick("cuda:1").precision == "bf16" and pick("cuda:0").precision == "fp16"
+    assert device.native_bf16("cuda:1") and not device.native_bf16("cuda:0")
+
+
+def test_a_gpu_index_that_does_not_exist_is_a_clear_error(monkeypatch):
+    _fake_gpu(monkeypatch, (9, 0), "H200", count=1)
+    with pytest.raises(ValueError, match="there are 1 CUDA devices"):
+        pick("cuda:1")
+
+
+def test_native_bf16_is_false_off_cuda():
+    assert not device.native_bf16("cpu")

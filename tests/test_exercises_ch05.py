@@ -19,10 +19,30 @@ def rms_norm_back_to_fp16(h, eps=1e-6):
     return rms_norm_fp32(h, eps).to(h.dtype)  # fp16 output of an fp32 computation is fine
 
 
+def rms_norm_cast_only(h, eps=1e-6):
+    x = h.float()  # no autocast(enabled=False): elementwise ops follow their inputs' dtype
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_autocast_off_only(h, eps=1e-6):
+    with torch.autocast(h.device.type, enabled=False):  # turns autocast off but casts nothing back
+        return h * torch.rsqrt((h * h).mean(-1, keepdim=True) + eps)
+
+
 def test_rms_norm_accepts(capsys):
     exercises.check_rms_norm(rms_norm_fp32)
     exercises.check_rms_norm(rms_norm_back_to_fp16)
     assert capsys.readouterr().out.count("✅") == 2
+
+
+def test_rms_norm_agrees_with_chapter_5_the_cast_is_the_island(capsys):
+    """The .float() cast alone is a right answer; autocast off without the cast is a wrong one, and the hint says so."""
+    exercises.check_rms_norm(rms_norm_cast_only)
+    assert "✅" in capsys.readouterr().out
+    with pytest.raises(ExerciseError):
+        exercises.check_rms_norm(rms_norm_autocast_off_only)
+    out = capsys.readouterr().out
+    assert "h.float()" in out and "casts nothing back" in out
 
 
 @pytest.mark.parametrize("wrong", [

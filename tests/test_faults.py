@@ -12,6 +12,11 @@ point (half the bytes written) through ``python -m ampcourse.train``, and at ran
 sweep. The previous checkpoint must stay loadable and unchanged, and a resume must give the
 uninterrupted run.
 
+Damaged files: single bit flips at random places in a real checkpoint, and bursts of flips. Each must be
+refused with ``CheckpointError``, or (a flip in bytes no data depends on, such as zip padding) load with
+every tensor and number bit-identical to the undamaged file: a checkpoint never loads as something else.
+Impossible settings: resumes whose optimizer, lr or state cannot fit are refused with the model untouched.
+
 A rank killed under ``torchrun --max-restarts 1`` at a random step (three seeds; slow: a torchrun job
 each) must resume from the last checkpoint and end exactly where an uninterrupted job ends.
 """
@@ -260,6 +265,67 @@ def test_loss_scaler_skips_exactly_the_poisoned_steps(seed):
     assert scales == expected and scaler.get_scale() == final
     assert all(math.isfinite(v) for v in losses) and all(torch.isfinite(p).all() for p in model.parameters())
     assert np.mean(losses[-CLEAN_TAIL:]) < np.mean(losses[:CLEAN_TAIL])
+
+
+# --- damaged checkpoint files: refused, or identical; never silently different --------------------------
+
+N_FLIP_TRIALS = 150
+
+
+def _identical(a, b) -> bool:
+    """Two loaded checkpoints are the same, tensors compared bit for bit (NaNs included)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return a == b or (isinstance(a, float) and math.isnan(a) and isinstance(b, float) and math.isnan(b))
+
+
+@pytest.mark.parametrize("burst", [1, 8], ids=["one bit", "8 bits"])
+def test_flipped_bits_are_refused_or_harmless(burst, tmp_path):
+    train("mlp", None, "fp16", steps=2, checkpoint_dir=tmp_path / "good", scheduler="cosine", **RUN)
+    good_path = checkpoint.path_in(tmp_path / "good")
+    good_bytes, good = good_path.read_bytes(), checkpoint.load(good_path)
+    path = tmp_path / "damaged.pt"
+    rng = random.Random(burst)
+    refused = 0
+    for _ in range(N_FLIP_TRIALS):
+        data = bytearray(good_bytes)
+        for _ in range(burst):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+        try:
+            state = checkpoint.load(path)
+        except CheckpointError:
+            refused += 1
+            continue
+        assert _identical(state, good), "a damaged checkpoint loaded with different contents"
+    # almost every byte of the file is data or a header the zip checks; padding is all that may flip unseen
+    assert refused >= N_FLIP_TRIALS * 0.8, refused
+
+
+def test_resume_refusals_leave_the_callers_model_untouched(tmp_path):
+    """Another optimizer, another lr, an impossible step: refused before the caller's model changes."""
+    train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, **RUN)
+    path = checkpoint.path_in(tmp_path)
+    data = models.make_dataset("mlp", n=256)
+    for change, why in [({"optimizer": "sgd"}, "AdamW"), ({"lr": 1e-2}, "lr=0.001 in the checkpoint"),
+                        ({"optimizer": "adam"}, "written by a AdamW optimizer")]:
+        mine = models.make_model("mlp", seed=3)
+        before = state_checksum(mine)
+        with pytest.raises(ValueError, match=why):
+            train(mine, data, "fp32", steps=4, checkpoint_dir=tmp_path, resume=True, **{**RUN, **change})
+        assert state_checksum(mine) == before
+    state = checkpoint.load(path)
+    checkpoint.save({**state, "step": -3}, path)
+    mine = models.make_model("mlp", seed=3)
+    before = state_checksum(mine)
+    with pytest.raises(CheckpointError, match="step must be an int >= 0"):
+        train(mine, data, "fp32", steps=4, checkpoint_dir=tmp_path, resume=True, **RUN)
+    assert state_checksum(mine) == before
 
 
 # --- checkpoint writers killed mid-write -----------------------------------------------------------------

@@ -208,3 +208,172 @@ def test_ulp():
     assert formats.ulp(2.0**-20, "fp16") == 2.0**-24  # subnormal spacing is fixed
     assert formats.ulp(1.0, "bf16") == 2.0**-7
     assert math.isnan(formats.ulp(1e6, "fp16"))
+
+
+# --- The OCP MX formats (e8m0 scale, fp6, fp4) against ml_dtypes, an independent implementation ---
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+NARROW = {  # our name -> ml_dtypes' dtype
+    "fp8_e8m0": ml_dtypes.float8_e8m0fnu,
+    "fp6_e2m3": ml_dtypes.float6_e2m3fn,
+    "fp6_e3m2": ml_dtypes.float6_e3m2fn,
+    "fp4_e2m1": ml_dtypes.float4_e2m1fn,
+}
+
+
+E8M0_QUIRK = (2.0**-127, 2.0**-126)  # open interval where ml_dtypes and torch round up (formats docstring)
+
+
+def outside_e8m0_quirk(x: np.ndarray) -> np.ndarray:
+    """x without the values strictly inside E8M0_QUIRK (and their negatives)."""
+    a = np.abs(np.asarray(x, np.float64))
+    return np.asarray(x)[~((a > E8M0_QUIRK[0]) & (a < E8M0_QUIRK[1]))]
+
+
+def ml_cast(x: np.ndarray, name: str) -> np.ndarray:
+    """Round through ml_dtypes' cast and back to float64."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(x).astype(NARROW[name]).astype(np.float64)
+
+
+def every_value(name: str) -> np.ndarray:
+    """Every bit pattern of the format (ml_dtypes stores one value per byte) as float64."""
+    bits = spec(name).bits
+    return np.arange(2**bits, dtype=np.uint8).view(NARROW[name]).astype(np.float64)
+
+
+def probes(name: str) -> np.ndarray:
+    """Every value, each halfway point between neighbours, the float32 numbers either side, and far points."""
+    v = every_value(name)
+    v = np.unique(v[np.isfinite(v)])
+    mid = (v[:-1] + v[1:]) / 2  # exact in float32: these formats have at most 4 significant bits
+    f32 = np.concatenate([v, mid]).astype(np.float32)
+    near = np.concatenate([np.nextafter(f32, np.float32(-np.inf)), np.nextafter(f32, np.float32(np.inf))])
+    f = spec(name)
+    far = [f.max * 1.5, f.max * 1.25, f.max * 1.0001, f.min_subnormal / 2, f.min_subnormal / 3,
+           f.min_subnormal * 0.5001, 1e30, 1e-30, 3e38, 1e-45]
+    far = np.array(far + [-p for p in far], np.float32)
+    return np.concatenate([f32, near, far]).astype(np.float64)
+
+
+def test_names_lists_the_narrow_formats_only_when_asked():
+    assert formats.names() == ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
+    assert formats.names(narrow=True)[5:] == list(NARROW)
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+def test_narrow_spec_matches_ml_dtypes_finfo(name):
+    f, fi = spec(name), ml_dtypes.finfo(NARROW[name])
+    assert (f.bits, f.max, f.min_normal, f.eps) == (fi.bits, float(fi.max), float(fi.smallest_normal), float(fi.eps))
+    assert f.min_subnormal == float(fi.smallest_subnormal)
+    assert float(fi.min) == (-f.max if f.signed else f.min_normal)
+
+
+def test_narrow_format_facts():
+    assert [spec(n).max for n in ("fp6_e2m3", "fp6_e3m2", "fp4_e2m1")] == [7.5, 28.0, 6.0]
+    e8 = spec("e8m0")
+    assert (e8.bits, e8.bias, e8.min_normal, e8.max) == (8, 127, 2.0**-127, 2.0**127)
+    assert spec("e2m1").min_subnormal == 0.5 and spec(torch.float8_e8m0fnu) is e8
+    assert spec("fp6_e2m3").torch_dtype is None and e8.torch_dtype == torch.float8_e8m0fnu
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+def test_quantize_fixes_every_bit_pattern(name):
+    v = every_value(name)
+    assert same(quantize(v, name), v)
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+@pytest.mark.parametrize("width", [np.float32, np.float64])
+def test_quantize_matches_ml_dtypes_on_halfway_points_and_neighbours(name, width):
+    x = probes(name).astype(width)
+    if name == "fp8_e8m0":
+        x = outside_e8m0_quirk(x)
+    got, want = quantize(x, name), ml_cast(x, name)
+    bad = [(float(a), float(g), float(w)) for a, g, w in zip(x, got, want) if not same([g], [w])]
+    assert not bad, f"(x, ours, ml_dtypes) differ: {bad[:10]}"
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+def test_quantize_matches_ml_dtypes_on_random_float32(name):
+    x = random_values(200_000, seed=len(name) + 7)
+    x = outside_e8m0_quirk(x[np.isfinite(x)])
+    assert same(quantize(x, name), ml_cast(x, name))
+
+
+def test_e8m0_matches_torch_cast_on_positive_values():
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.concatenate([probes("fp8_e8m0"), random_values(200_000, seed=11)]).astype(np.float32)
+    x = outside_e8m0_quirk(x[(x > 0) & np.isfinite(x)])
+    got = quantize(x, "fp8_e8m0")
+    want = torch.from_numpy(x).to(torch.float8_e8m0fnu).to(torch.float64).numpy()
+    assert same(got, want)
+
+
+def test_e8m0_convention_differences_from_torch_are_the_documented_ones():
+    # ours and ml_dtypes: zero and negatives have no encoding -> NaN; torch: 0 -> 2**-127, -x -> |x|
+    x = np.array([0.0, -0.0, -3.0, -1e-40, np.inf, np.nan], np.float32)
+    ours = quantize(x, "fp8_e8m0")
+    torch_out = torch.from_numpy(x).to(torch.float8_e8m0fnu).to(torch.float64).numpy()
+    assert np.isnan(ours).all() and same(ours, ml_cast(x, "fp8_e8m0"))
+    assert torch_out[:4].tolist() == [2.0**-127, 2.0**-127, 4.0, 2.0**-127]
+    assert np.isnan(torch_out[4:]).all()
+
+
+def test_e8m0_quirk_below_2_to_minus_126_is_the_documented_one():
+    # strictly between 2**-127 and 2**-126, ml_dtypes and torch round up; we round to nearest
+    x = np.array([2.0**-127 * k for k in (1.0, 1.0001, 1.25, 1.4999, 1.5, 1.75)], np.float32)
+    ours = quantize(x, "fp8_e8m0")
+    theirs = torch.from_numpy(x).to(torch.float8_e8m0fnu).to(torch.float64).numpy()
+    assert ours.tolist() == [2.0**-127] * 4 + [2.0**-126] * 2
+    assert theirs.tolist() == [2.0**-127] + [2.0**-126] * 5 and same(theirs, ml_cast(x, "fp8_e8m0"))
+
+
+def test_e8m0_rounds_to_the_nearest_power_ties_up_and_never_to_zero():
+    x = [1.5, 1.49, 3.0, 5.0, 6.0, 2.0**-130, 2.0**127 * 1.49, 2.0**127 * 1.5]
+    got = quantize(x, "e8m0")
+    assert got[:7].tolist() == [2.0, 1.0, 4.0, 4.0, 8.0, 2.0**-127, 2.0**127] and math.isnan(got[7])
+
+
+def test_fp6_fp4_saturate_and_have_no_nan():
+    for name in ("fp6_e2m3", "fp6_e3m2", "fp4_e2m1"):
+        m = spec(name).max
+        assert quantize([1e9, np.inf, -np.inf], name).tolist() == [m, m, -m]
+        assert ml_cast(np.array([np.inf]), name)[0] == m
+        # documented difference: ml_dtypes turns NaN into -0.0; we keep NaN so it is not hidden
+        assert math.isnan(quantize([np.nan], name)[0]) and ml_cast(np.array([np.nan]), name)[0] == 0.0
+        with pytest.raises(ValueError, match=f"{name} cannot encode"):
+            decompose(float("nan"), name)
+
+
+def test_fp4_cast_is_not_available_in_torch_on_cpu():
+    # why the fp4 checks use ml_dtypes only: torch's fp4 dtype packs two values per byte, with no cast
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        torch.tensor([1.0, 2.0]).to(torch.float4_e2m1fn_x2)
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+def test_decompose_rebuilds_every_bit_pattern(name):
+    f = spec(name)
+    for bits, v in enumerate(every_value(name)):
+        if math.isnan(v):
+            d = decompose(v, name)
+            assert d.kind == "nan" and d.exponent == 2**f.exponent_bits - 1 and not f.signed
+            continue
+        d = decompose(float(v), name)
+        word = (d.sign << (f.exponent_bits + f.mantissa_bits)) | (d.exponent << f.mantissa_bits) | d.mantissa
+        assert word == bits and d.value == v, (name, bits, d)
+        assert d.bits.replace(" ", "") == format(bits, f"0{f.bits}b")
+        if d.kind in ("normal", "subnormal"):
+            lead = 1 if d.kind == "normal" else 0
+            assert (-1) ** d.sign * (lead + d.mantissa / 2**f.mantissa_bits) * 2.0**d.power == v
+
+
+def test_decompose_narrow_overflow_flags():
+    s = decompose(100.0, "fp4_e2m1")
+    assert (s.value, s.overflow, s.kind, s.bits) == (6.0, True, "normal", "0 11 1")
+    e = decompose(2.0**128, "fp8_e8m0")
+    assert (e.kind, e.overflow, e.bits) == ("nan", True, "11111111")
+    one = decompose(1.0, "e8m0")
+    assert (one.exponent, one.bits, one.power, one.overflow) == (127, "01111111", 0, False)

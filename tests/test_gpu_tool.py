@@ -77,7 +77,7 @@ def test_markdown_report_of_a_gpu_run():
     md = gpu_test.markdown(report)
     assert "# GPU check: passed" in md and "NVIDIA H200 (sm_90" in md
     assert "| gpu tests | ok | 1 | 0 | 0 | 0 | 12.5 |" in md
-    assert "| 4096 matmul | 6 | 2 | 3.00x |" in md
+    assert "| 4096 matmul | 6 | 2 | 3.00x |" in md  # only fp16 measured: one low-precision column
 
 
 def test_make_test_deselects_gpu_tests_by_marker():
@@ -111,23 +111,34 @@ def test_gpu_test_files_declare_the_marker(path):
 
 
 GPU_BENCH = {
-    "transformer_large_train_step": {"what": "TinyTransformer size=large", "seconds_fp32": 0.09, "seconds_fp16": 0.02,
-                                     "speedup_fp16": 4.5},
+    "transformer_large_train_step": {"what": "TinyTransformer size=large", "seconds_fp32": 0.09, "seconds_bf16": 0.025,
+                                     "speedup_bf16": 3.6, "seconds_fp16": 0.02, "speedup_fp16": 4.5},
     "bf16_matmul_peak": {"what": "bf16", "dtype": "bf16", "tflops_by_n": {4096: 600.0, 8192: 700.0}, "peak_n": 8192,
-                         "peak_tflops": 700.0, "reference_n": 4096, "reference_tflops": 600.0,
+                         "peak_sizes": [8192], "peak_tflops": 700.0, "reference_n": 4096, "reference_tflops": 600.0,
                          "fraction_of_peak": 600 / 700, "datasheet_tflops": 989.0, "peak_fraction_of_datasheet": 700 / 989},
+    "trainer_overhead": {"overhead": 0.012},
+    "host_syncs_per_step": {"fp16_fused": 1.0, "fp16_plain": 2.0},
+    "torchrun_ddp_1gpu": {"what": "torchrun --nproc-per-node 1 -m ampcourse.train --strategy ddp", "backend": "nccl",
+                          "precision": "bf16", "steps_done": 20, "final_loss": 1.234},
 }
 
 
-def test_the_two_gpu_goals_are_read_from_the_benchmark():
-    step, peak = gpu_test.goals(GPU_BENCH)
-    assert step["value"] == 4.5 and step["met"] and step["goal"] == ">= 3x"
+def test_the_gpu_goals_are_read_from_the_benchmark():
+    step16 = next(g for g in gpu_test.goals(GPU_BENCH) if "fp16 AMP" in g["name"])
+    assert step16["value"] == 4.5 and step16["met"] and step16["goal"] == ">= 3x"
+    peak = next(g for g in gpu_test.goals(GPU_BENCH) if g["name"].startswith("bf16 matmul"))
     assert peak["value"] == pytest.approx(0.857, abs=1e-3) and peak["met"] and "n=4096" in peak["name"]
+    fp16_peak = next(g for g in gpu_test.goals(GPU_BENCH) if g["name"].startswith("fp16 matmul"))
+    assert fp16_peak["value"] is None and fp16_peak["met"] is None  # not measured: said so, not failed
+    over = next(g for g in gpu_test.goals(GPU_BENCH) if "bare AMP loop" in g["name"])
+    assert over["shown"] == "+1.2%" and over["met"]
+    syncs = next(g for g in gpu_test.goals(GPU_BENCH) if "host syncs" in g["name"])
+    assert syncs["value"] == 1.0 and syncs["met"]
     slow = gpu_test.goals({**GPU_BENCH, "transformer_large_train_step": {**GPU_BENCH["transformer_large_train_step"],
                                                                         "speedup_fp16": 2.0}})
-    assert slow[0]["met"] is False
+    assert next(g for g in slow if "fp16 AMP" in g["name"])["met"] is False
     missing = gpu_test.goals({})
-    assert [g["value"] for g in missing] == [None, None] and [g["met"] for g in missing] == [None, None]
+    assert all(g["value"] is None and g["met"] is None for g in missing) and len(missing) == 6
 
 
 def test_markdown_shows_the_goals_and_the_peak_sweep():
@@ -136,10 +147,11 @@ def test_markdown_shows_the_goals_and_the_peak_sweep():
                           "gpus": 1, "torch": "2.11.0", "cuda": "12.8", "python": "3.11.9"},
               "budget_seconds": 480, "seconds": 12.5, "steps": [], "bench": GPU_BENCH, "goals": gpu_test.goals(GPU_BENCH)}
     md = gpu_test.markdown(report)
-    assert "| transformer (size=large) train step, fp16 AMP vs fp32: speedup | 4.50x | >= 3x | yes |" in md
+    assert "| transformer (size=large) train step, fp16 AMP vs fp32 (TF32 off): speedup | 4.50x | >= 3x | yes |" in md
     assert "| 86% | >= 85% | yes |" in md and "| 8192 | 700.0 |" in md
-    assert "| TinyTransformer size=large | 90 | 20 | 4.50x |" in md  # the peak sweep is not a fp32/fp16 pair
+    assert "| TinyTransformer size=large | 90 | 25 | 3.60x | 20 | 4.50x |" in md  # the peak sweep is not a pair
     assert "Datasheet dense bf16 for this GPU: 989 TFLOP/s; the measured peak is 71% of it" in md
+    assert "- fp16_fused: 1" in md and "| nccl | bf16 | 20 | 1.234 |" in md
 
 
 def test_fraction_of_peak_on_cpu_rows():
@@ -148,7 +160,75 @@ def test_fraction_of_peak_on_cpu_rows():
 
     rows = bench.matmul_tflops("cpu", dtypes=["fp32"], sizes=[64, 128], min_run_time=0.01, repeats=1)
     result = bench.fraction_of_peak(rows, "fp32", 64)
-    assert result["peak_n"] in (64, 128) and 0 < result["fraction_of_peak"] <= 1
+    assert result["peak_n"] == 128 and result["peak_sizes"] == [128]  # the peak is measured apart from n=64
+    assert result["fraction_of_peak"] == pytest.approx(result["reference_tflops"] / result["peak_tflops"])
     assert result["datasheet_tflops"] is None
     with pytest.raises(ValueError, match="no fp32 row for n=4096; measured sizes: \\[64, 128\\]"):
         bench.fraction_of_peak(rows, "fp32", 4096)
+
+
+def _make_dry(*targets: str) -> list[str]:
+    """The command lines `make -n` would run for these targets (nothing runs)."""
+    out = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [line for line in out.stdout.splitlines() if "pytest" in line or "nbtool.py" in line or "gpu_test.py" in line]
+
+
+@pytest.mark.parametrize("target", ["test", "unit", "notebooks"])
+def test_the_cpu_suite_hides_cuda_on_any_machine(target):
+    """On a GPU machine `make test` must still be the CPU suite (pick() would otherwise choose CUDA)."""
+    lines = _make_dry(target)
+    assert lines and all(" CUDA_VISIBLE_DEVICES= " in f" {line}" for line in lines)
+
+
+def test_make_gpu_test_leaves_the_gpus_visible():
+    (line,) = _make_dry("gpu-test")
+    assert "CUDA_VISIBLE_DEVICES" not in line and "tools/gpu_test.py" in line
+
+
+def test_the_torch_matrix_tests_the_declared_range():
+    """pyproject's torch floor, its torch-tested list, the lock and the matrix workflow agree."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    tested = project["tool"]["ampcourse"]["torch-tested"]
+    floor = next(d for d in project["project"]["dependencies"] if d.startswith("torch"))
+    assert floor == "torch>=2.6" and tested[0].startswith("2.6")
+    locked = next(line for line in (ROOT / "requirements.lock").read_text().splitlines() if line.startswith("torch=="))
+    assert locked.split("==")[1].split("+")[0] == tested[-1]
+    flow = yaml.safe_load((ROOT / ".github/workflows/torch-matrix.yml").read_text())
+    assert flow["jobs"]["torch"]["strategy"]["matrix"]["torch"] == tested
+
+
+def test_the_cpu_workflow_runs_the_readme_test_command_with_chromium():
+    flow = yaml.safe_load((ROOT / ".github/workflows/ci.yml").read_text())
+    assert set(flow[True]) == {"push", "pull_request"}  # YAML reads the key `on` as True
+    job = flow["jobs"]["test"]
+    assert job["runs-on"] == "ubuntu-latest" and job["container"].startswith("python:3.11")
+    runs = "\n".join(step.get("run", "") for step in job["steps"])
+    assert "apt-get install" in runs and "chromium" in runs
+    assert "make test" in runs and "make test" in (ROOT / "README.md").read_text()
+
+
+def test_gpu_test_can_use_a_preinstalled_python_without_building_the_venv():
+    """On a GPU machine without network (torch preinstalled), GPU_PYTHON skips `setup` and runs that Python."""
+    out = subprocess.run(["make", "-n", "gpu-test", "GPU_PYTHON=python3", "VENV=/nonexistent-venv"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "python3 tools/gpu_test.py", out.stdout  # no venv, no pip
+
+
+def test_gpu_test_puts_the_repository_on_every_steps_path(tmp_path, monkeypatch):
+    """Notebook kernels (cwd chapters/) and torchrun workers import ampcourse without an install."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import os\ndef test_path():\n    assert os.environ['PYTHONPATH'].split(os.pathsep)[0] == "
+                     f"{str(ROOT)!r}\n")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    step = gpu_test.Step("probe", gpu_test.pytest_argv(str(probe), junit=tmp_path / "p.xml"), tmp_path / "p.xml")
+    result = gpu_test.run_step(step, timeout=120, workdir=tmp_path)
+    assert result.ok, result.tests
+
+
+def test_the_report_names_no_machine_path_for_the_out_folder():
+    assert gpu_test.shown_args(["--require-cuda", "--out", "/tmp/xyz/out"]) == ["--require-cuda", "--out", "<dir>"]
+    assert gpu_test.shown_args(["--out=/tmp/out"]) == ["--out=<dir>"]
+    inside = str(ROOT / "benchmarks" / "gpu")
+    assert gpu_test.shown_args(["--out", inside]) == ["--out", inside] and gpu_test.shown_args(["--out", "rel"]) == ["--out", "rel"]

@@ -479,3 +479,153 @@ def test_simulate_training_is_simulate_scale_with_feedback():
     assert overflows == [not (g * s < limit) for g, s in zip(max_grads, used)]
     assert overflows[0] and overflows[500] and overflows[501] and overflows[2000]
     assert overflows[:3] == [True] * 3  # 2**24 is too big for gradients near 2**-6: it calibrates first
+
+
+# -- NaN bit patterns: "bit for bit" includes the bits of NaNs -----------------------------------------------
+
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+# NaNs of both signs, quiet and signalling, with and without payload, in each format's bits
+_NAN_BITS = {torch.float16: [0x7E00, 0x7C01, 0x7D00, -0x0200, -1], torch.bfloat16: [0x7FC0, 0x7F81, 0x7FC1, -0x40, -1],
+             torch.float32: [0x7FC00000, 0x7F800001, 0x7FC00001, -0x400000, -1],
+             torch.float64: [0x7FF8000000000000, 0x7FF0000000000001, -1]}
+
+
+def _with_nans(dtype: torch.dtype, n: int, gen: torch.Generator) -> torch.Tensor:
+    """n random values of dtype with NaNs of every kind at the start, the middle and the end, and an inf."""
+    g = torch.randn(n, generator=gen).to(dtype)
+    bits = g.view(_INT_VIEW[dtype])
+    for k, pattern in enumerate(_NAN_BITS[dtype]):
+        for pos in (k, n // 2 + k, n - 1 - k):
+            if 0 <= pos < n:
+                bits[pos] = pattern
+    if n > 12:
+        g[n // 3] = float("inf")
+    return g
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nan_bit_patterns_match_the_kernel(threads):
+    """Every NaN comes out with the bits torch's kernel writes: fp32, bf16, fp16 and fp64, small and large tensors.
+
+    The sizes put NaNs in the kernel's vectorised body, in its scalar tail (bf16 writes 0xFFFF in one and
+    0x7FC0 in the other on a CPU), and, above 32768 elements with 2 threads, at each thread's boundary.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(threads)
+    seen = set()
+    try:
+        for dtype in _INT_VIEW:
+            for n in (1, 3, 15, 31, 32, 33, 100, 40_001, 70_003):
+                for inv in (1.0, 0.5, 2.0**-20, 0.0):  # 0: inf * 0 makes new NaNs
+                    g = _with_nans(dtype, n, gen)
+                    ref, ours = g.clone(), g.clone()
+                    f_ref, f_ours = torch.zeros(()), torch.zeros(())
+                    torch._amp_foreach_non_finite_check_and_unscale_([ref], f_ref, torch.tensor(inv))
+                    _unscale_and_check_([ours], torch.tensor(inv), f_ours)
+                    diff = (ref.view(_INT_VIEW[dtype]) != ours.view(_INT_VIEW[dtype])).nonzero().flatten()
+                    assert diff.numel() == 0, (dtype, n, inv, [(int(i), hex(int(ref.view(_INT_VIEW[dtype])[i])),
+                                                                 hex(int(ours.view(_INT_VIEW[dtype])[i]))) for i in diff[:4]])
+                    assert f_ref.item() == f_ours.item() == 1.0
+                    if dtype == torch.bfloat16:
+                        seen.update(int(b) & 0xFFFF for b in ref.view(torch.int16)[torch.isnan(ref)])
+    finally:
+        torch.set_num_threads(before)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # DEFAULT has no vectorised body
+        assert {0x7FC0, 0xFFFF} <= seen, "the sizes must reach both the vectorised body and the scalar tail"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_unscale_with_nan_gradients_is_bit_identical_end_to_end(dtype):
+    """A model in dtype (bf16 included: its small bias lies in the kernel's scalar tail), NaN gradients, unscale_, step."""
+    results = []
+    for make in (lambda: torch.amp.GradScaler("cpu", init_scale=8.0), lambda: LossScaler("cpu", init_scale=8.0)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 7), torch.nn.Linear(7, 3)).to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = make()
+        trace = []
+        for poison in (False, True, False):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(5, 40).to(dtype)).float().sum()).backward()
+            if poison:
+                for p in model.parameters():
+                    p.grad.view(-1)[::3] = float("nan")
+            scaler.unscale_(opt)
+            trace += [p.grad.clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            trace += [p.detach().clone() for p in model.parameters()] + [scaler.get_scale()]
+        results.append(trace)
+    assert all(_same(a, b) for a, b in zip(*results))
+
+
+# -- arguments: numpy and tensor scalars in, torch's integer limits honoured up front ----------------------
+
+@pytest.mark.parametrize("convert", [np.float64, np.float32, torch.tensor], ids=["np.float64", "np.float32", "tensor"])
+def test_numbers_may_come_as_numpy_or_tensor_scalars(convert):
+    ref = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    ours = LossScaler("cpu", init_scale=convert(1024.0), growth_factor=convert(4.0), backoff_factor=convert(0.25),
+                      growth_interval=np.int64(3) if convert is not torch.tensor else torch.tensor(3))
+    assert ours.state_dict() == ref.state_dict()
+    assert all(type(v) in (int, float) for v in ours.state_dict().values())  # plain numbers: weights_only can load them
+    assert simulate_scale([False] * 7, init_scale=convert(2.0), growth_interval=np.int32(3)) == \
+        simulate_scale([False] * 7, init_scale=2.0, growth_interval=3)
+
+
+@pytest.mark.parametrize("kwargs", [{"growth_interval": 2**63}, {"growth_interval": 2**31}, {"growth_interval": 10**30},
+                                    {"init_scale": 10**400}, {"growth_factor": 10**400}, {"backoff_factor": 10**400},
+                                    {"growth_interval": np.float64(3.0)}, {"init_scale": torch.ones(2)}])
+def test_values_torch_cannot_hold_are_refused_up_front(kwargs):
+    """GradScaler takes growth_interval=2**63 and fails at the first update() inside torch; LossScaler refuses it."""
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        LossScaler("cpu", **kwargs)
+
+
+def test_grad_scaler_itself_fails_late_on_a_huge_growth_interval():
+    """The control for the test above: torch's kernel takes an int64, so 2**63 overflows only at update()."""
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2**63)
+    model, opt = _one_step_setup(scaler)
+    scaler.step(opt)
+    with pytest.raises((ValueError, RuntimeError), match="[Oo]verflow"):
+        scaler.update()
+
+
+def test_setters_check_their_value_and_keep_the_old_one():
+    s = LossScaler("cpu")
+    for setter, bad in ((s.set_growth_factor, 1.0), (s.set_backoff_factor, 1.5), (s.set_growth_interval, 0),
+                        (s.set_growth_interval, 2**40), (s.set_growth_factor, 10**400)):
+        with pytest.raises(ValueError):
+            setter(bad)
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (2.0, 0.5, 2000)
+    s.set_growth_interval(np.int64(5))
+    assert s.get_growth_interval() == 5 and type(s.get_growth_interval()) is int
+
+
+def test_load_state_dict_checks_everything_before_changing_anything():
+    s = LossScaler("cpu", init_scale=4.0)
+    s.scale(torch.ones(()))
+    good = s.state_dict()
+    for bad in ({**good, "_growth_tracker": -1}, {**good, "growth_interval": 2**63}, {**good, "scale": float("nan")},
+                {**good, "backoff_factor": 2.0}):
+        with pytest.raises(ValueError):
+            s.load_state_dict(bad)
+        assert s.state_dict() == good
+
+
+def test_update_new_scale_accepts_numbers_and_refuses_bad_ones():
+    s = scaler_after_one_scale()
+    for value, expected in ((np.float64(8.0), 8.0), (torch.tensor(16.0), 16.0), (torch.tensor([32.0]), 32.0), (64, 64.0)):
+        s.update(value)
+        assert s.get_scale() == expected
+    for bad in (10**400, float("inf"), -1, "2", torch.ones(2)):
+        with pytest.raises(ValueError, match="new_scale"):
+            s.update(bad)
+    assert s.get_scale() == 64.0
+
+
+def scaler_after_one_scale() -> LossScaler:
+    s = LossScaler("cpu")
+    s.scale(torch.tensor(1.0))
+    return s

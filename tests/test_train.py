@@ -403,3 +403,100 @@ def test_batch_indices_are_a_copy():
     expected = a.clone()
     a.fill_(0)
     assert torch.equal(batch_indices(3, 0, 100, 10), expected)
+
+
+# --- host syncs per step (issue 14, part A item 7) ---------------------------------------------------------
+# A CPU has no host syncs, but every GPU sync in a training step is a device-to-host read: .item(), .tolist(),
+# float()/bool()/int() of a tensor, .cpu(). Counting those reads on a CPU run counts the syncs a GPU would make.
+
+_READS = ("item", "tolist", "__float__", "__bool__", "__int__", "cpu")
+
+
+@contextlib.contextmanager
+def _count_host_reads(monkeypatch):
+    """Count tensor reads to the host, and train_step's one batched read-back (its own .item()s not counted)."""
+    counts = {"reads": 0, "read_back": 0, "get_scale": 0}
+    state = {"inside": False}
+    for name in _READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, **kwargs):
+            if not state["inside"]:
+                counts["reads"] += 1
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    real_read_back = train_mod._read_back
+
+    def read_back(tensors):
+        counts["read_back"] += 1
+        state["inside"] = True
+        try:
+            return real_read_back(tensors)
+        finally:
+            state["inside"] = False
+    monkeypatch.setattr(train_mod, "_read_back", read_back)
+    real_get_scale = torch.amp.GradScaler.get_scale
+
+    def get_scale(self):
+        counts["get_scale"] += 1
+        return real_get_scale(self)
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", get_scale)
+    yield counts
+
+
+def _fp16_parts(fused: bool, optimizer: str = "adamw"):
+    """A model, fp16 scaler and optimizer on the CPU, and one batch."""
+    from ampcourse.device import pick
+
+    amp = pick("cpu", "fp16")
+    model = models.make_model("mlp", seed=0)
+    opt = train_mod.make_optimizer(optimizer, model.parameters(), 1e-3, fused=fused)
+    x, y = models.make_dataset("mlp", n=32, seed=0).tensors
+    return amp, model, opt, amp.make_scaler(), (x, y)
+
+
+def test_an_fp16_step_with_fused_adamw_reads_the_host_once(monkeypatch):
+    amp, model, opt, scaler, batch = _fp16_parts(fused=True)
+    assert opt.defaults["fused"]
+    with _count_host_reads(monkeypatch) as counts:
+        for _ in range(3):
+            stats = train_mod.train_step(model, [batch, batch], models.loss_fn, opt, scaler, amp)
+    # one stacked read-back per step (losses, norm, scale before and after); no get_scale(), no found_inf.item()
+    assert counts == {"reads": 0, "read_back": 3, "get_scale": 0}
+    assert stats.scale == scaler.get_scale() and not stats.skipped
+
+
+def test_an_fp16_step_with_a_plain_optimizer_adds_only_gradscalers_inf_check(monkeypatch):
+    """Without a fused optimizer, GradScaler.step reads found_inf on the host: one more sync, and no others.
+
+    (SGD: a plain CPU Adam also reads its step counters, which live on the host on a GPU too.)
+    """
+    amp, model, opt, scaler, batch = _fp16_parts(fused=False, optimizer="sgd")
+    with _count_host_reads(monkeypatch) as counts:
+        for _ in range(2):
+            train_mod.train_step(model, [batch], models.loss_fn, opt, scaler, amp)
+    assert counts["read_back"] == 2 and counts["get_scale"] == 0
+    assert counts["reads"] == 2  # found_inf.item() in GradScaler._maybe_opt_step, once per step
+
+
+def test_skips_are_still_seen_without_get_scale(monkeypatch):
+    amp, model, opt, scaler, (x, y) = _fp16_parts(fused=True)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = train_mod.train_step(model, [(bad, y)], models.loss_fn, opt, scaler, amp)
+    assert stats.skipped and stats.scale == 2.0**16 and scaler.get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_make_optimizer_fuses_adam_on_cuda_only_by_default():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert not train_mod.make_optimizer("adamw", params, 1e-3).defaults.get("fused")
+    assert train_mod.make_optimizer("adam", params, 1e-3, fused=True).defaults["fused"]
+    assert isinstance(train_mod.make_optimizer("sgd", params, 1e-3, fused=True), torch.optim.SGD)
+
+
+def test_data_stays_where_it_is_off_cuda():
+    xs, ys = torch.zeros(4, 2), torch.zeros(4)
+    placed = train_mod._data_on_device((xs, ys), torch.device("cpu"))
+    assert placed[0] is xs and placed[1] is ys

@@ -4,14 +4,21 @@
     python tools/gpu_test.py --dry-run          # list what would run, run nothing
     python tools/gpu_test.py --require-cuda     # the GPU CI job: no CUDA is a failure, not a dry run
 
+On a GPU machine without network whose Python has torch but no Jupyter stack (e.g. a CUDA container image),
+bring the wheels from tools/gpu_wheels.sh and run with that Python instead of building .venv:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS=--require-cuda
+
 Steps, each a pytest run with a JUnit XML file the report is built from:
   1. notebooks: every chapters/*.ipynb through nbval in lax mode (on a GPU the numbers differ from the
      CPU outputs stored in the notebooks, so cells must run without error, outputs are not compared);
-  2. gpu tests: tests/gpu (marker `gpu`): CUDA fp16 autocast + GradScaler, and the benchmarks, whose
-     figures go into the report with the two GPU goals of benchmarks/README.md: the transformer
-     (size="large") train step with fp16 AMP vs fp32 (speedup, goal >= 3x on an H200; measured side by
-     side, interleaved) and the bf16 n=4096 matmul as a fraction of the measured peak (the best TFLOP/s
-     of bf16 n x n matmuls, n = 4096..16384, in the same run; goal >= 85%).
+  2. gpu tests: tests/gpu (marker `gpu`): CUDA autocast + GradScaler, and the benchmarks, whose figures go
+     into the report with the GPU goals of benchmarks/README.md: the transformer (size="large") train step,
+     fp32 (TF32 off) vs bf16 vs fp16 AMP (speedup, goal >= 3x; interleaved); bf16 and fp16 n=4096 matmuls
+     as a fraction of a peak measured separately (the best of n = 8192..16384 in the same run; goal >= 85%);
+     ampcourse.train vs a bare loop (goal <= 3%); host syncs per fp16 step with fused AdamW (goal 1); and
+     `--strategy ddp` / `fsdp` under torchrun with one process on NCCL.
 The whole run has a budget of 8 minutes on one GPU; a step still running then is stopped and fails.
 Without CUDA this is a dry run: it says what it skips and why, and exits 0 (`make test` checks that).
 """
@@ -84,6 +91,18 @@ def shown(argv: list[str], workdir: Path) -> str:
     return shlex.join("python" if a == sys.executable else a.replace(f"{workdir}{os.sep}", "") for a in argv)
 
 
+def shown_args(args: list[str]) -> list[str]:
+    """The command-line arguments as the report shows them: an --out folder outside the repository as <dir>."""
+    out, after_out = [], False
+    for a in args:
+        value = a.split("=", 1)[1] if a.startswith("--out=") else (a if after_out else None)
+        if value is not None and Path(value).is_absolute() and ROOT not in Path(value).resolve().parents:
+            a = "--out=<dir>" if a.startswith("--out=") else "<dir>"
+        out.append(a)
+        after_out = a == "--out"
+    return out
+
+
 def notebooks() -> list[str]:
     """Every notebook in chapters/, relative to the repository."""
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "chapters").glob("*.ipynb"))
@@ -122,6 +141,9 @@ def run_step(step: Step, timeout: float, workdir: Path) -> StepResult:
     """Run one step (cwd: the repository) within timeout seconds; its output streams through."""
     start = time.monotonic()
     env = dict(os.environ, **step.env)
+    # The repository on the path of every process a step starts (notebook kernels run in chapters/, torchrun
+    # workers anywhere): ampcourse imports without an install, e.g. with `make gpu-test GPU_PYTHON=python3`.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     try:
         rc: int | None = subprocess.run(step.argv, cwd=ROOT, env=env, timeout=max(timeout, 1)).returncode
     except subprocess.TimeoutExpired:
@@ -180,39 +202,73 @@ def markdown(report: dict) -> str:
             shown = "not measured" if g["value"] is None else g["shown"]
             met = "-" if g["met"] is None else ("yes" if g["met"] else "**no**")
             lines.append(f"| {g['name']} | {shown} | {g['goal']} | {met} |")
-    pairs = {k: b for k, b in (report.get("bench") or {}).items() if "seconds_fp32" in b}
+    bench = report.get("bench") or {}
+    pairs = {k: b for k, b in bench.items() if "seconds_fp32" in b}
     if pairs:
-        lines += ["", "## Benchmark (fp32 vs fp16 autocast, interleaved, medians)", "",
-                  "| workload | fp32 ms | fp16 ms | fp16 speed-up |", "|---|---|---|---|"]
+        lows = [p for p in ("bf16", "fp16") if any(f"seconds_{p}" in b for b in pairs.values())]
+        lines += ["", f"## Benchmark (fp32 with TF32 off vs {' and '.join(lows)} autocast, interleaved, medians)", "",
+                  "| workload | fp32 ms | " + " | ".join(f"{p} ms | {p} speed-up" for p in lows) + " |",
+                  "|---|---|" + "---|---|" * len(lows)]
         for name, b in pairs.items():
-            lines.append(f"| {b.get('what', name)} | {b['seconds_fp32'] * 1e3:.3g} | {b['seconds_fp16'] * 1e3:.3g} | {b['speedup_fp16']:.2f}x |")
-    peak = (report.get("bench") or {}).get("bf16_matmul_peak")
-    if peak:
-        lines += ["", "## bf16 matmul TFLOP/s by size (the best is the measured peak)", "",
+            cells = [f"{b[f'seconds_{p}'] * 1e3:.3g} | {b[f'speedup_{p}']:.2f}x" if f"seconds_{p}" in b else "- | -"
+                     for p in lows]
+            lines.append(f"| {b.get('what', name)} | {b['seconds_fp32'] * 1e3:.3g} | " + " | ".join(cells) + " |")
+    for p in ("bf16", "fp16"):
+        peak = bench.get(f"{p}_matmul_peak")
+        if not peak:
+            continue
+        lines += ["", f"## {p} matmul TFLOP/s by size (the peak: the best size above n={peak['reference_n']})", "",
                   "| n | TFLOP/s |", "|---|---|"]
         lines += [f"| {n} | {t:.1f} |" for n, t in peak["tflops_by_n"].items()]
         if peak.get("datasheet_tflops"):
-            lines += ["", f"Datasheet dense bf16 for this GPU: {peak['datasheet_tflops']:g} TFLOP/s; the measured peak is "
+            lines += ["", f"Datasheet dense {p} for this GPU: {peak['datasheet_tflops']:g} TFLOP/s; the measured peak is "
                           f"{peak['peak_fraction_of_datasheet']:.0%} of it (context, not the goal)."]
+    syncs = bench.get("host_syncs_per_step")
+    if syncs:
+        lines += ["", "## Host syncs (torch.cuda.set_sync_debug_mode)", ""]
+        lines += [f"- {k}: {v:g}" for k, v in syncs.items() if isinstance(v, (int, float))]
+    runs = [b for k, b in bench.items() if k.startswith("torchrun_")]
+    if runs:
+        lines += ["", "## torchrun, one process per GPU", "", "| command | backend | precision | steps | final loss |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| `{b['what']}` | {b['backend']} | {b['precision']} | {b['steps_done']} | {b['final_loss']:.4g} |"
+                  for b in runs]
     return "\n".join(lines) + "\n"
 
 
-def goals(bench: dict) -> list[dict]:
-    """The two GPU goals of benchmarks/README.md, read from the benchmark figures (value None: not measured)."""
-    from ampcourse.bench import BF16_PEAK_TARGET, GPU_STEP_SPEEDUP_TARGET
+def _goal(name: str, value: float | None, shown: str, goal: str, met: bool | None) -> dict:
+    """One row of the goals table (value None: not measured)."""
+    return {"name": name, "value": value, "shown": shown if value is not None else "", "goal": goal,
+            "met": None if value is None else met}
 
-    step = bench.get("transformer_large_train_step", {}).get("speedup_fp16")
-    peak = bench.get("bf16_matmul_peak", {})
-    frac = peak.get("fraction_of_peak")
-    ref = f"n={peak['reference_n']} vs the best of n={list(peak['tflops_by_n'])} ({peak['peak_tflops']:.0f} TFLOP/s at n={peak['peak_n']})" if peak else "n=4096 vs the best large size"
-    return [
-        {"name": "transformer (size=large) train step, fp16 AMP vs fp32: speedup", "value": step,
-         "shown": f"{step:.2f}x" if step is not None else "", "goal": f">= {GPU_STEP_SPEEDUP_TARGET:g}x",
-         "met": None if step is None else step >= GPU_STEP_SPEEDUP_TARGET},
-        {"name": f"bf16 matmul TFLOP/s as a fraction of the measured peak ({ref})", "value": frac,
-         "shown": f"{frac:.0%}" if frac is not None else "", "goal": f">= {BF16_PEAK_TARGET:.0%}",
-         "met": None if frac is None else frac >= BF16_PEAK_TARGET},
-    ]
+
+def goals(bench: dict) -> list[dict]:
+    """The GPU goals of benchmarks/README.md, read from the benchmark figures (value None: not measured)."""
+    from ampcourse.bench import BF16_PEAK_TARGET, GPU_STEP_SPEEDUP_TARGET, TRAINER_OVERHEAD_TARGET
+
+    out = []
+    step = bench.get("transformer_large_train_step", {})
+    for p in ("bf16", "fp16"):
+        v = step.get(f"speedup_{p}")
+        out.append(_goal(f"transformer (size=large) train step, {p} AMP vs fp32 (TF32 off): speedup", v,
+                         f"{v:.2f}x" if v is not None else "", f">= {GPU_STEP_SPEEDUP_TARGET:g}x",
+                         v is not None and v >= GPU_STEP_SPEEDUP_TARGET))
+    for p in ("bf16", "fp16"):
+        peak = bench.get(f"{p}_matmul_peak", {})
+        frac = peak.get("fraction_of_peak")
+        ref = (f"n={peak['reference_n']} vs the best of n={peak.get('peak_sizes', list(peak['tflops_by_n']))} "
+               f"({peak['peak_tflops']:.0f} TFLOP/s at n={peak['peak_n']})" if peak else "n=4096 vs the best larger size")
+        out.append(_goal(f"{p} matmul TFLOP/s as a fraction of a separately measured peak ({ref})", frac,
+                         f"{frac:.0%}" if frac is not None else "", f">= {BF16_PEAK_TARGET:.0%}",
+                         frac is not None and frac >= BF16_PEAK_TARGET))
+    over = bench.get("trainer_overhead", {}).get("overhead")
+    out.append(_goal("ampcourse.train vs a bare AMP loop on the GPU: per-step overhead", over,
+                     f"{over:+.1%}" if over is not None else "", f"<= {TRAINER_OVERHEAD_TARGET:.0%}",
+                     over is not None and over <= TRAINER_OVERHEAD_TARGET))
+    syncs = bench.get("host_syncs_per_step", {}).get("fp16_fused")
+    out.append(_goal("host syncs per fp16 train_step with fused AdamW", syncs, f"{syncs:g}" if syncs is not None else "",
+                     "1", syncs is not None and syncs <= 1))
+    return out
 
 
 def write_report(report: dict, out: Path) -> list[Path]:
@@ -232,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="list the steps, run nothing")
     ap.add_argument("--require-cuda", action="store_true", help="exit 1 instead of a dry run when CUDA is missing")
     args = ap.parse_args(argv)
-    command = shlex.join(["python", "tools/gpu_test.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "tools/gpu_test.py", *shown_args(argv if argv is not None else sys.argv[1:])])
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     machine = cuda_info()
     with tempfile.TemporaryDirectory(prefix="gpu-test-") as tmp:

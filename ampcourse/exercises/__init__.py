@@ -15,6 +15,7 @@ from .ch04 import check_clip_after_unscale, check_scheduler_skip
 from .ch05 import check_fp8_scale, check_rms_norm, check_square_function
 from .ch06 import check_no_flush_scale, check_scale_prediction, check_update_rule
 from .ch07 import check_data_parallel_step, check_state_bytes
+from .ch09 import check_delayed_scales, check_mx_scale
 
 __all__ = ["ExerciseError", "passed", "failed", "checker", "raising", "summary",
            "check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example",
@@ -23,7 +24,8 @@ __all__ = ["ExerciseError", "passed", "failed", "checker", "raising", "summary",
            "check_clip_after_unscale", "check_scheduler_skip",
            "check_rms_norm", "check_square_function", "check_fp8_scale",
            "check_no_flush_scale", "check_scale_prediction", "check_update_rule",
-           "check_data_parallel_step", "check_state_bytes"]
+           "check_data_parallel_step", "check_state_bytes",
+           "check_mx_scale", "check_delayed_scales"]
 
 # Keep this loop last: every check_* imported above records its verdict for summary() and, in a
 # notebook, shows a wrong answer without a traceback (_core.checker). A new chapter's checkers only

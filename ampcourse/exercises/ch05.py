@@ -39,9 +39,11 @@ def check_rms_norm(rms_norm: Callable[[torch.Tensor], torch.Tensor], eps: float 
         if err > 2e-3:
             failed(title, f"relative error below 2e-3 for activations of size ~{magnitude:g} (output dtype {out.dtype})",
                    f"relative error {err:.2g}",
-                   "turn autocast off (torch.autocast(h.device.type, enabled=False)) and compute in h.float(); "
-                   "small squares become fp16 subnormals, and bf16 keeps only 8 bits")
-    passed(title, "Squares, mean and rsqrt run in fp32, so neither overflow nor subnormals bite.")
+                   "compute in h.float(): autocast leaves elementwise ops in their inputs' dtype, so fp16 squares "
+                   "overflow or become subnormals, and bf16 keeps only 8 bits (autocast(enabled=False) alone "
+                   "casts nothing back; it matters only once the island holds a matmul, linear or conv)")
+    passed(title, "Squares, mean and rsqrt run in fp32, so neither overflow nor subnormals bite. The .float() cast "
+                  "is what did it; for an island with a matmul inside, also turn autocast off.")
 
 
 def check_square_function(square_cls: Any) -> None:

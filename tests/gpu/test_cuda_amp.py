@@ -12,10 +12,12 @@ from ampcourse.models import make_task
 pytestmark = pytest.mark.gpu
 
 
-def test_pick_defaults_to_fp16_and_a_scaler_on_cuda(amp):
+def test_pick_defaults_to_bf16_where_native_else_fp16_and_a_scaler(amp):
     default = pick()
-    assert default.device_type == "cuda" and default.precision == "fp16" and default.use_scaler
-    assert default.make_scaler().is_enabled()
+    native = torch.cuda.get_device_capability(default.device) >= (8, 0)
+    assert default.device_type == "cuda" and default.precision == ("bf16" if native else "fp16") and default.native
+    assert default.make_scaler().is_enabled() == (not native)
+    assert pick("cuda", "fp16").make_scaler().is_enabled()
     assert not pick("cuda", "fp32").make_scaler().is_enabled()
 
 

@@ -1,0 +1,94 @@
+"""One rule for numbers passed to any public function: normalise to a Python int/float, or refuse naming the argument.
+
+A caller may hold a number as a Python int or float, a numpy scalar (``np.int64(3)``, ``np.float32(0.1)``),
+a 0-d numpy array or a 0-d tensor. Every entry point of ampcourse turns such a value into a plain Python
+number here, first thing, so nothing further down (torch's C++ argument parser, ``weights_only`` pickles,
+an ``lru_cache`` key, integer arithmetic) ever sees a numpy or tensor scalar. Anything else (bools, text,
+complex numbers, several-element arrays, ints too large for a float or for torch's int64) is refused with
+a ``ValueError`` that names the argument, shows the value and says what is allowed, before any work starts.
+
+    >>> from ampcourse import _args
+    >>> _args.integer(np.int64(3), "steps", low=1)          # 3, a Python int
+    >>> _args.real(torch.tensor(1e-3), "lr", positive=True)  # 0.001, a Python float
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed"]
+
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+#: torch.manual_seed and torch.Generator.manual_seed take seeds in 0 .. 2**64 - 1.
+SEED_MAX = 2**64 - 1
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """repr(value), shortened: a 400-digit int in an error message helps nobody."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def scalar(value: Any) -> Any:
+    """A numpy scalar, 0-d array or 0-d tensor as the Python number it holds; anything else unchanged."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.item()
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() and value.device.type != "meta":
+        return value.detach().cpu().item()
+    return value
+
+
+def integer(value: Any, name: str, *, low: int | None = None, high: int | None = INT64_MAX,
+            what: str | None = None) -> int:
+    """value as a Python int in low..high (an int, numpy integer or 0-d integer tensor); ValueError naming it otherwise."""
+    what = what or _int_range(low, high)
+    v = scalar(value)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"{name} must be {what}, got {shown(value)}")
+    v = int(v)
+    if (low is not None and v < low) or (high is not None and v > high):
+        raise ValueError(f"{name} must be {what}, got {shown(value)}")
+    return v
+
+
+def _int_range(low: int | None, high: int | None) -> str:
+    """'an int >= 1', 'an int in 0..2**63 - 1', ... for an error message."""
+    top = {INT64_MAX: "2**63 - 1", INT32_MAX: "2**31 - 1", SEED_MAX: "2**64 - 1"}.get(high, str(high))
+    if low is not None and high == INT64_MAX:  # torch's int64 limit: rarely the point, so said last
+        return f"an int >= {low} (at most 2**63 - 1)"
+    if low is not None and high is not None:
+        return f"an int in {low}..{top}"
+    if low is not None:
+        return f"an int >= {low}"
+    return "an int"
+
+
+def real(value: Any, name: str, *, positive: bool = False, nonnegative: bool = False, finite: bool = True,
+         what: str | None = None) -> float:
+    """value as a Python float (int, float, numpy scalar or 0-d tensor), optionally finite and > 0 / >= 0."""
+    if what is None:
+        what = "a finite number" if finite else "a number"
+        what += " > 0" if positive else " >= 0" if nonnegative else ""
+    v = scalar(value)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"{name} must be {what}, got {shown(value)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond float's range (10**400): no float holds it
+        raise ValueError(f"{name} must be {what}, got {shown(value)} (too large for a float)") from None
+    if (finite and not math.isfinite(f)) or (positive and not f > 0) or (nonnegative and not f >= 0):
+        raise ValueError(f"{name} must be {what}, got {shown(value)}")
+    return f
+
+
+def seed(value: Any, name: str = "seed") -> int:
+    """A seed as a Python int in 0..2**64 - 1, the range torch.manual_seed takes; ValueError naming it otherwise."""
+    return integer(value, name, low=0, high=SEED_MAX, what="an int >= 0 and < 2**64 (torch's seed range)")

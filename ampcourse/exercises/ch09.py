@@ -1,0 +1,93 @@
+"""Chapter 9 exercises: the OCP MX block scale, and the scales delayed scaling picks."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import formats
+from ..fp8 import simulate_scaling
+from ._core import call_learner, failed, passed
+
+__all__ = ["check_mx_scale", "check_delayed_scales"]
+
+_MX_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
+
+
+def _ocp_scale(amax: float, element: str) -> float:
+    """OCP MX v1.0: X = 2**(floor(log2(amax)) - emax of the element format)."""
+    return 2.0 ** (math.floor(math.log2(amax)) - formats.spec(element).emax)
+
+
+def _mx_cases() -> list[tuple[float, str]]:
+    """Block amaxes to try: exact powers of two, values just below and above them, the formats' maxima, random ones."""
+    rng = random.Random(9)
+    cases = []
+    for el in _MX_ELEMENTS:
+        m = formats.spec(el).max
+        cases += [(1.0, el), (m, el), (m * 1.1, el), (0.75, el), (2.0**10, el), (2.0**10 * (1 - 2**-20), el),
+                  (2.0**-10 * (1 + 2**-20), el), (3.0, el)]
+        cases += [(2.0 ** rng.uniform(-30, 30), el) for _ in range(40)]
+    return cases
+
+
+def check_mx_scale(mx_scale: Callable[[float, str], float]) -> None:
+    """Exercise 9.1: mx_scale(amax, element) -> the block's power-of-two scale by the OCP MX rule (floor)."""
+    title = "Exercise 9.1 (the MX block scale)"
+    for amax, el in _mx_cases():
+        want = _ocp_scale(amax, el)
+        got = call_learner(title, mx_scale, amax, el)
+        try:
+            g = float(got)
+        except (TypeError, ValueError):
+            failed(title, f"a number for amax={amax!r}, {el}", repr(got)[:80], "return the scale as a float")
+        if g == want:
+            continue
+        f = formats.spec(el)
+        rceil = 2.0 ** math.ceil(math.log2(amax / f.max))
+        if g == rceil:
+            hint = "that is the round-up (RCEIL) rule; OCP's spec takes the floor of log2(amax) minus the element's emax"
+        elif g > 0 and math.isfinite(g) and math.log2(g) != int(math.log2(g)):
+            hint = "an MX scale is stored in e8m0, so it is a power of two: do not divide by the element's max"
+        elif g == 2.0 ** math.floor(math.log2(amax)):
+            hint = "subtract the element format's largest exponent (formats.spec(element).emax)"
+        else:
+            hint = "X = 2**(floor(log2(amax)) - emax), with emax = formats.spec(element).emax"
+        failed(title, f"{want!r} for amax={amax!r}, element {el}", g, hint)
+    passed(title, "Blocks whose amax / X lands above the element's max will saturate: that is the cost of the floor.")
+
+
+def check_delayed_scales(scales: Any, amaxes: Sequence[float], history: int, margin: int = 0,
+                         element: str = "fp8_e4m3") -> None:
+    """Exercise 9.2: the dequantization scale delayed scaling uses at each step of an amax sequence."""
+    title = "Exercise 9.2 (delayed scaling's scales)"
+    tensors = [torch.tensor([float(a)], dtype=torch.float64) for a in amaxes]
+    want = [s.scale for s in simulate_scaling(tensors, element, "delayed", history=history, margin=margin)]
+    try:
+        got = [float(v) for v in scales]
+    except (TypeError, ValueError):
+        failed(title, f"a list of {len(want)} numbers", repr(scales)[:80], "one scale per step")
+    if len(got) != len(want):
+        failed(title, f"{len(want)} scales (one per step)", f"{len(got)} values", "one entry per amax in the sequence")
+    fmax = formats.spec(element).max
+    current = [(a / fmax, a * 2.0**margin / fmax) for a in amaxes]  # without and with the margin
+    for i, (g, w) in enumerate(zip(got, want)):
+        if math.isclose(g, w, rel_tol=1e-9):
+            continue
+        window = amaxes[max(0, i - history):i]
+        if any(math.isclose(g, c, rel_tol=1e-9) for c in current[i]):
+            hint = "that is current scaling: delayed scaling uses the amaxes of *earlier* steps only"
+        elif i == 0:
+            hint = "the first step has no history yet: the scale starts at 1"
+        elif math.isclose(g, max(window) / fmax, rel_tol=1e-9) and margin:
+            hint = f"remember the margin: multiply by 2**{margin}"
+        elif math.isclose(g, max(amaxes[:i]) * 2.0**margin / fmax, rel_tol=1e-9):
+            hint = f"the history holds only the last {history} amaxes: older ones drop out"
+        else:
+            hint = f"scale = max(last {history} amaxes before this step) * 2**margin / {fmax:g}"
+        failed(title, f"scale {w!r} at step {i}", g, hint)
+    passed(title, "A spike stays in the history for its whole window: that is where delayed scaling loses precision.")

@@ -1,0 +1,434 @@
+"""Below 16 bits: scaled quantization (per tensor, per row, MX, NVFP4, tiles), delayed vs current scaling, memory.
+
+A format with 3 mantissa bits or fewer covers too small a range to hold a tensor as it is, so every
+fp8/fp4 recipe stores ``q = round(x / s)`` and a scale ``s`` per *group* of elements, and multiplies
+back (``x ~ q * s``). The recipes differ in the group and in the format of ``s``:
+
+    granularity  group                      scale s                       who uses it
+    "tensor"     the whole tensor           fp32, amax / max              TE / torchao tensorwise fp8
+    "row"        one row                    fp32, amax / max              torchao rowwise fp8
+    "1x128"      128 values along a row     fp32, amax / max              DeepSeek-V3 activations
+    "128x128"    a 128 x 128 tile           fp32, amax / max              DeepSeek-V3 weights
+    "mx"         32 values along a row      e8m0 (a power of two)         OCP MXFP8 / MXFP6 / MXFP4
+    "nvfp4"      16 values along a row      fp8_e4m3, amax / 6            NVIDIA NVFP4 (one level)
+
+The MX scale follows the OCP Microscaling spec v1.0 (section 6.3): ``X = 2**(floor(log2(amax)) - emax)``
+with emax the element format's largest exponent. That is a *floor* of the exponent, so amax / X lies in
+[2**emax, 2**(emax+1)) and can exceed the element's max (448 for e4m3 = 1.75 * 2**8): those values are
+clamped (saturated), as the spec says. ``mx_rounding="rceil"`` rounds the exponent *up* instead,
+``2**ceil(log2(amax / max))``, which never clips (NVIDIA's and torchao's RCEIL mode). Both equal
+torchao's ``MXTensor.to_mx`` with ``ScaleCalculationMode.FLOOR`` / ``RCEIL`` (tests/test_fp8.py).
+
+Element rounding uses ``ampcourse.formats.quantize`` (round to nearest, ties to even, exact for every
+format); values beyond the element's max are clamped to +-max before rounding (saturation).
+
+    >>> from ampcourse import fp8
+    >>> x = torch.randn(4, 128)
+    >>> r = fp8.quantize_scaled(x, "fp8_e4m3", "mx")      # or "tensor", "row", "1x128", "128x128", "nvfp4"
+    >>> r.values, r.scales, fp8.sqnr_db(x, r.values)      # dequantized values, one scale per block of 32
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import formats
+
+__all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "median_relative_error", "sqnr_db", "compare_granularities",
+           "ScalingStep", "simulate_scaling", "spike_sequence", "Component", "TrainingScheme", "SCHEMES",
+           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "RECIPES", "to_recipe", "train_recipe"]
+
+#: granularity name -> (group shape: rows, cols; None = the whole dimension), scale format
+GRANULARITIES: dict[str, tuple[tuple[int | None, int | None], str]] = {
+    "tensor": ((None, None), "fp32"),
+    "row": ((1, None), "fp32"),
+    "1x128": ((1, 128), "fp32"),
+    "128x128": ((128, 128), "fp32"),
+    "mx": ((1, 32), "fp8_e8m0"),
+    "nvfp4": ((1, 16), "fp8_e4m3"),
+}
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A tensor after scaled quantization: what a low-precision kernel would see, multiplied back."""
+
+    values: torch.Tensor  # dequantized, float64, same shape as the input
+    scales: torch.Tensor  # one per group (float64 values of the stored scales), shape (row groups, col groups)
+    granularity: str
+    element: str  # the element format's name
+    block: tuple[int, int]  # the group shape actually used
+    saturated: int  # elements clamped at the element format's max (they would have rounded above it)
+    underflowed: int  # non-zero elements that became zero
+
+
+def _as_matrix(x, name: str = "x") -> torch.Tensor:
+    """x as a 2-D float64 tensor (1-D becomes one row); ValueError for anything else."""
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(np.asarray(x, dtype=np.float64))
+    if x.is_complex() or not (x.is_floating_point() or x.dtype in (torch.int32, torch.int64)):
+        raise ValueError(f"{name} must be a real tensor, got dtype {x.dtype}")
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    if x.dim() != 2 or x.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D or 2-D tensor, got shape {tuple(x.shape)}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} holds inf or NaN; scaled quantization needs finite values")
+    return x.detach().cpu().to(torch.float64)
+
+
+def _group_shape(x: torch.Tensor, granularity: str, block_size: int | None) -> tuple[tuple[int, int], str]:
+    """The (rows, cols) of one group and the scale format, checked against x's shape."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
+    (r, c), scale_fmt = GRANULARITIES[granularity]
+    if block_size is not None:
+        if granularity not in ("mx", "nvfp4", "1x128"):
+            raise ValueError(f"block_size applies to 'mx', 'nvfp4' and '1x128' only, not {granularity!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        c = block_size
+    rows, cols = x.shape
+    r = rows if r is None else r
+    c = cols if c is None else c
+    if rows % r or cols % c:
+        raise ValueError(f"granularity {granularity!r} needs blocks of {r}x{c}: shape {tuple(x.shape)} "
+                         f"is not a multiple of it (pad the tensor or pick another granularity)")
+    return (r, c), scale_fmt
+
+
+def _mx_scale(amax: torch.Tensor, element: formats.FormatSpec, rounding: str) -> torch.Tensor:
+    """The e8m0 scale per group: OCP's floor rule, or round-up ('rceil'); exponent clamped to [-127, 127]."""
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    if rounding == "floor":  # OCP MX v1.0: X = 2**(floor(log2(amax)) - emax_elem)
+        exp = torch.floor(torch.log2(safe)) - element.emax
+    else:  # rceil: the smallest power of two with amax / X <= max, so nothing clips
+        exp = torch.ceil(torch.log2(safe / element.max))
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127.0))  # an all-zero block: the smallest scale
+    return torch.exp2(exp.clamp(-127, 127))
+
+
+def _scales(amax: torch.Tensor, element: formats.FormatSpec, scale_fmt: str, rounding: str) -> torch.Tensor:
+    """One scale per group from its amax, in the scale format of the granularity."""
+    if scale_fmt == "fp8_e8m0":
+        return _mx_scale(amax, element, rounding)
+    if scale_fmt == "fp8_e4m3":  # NVFP4: amax / 6 rounded to e4m3, kept inside e4m3's normal range
+        e4m3 = formats.spec("fp8_e4m3")
+        raw = (amax / element.max).clamp(e4m3.min_normal, e4m3.max)
+        return torch.from_numpy(formats.quantize(raw, e4m3))
+    s = amax / element.max  # fp32 scale: amax maps exactly onto the largest element value
+    s = torch.from_numpy(formats.quantize(s, "fp32"))
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def _count_saturated(scaled: torch.Tensor, f: formats.FormatSpec) -> int:
+    """Elements that saturation changed: they would have rounded above max (an fp32 scale's last-bit error does not count)."""
+    half_ulp_at_max = math.ldexp(0.5, f.emax - f.mantissa_bits)
+    return int((scaled.abs() > f.max + half_ulp_at_max).sum())
+
+
+def quantize_scaled(x, element: str = "fp8_e4m3", granularity: str = "tensor", *,
+                    block_size: int | None = None, mx_rounding: str = "floor") -> Quantized:
+    """Scale x per group, round to the element format (saturating), and multiply back; see the module table."""
+    m = _as_matrix(x)
+    f = formats.spec(element)
+    if f.name in ("fp32", "fp8_e8m0"):
+        raise ValueError(f"element must be a narrow signed format (fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_*, fp4_e2m1), "
+                         f"got {f.name!r}")
+    if mx_rounding not in ("floor", "rceil"):
+        raise ValueError(f"mx_rounding must be 'floor' (OCP MX spec) or 'rceil' (round up), got {mx_rounding!r}")
+    if granularity == "nvfp4" and f.name != "fp4_e2m1":
+        raise ValueError(f"granularity 'nvfp4' has fp4_e2m1 elements (its e4m3 scale is amax / 6), got {f.name!r}")
+    (r, c), scale_fmt = _group_shape(m, granularity, block_size)
+    rows, cols = m.shape
+    g = m.reshape(rows // r, r, cols // c, c)  # group (i, j) is g[i, :, j, :]
+    amax = g.abs().amax(dim=(1, 3))
+    s = _scales(amax, f, scale_fmt, mx_rounding)
+    scaled = g / s[:, None, :, None]
+    saturated = _count_saturated(scaled, f)
+    q = torch.from_numpy(formats.quantize(scaled.clamp(-f.max, f.max), f))
+    values = (q * s[:, None, :, None]).reshape(rows, cols)
+    underflowed = int(((values == 0) & (m != 0)).sum())
+    if isinstance(x, torch.Tensor) and x.dim() == 1:
+        values = values.reshape(x.shape)
+    return Quantized(values, s, granularity, f.name, (r, c), saturated, underflowed)
+
+
+def relative_error(x, approx) -> float:
+    """||x - approx|| / ||x|| (Frobenius norms); 0 when both are zero."""
+    a, b = _as_matrix(x), _as_matrix(approx, "approx").reshape(_as_matrix(x).shape)
+    den = float(a.norm())
+    num = float((a - b).norm())
+    return 0.0 if num == 0 else (math.inf if den == 0 else num / den)
+
+
+def sqnr_db(x, approx) -> float:
+    """Signal-to-quantization-noise ratio in dB: 10 log10(sum x^2 / sum (x - approx)^2); inf when exact."""
+    err = relative_error(x, approx)
+    return math.inf if err == 0 else -20.0 * math.log10(err)
+
+
+def median_relative_error(x, approx) -> float:
+    """The median over non-zero elements of |x - approx| / |x|: how a typical element fares (1.0 = flushed to zero)."""
+    a, b = _as_matrix(x), _as_matrix(approx, "approx").reshape(_as_matrix(x).shape)
+    nz = a != 0
+    if not nz.any():
+        return 0.0
+    return float(((a - b).abs()[nz] / a.abs()[nz]).median())
+
+
+def compare_granularities(x, element: str = "fp8_e4m3", granularities: Sequence[str] = tuple(GRANULARITIES),
+                          **kwargs) -> dict[str, dict[str, float]]:
+    """For each granularity that fits x's shape and element: relative error (overall and of a typical element), SQNR, counts."""
+    out = {}
+    for g in granularities:
+        if g == "nvfp4" and formats.spec(element).name != "fp4_e2m1":
+            continue  # NVFP4 is defined for fp4 elements only
+        try:
+            r = quantize_scaled(x, element, g, **kwargs)
+        except ValueError as e:
+            if "not a multiple" in str(e):  # e.g. 128x128 tiles on a 64-row tensor: skip, not fail
+                continue
+            raise
+        out[g] = {"rel_error": relative_error(x, r.values), "median_rel_error": median_relative_error(x, r.values),
+                  "sqnr_db": sqnr_db(x, r.values),
+                  "saturated": r.saturated, "underflowed": r.underflowed, "scales": r.scales.numel()}
+    return out
+
+
+# --- delayed vs current scaling ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ScalingStep:
+    """One tensor of a sequence, quantized with the scale a recipe chose for it."""
+
+    step: int
+    amax: float  # the tensor's own amax
+    scale: float  # the dequantization scale used (x ~ q * scale)
+    saturated: int
+    underflowed: int
+    rel_error: float
+
+
+def simulate_scaling(tensors: Sequence, element: str = "fp8_e4m3", mode: str = "delayed", *,
+                     history: int = 16, margin: int = 0) -> list[ScalingStep]:
+    """Quantize a sequence per tensor with delayed (Transformer Engine) or current (just-in-time) scaling.
+
+    current: each tensor's own amax sets its scale, amax / max.
+    delayed: the scale comes from the largest amax of the previous ``history`` tensors, before this one is
+    seen (TE's DelayedScaling with amax_compute_algo="max"): scale = amax_history_max * 2**margin / max.
+    The first step has no history and uses scale 1 (TE's initial value).
+    """
+    f = formats.spec(element)
+    if mode not in ("delayed", "current"):
+        raise ValueError(f"mode must be 'delayed' or 'current', got {mode!r}")
+    if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+        raise ValueError(f"history must be an int >= 1, got {history!r}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+    seen: list[float] = []
+    scale = 1.0
+    out = []
+    for i, t in enumerate(tensors):
+        m = _as_matrix(t, f"tensors[{i}]")
+        amax = float(m.abs().max())
+        if mode == "current":
+            scale = amax / f.max if amax > 0 else 1.0
+        scaled = m / scale
+        q = torch.from_numpy(formats.quantize(scaled.clamp(-f.max, f.max), f)) * scale
+        out.append(ScalingStep(i, amax, scale, _count_saturated(scaled, f),
+                               int(((q == 0) & (m != 0)).sum()), relative_error(m, q)))
+        seen = (seen + [amax])[-history:]  # the amax history is updated *after* the tensor is cast
+        if mode == "delayed" and max(seen) > 0:
+            scale = max(seen) * 2.0**margin / f.max
+    return out
+
+
+def spike_sequence(steps: int = 40, spike_at: int = 20, spike: float = 100.0, size: int = 256,
+                   seed: int = 0) -> list[torch.Tensor]:
+    """Gaussian tensors with a slowly drifting std and one step whose values are ``spike`` times larger."""
+    if not 0 <= spike_at < steps:
+        raise ValueError(f"spike_at must be in 0..{steps - 1}, got {spike_at!r}")
+    gen = torch.Generator().manual_seed(seed)
+    seq = []
+    for i in range(steps):
+        t = torch.randn(size, generator=gen, dtype=torch.float64) * (1.0 + 0.01 * i)
+        seq.append(t * spike if i == spike_at else t)
+    return seq
+
+
+# --- bytes per parameter --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Component:
+    """One stored copy per parameter: what it is, its format, and how many parameters share one value."""
+
+    what: str
+    fmt: str
+    per: int = 1  # 1: one value per parameter; 16384: one scale per 128x128 tile
+
+    @property
+    def bytes(self) -> float:
+        """Bytes per parameter this component costs."""
+        return formats.spec(self.fmt).bits / 8 / self.per
+
+
+@dataclass(frozen=True)
+class TrainingScheme:
+    """A training recipe's per-parameter state (Adam), component by component; activations not counted."""
+
+    name: str
+    components: tuple[Component, ...]
+    source: str
+
+    @property
+    def bytes(self) -> float:
+        """Total bytes per parameter."""
+        return sum(c.bytes for c in self.components)
+
+
+_ADAM32 = (Component("Adam first moment", "fp32"), Component("Adam second moment", "fp32"))
+
+#: The recipes in use, from their papers and docs (the source field says which). Byte counts are computed.
+SCHEMES: tuple[TrainingScheme, ...] = (
+    TrainingScheme("bf16 mixed precision", (
+        Component("bf16 weights (compute copy)", "bf16"), Component("bf16 gradients", "bf16"),
+        Component("fp32 master weights", "fp32"), *_ADAM32),
+        "ZeRO paper's count (Rajbhandari et al. 2020) with bf16 in place of fp16"),
+    TrainingScheme("TE fp8 (delayed scaling)", (
+        Component("bf16 weights", "bf16"), Component("fp8 weight copy (cast once per step)", "fp8_e4m3"),
+        Component("bf16 gradients", "bf16"), Component("fp32 master weights", "fp32"), *_ADAM32),
+        "Transformer Engine: parameters stay in high precision; fp8 copies are made for the GEMMs"),
+    TrainingScheme("DeepSeek-V3 fp8", (
+        Component("fp8 weights (e4m3)", "fp8_e4m3"), Component("fp32 scale per 128x128 tile", "fp32", 128 * 128),
+        Component("fp32 weight gradients", "fp32"), Component("fp32 master weights", "fp32"),
+        Component("Adam first moment", "bf16"), Component("Adam second moment", "bf16")),
+        "DeepSeek-V3 report, section 3.3: fp32 master weights and gradients, bf16 Adam moments"),
+    TrainingScheme("MS-AMP O1", (
+        Component("fp8 weights", "fp8_e4m3"), Component("fp8 weight gradients", "fp8_e4m3"),
+        Component("fp32 master weights", "fp32"), *_ADAM32),
+        "MS-AMP docs, optimization levels: O1 = fp8 weights, weight gradients and all-reduce"),
+    TrainingScheme("MS-AMP O2", (
+        Component("fp8 weights", "fp8_e4m3"), Component("fp8 weight gradients", "fp8_e4m3"),
+        Component("fp16 master weights (with a scale)", "fp16"),
+        Component("Adam first moment", "fp8_e4m3"), Component("Adam second moment", "fp16")),
+        "MS-AMP docs / FP8-LM paper: O2 adds an fp8 first moment and fp16 second moment (O3 = O2 + ZeRO)"),
+)
+
+
+def bytes_per_parameter(scheme: str | None = None) -> dict[str, float] | float:
+    """Bytes per parameter of one scheme by name, or of all SCHEMES as name -> bytes."""
+    table = {s.name: s.bytes for s in SCHEMES}
+    if scheme is None:
+        return table
+    if scheme not in table:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(table)}")
+    return table[scheme]
+
+
+# --- fp8 matmul on CPU --------------------------------------------------------------------------------
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
+                  out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """a @ b through ``torch._scaled_mm`` in e4m3 (per-tensor or rowwise scales), and the dequantize-then-matmul reference."""
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"granularity must be 'tensor' or 'row' (what _scaled_mm takes), got {granularity!r}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"a and b must be 2-D with a.shape[1] == b.shape[0], got {tuple(a.shape)} and {tuple(b.shape)}")
+    e4m3 = torch.float8_e4m3fn
+    fmax = torch.finfo(e4m3).max
+    a, b = a.float(), b.float()
+    if granularity == "tensor":
+        sa, sb = a.abs().amax() / fmax, b.abs().amax() / fmax
+    else:  # one scale per row of a and per column of b: the dimensions the product keeps
+        sa, sb = a.abs().amax(1, keepdim=True) / fmax, b.abs().amax(0, keepdim=True) / fmax
+    sa, sb = sa.clamp_min(torch.finfo(torch.float32).tiny), sb.clamp_min(torch.finfo(torch.float32).tiny)
+    qa, qb = (a / sa).to(e4m3), (b / sb).to(e4m3)  # e4m3 casts saturate in torch 2.13
+    # _scaled_mm wants the second operand column-major: transpose a contiguous copy of b.T
+    out = torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    reference = (qa.float() * sa) @ (qb.float() * sb)
+    return out, reference
+
+
+# --- torchao, quietly -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def quiet_torchao() -> Iterator[None]:
+    """Import torchao without its log lines (wrap the first torchao import in it).
+
+    Why: on a CPU-only torch, torchao's compiled CUDA extensions fail to load and it logs
+    "Failed to load .../_C_*.so" at WARNING; torch's pytree logs a deprecation about torchao's Enum
+    registrations. Neither affects the emulated paths this course uses, and both would land in
+    notebook outputs and test logs. Only those two loggers are raised to ERROR, and only meanwhile.
+    """
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lvl in zip(loggers, levels):
+            lg.setLevel(lvl)
+
+
+# --- emulated low-precision training (torchao) ---------------------------------------------------------
+
+#: training recipes train_recipe knows: how the Linear layers' matmuls run
+RECIPES = ("fp32", "bf16", "float8", "mxfp8")
+
+
+def to_recipe(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
+    """Convert model's nn.Linear layers in place for a recipe ('float8': torchao tensorwise, 'mxfp8': torchao MX), emulated.
+
+    'float8' is torchao's ``convert_to_float8_training`` with ``Float8LinearConfig(emulate=True)``: e4m3
+    forward, e5m2 gradients, dynamic per-tensor scales, the fp8 matmul done in high precision.
+    'mxfp8' is torchao's ``MXFP8TrainingOpConfig`` with the EMULATED kernel: e4m3 in blocks of 32 with
+    e8m0 scales (RCEIL) for all three matmuls of each Linear; every Linear dim must be a multiple of 32.
+    'fp32' and 'bf16' leave the model as it is ('bf16' runs under autocast in train_recipe).
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    with quiet_torchao():
+        if recipe == "float8":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+        elif recipe == "mxfp8":
+            from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+            from torchao.quantization import quantize_
+            from torchao.quantization.quantize_.common import KernelPreference
+            quantize_(model, MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED,
+                                                   out_dtype=torch.float32))
+    return model
+
+
+def train_recipe(recipe: str, steps: int = 30, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Train the tiny reference transformer with one recipe on CPU; the loss after each step (deterministic)."""
+    from .models import make_task  # models imports nothing from here: no cycle
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 2 or batch % 2:
+        raise ValueError(f"batch must be an even int >= 2 (MX blocks of 32 tokens need batch * 16 % 32 == 0), "
+                         f"got {batch!r}")
+    task = make_task("transformer", n=steps * batch, seed=seed)
+    model = to_recipe(task.model, recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    x, y = task.data.tensors
+    losses = []
+    for s in range(steps):
+        xb, yb = x[s * batch:(s + 1) * batch], y[s * batch:(s + 1) * batch]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe == "bf16"):
+            loss = task.loss_fn(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,228 @@
+"""ampcourse.fp8: scaled quantization (against the OCP MX definition and torchao), scaling recipes, memory."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from ampcourse import formats, fp8
+from ampcourse.fp8 import quantize_scaled
+
+with fp8.quiet_torchao():
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+
+def sample(rows: int = 8, cols: int = 256, seed: int = 0, outlier: float | None = None) -> torch.Tensor:
+    """Gaussian float32 values with per-row magnitudes spread over several octaves, and an optional outlier."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * 2.0 ** torch.randint(-6, 6, (rows, 1), generator=gen).float()
+    if outlier is not None:
+        x[0, 5] = outlier
+    return x
+
+
+def ocp_mx_reference(x: torch.Tensor, element: str) -> tuple[np.ndarray, np.ndarray]:
+    """The OCP MX v1.0 section 6.3 algorithm written out block by block in Python floats."""
+    f = formats.spec(element)
+    vals, scales = [], []
+    for block in x.double().reshape(-1, 32).tolist():
+        amax = max(abs(v) for v in block)
+        e = (math.floor(math.log2(amax)) - f.emax) if amax > 0 else -127
+        scale = 2.0 ** max(-127, min(127, e))
+        q = [float(formats.quantize(max(-f.max, min(f.max, v / scale)), f)) for v in block]
+        vals.append([v * scale for v in q])
+        scales.append(scale)
+    return np.array(vals).reshape(x.shape), np.array(scales).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("element", ["fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"])
+def test_mx_equals_the_ocp_definition(element):
+    x = sample(4, 128, seed=1, outlier=300.0)
+    x[1, :32] = 0.0  # an all-zero block
+    r = quantize_scaled(x, element, "mx")
+    vals, scales = ocp_mx_reference(x, element)
+    assert np.array_equal(r.values.numpy(), vals) and np.array_equal(r.scales.numpy(), scales)
+    assert r.scales.shape == (4, 4) and r.block == (1, 32)
+
+
+TORCHAO_ELEMENTS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+                    "fp6_e2m3": "fp6_e2m3", "fp6_e3m2": "fp6_e3m2", "fp4_e2m1": torch.float4_e2m1fn_x2}
+
+
+@pytest.mark.parametrize("element", list(TORCHAO_ELEMENTS))
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_mx_equals_torchao_to_mx(element, rounding):
+    mode = ScaleCalculationMode.FLOOR if rounding == "floor" else ScaleCalculationMode.RCEIL
+    for seed in range(3):
+        x = sample(8, 256, seed=seed, outlier=1000.0 * (seed + 1))
+        ours = quantize_scaled(x, element, "mx", mx_rounding=rounding)
+        mx = MXTensor.to_mx(x, TORCHAO_ELEMENTS[element], 32, mode)
+        assert torch.equal(ours.scales.float(), mx.scale.float().reshape(ours.scales.shape)), (element, seed)
+        assert torch.equal(ours.values.float(), mx.dequantize(torch.float32)), (element, seed)
+
+
+def test_mx_floor_clips_what_rceil_keeps():
+    # amax = 500 in a block: floor gives X = 2**(8 - 8) = 1, so 500 > 448 saturates; rceil picks X = 2
+    x = torch.ones(1, 32)
+    x[0, 0] = 500.0
+    floor, rceil = quantize_scaled(x, "fp8_e4m3", "mx"), quantize_scaled(x, "fp8_e4m3", "mx", mx_rounding="rceil")
+    assert (floor.scales.item(), floor.values[0, 0].item(), floor.saturated) == (1.0, 448.0, 1)
+    assert (rceil.scales.item(), rceil.values[0, 0].item(), rceil.saturated) == (2.0, 512.0, 0)
+
+
+def test_nvfp4_equals_torchao_to_nvfp4():
+    for seed in range(3):
+        x = sample(8, 128, seed=seed, outlier=50.0)
+        ours = quantize_scaled(x, "fp4_e2m1", "nvfp4")
+        nv = NVFP4Tensor.to_nvfp4(x)
+        assert torch.equal(ours.scales.float(), nv.scale.float().reshape(ours.scales.shape))
+        assert torch.equal(ours.values.float(), nv.dequantize(torch.float32))
+
+
+def test_fp32_scales_map_each_groups_amax_onto_the_format_max():
+    x = sample(256, 256, seed=2)
+    for g, shape in [("tensor", (1, 1)), ("row", (256, 1)), ("1x128", (256, 2)), ("128x128", (2, 2))]:
+        r = quantize_scaled(x, "fp8_e4m3", g)
+        assert r.scales.shape == shape and r.saturated == 0, g
+        # the amax of each group lands on 448 (to the fp32 scale's last bit)
+        assert r.values.abs().max().item() == pytest.approx(x.abs().max().item(), rel=1e-6)
+    tiles = quantize_scaled(x, "fp8_e4m3", "128x128").scales
+    assert tiles[1, 0].item() == pytest.approx(x[128:, :128].abs().max().item() / 448, rel=1e-7)
+
+
+def test_finer_granularity_wins_when_there_is_an_outlier():
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
+    x[0, 5] = 100.0
+    res = fp8.compare_granularities(x, "fp4_e2m1")
+    assert "128x128" not in res  # 8 rows do not make a 128-row tile: skipped, not an error
+    err = {g: res[g]["rel_error"] for g in res}
+    assert err["tensor"] > err["row"] > err["1x128"] > err["mx"] > err["nvfp4"]
+    assert res["tensor"]["median_rel_error"] == 1.0  # most elements flushed to zero
+    under = {g: res[g]["underflowed"] for g in res}
+    assert under["tensor"] > under["row"] > under["mx"] > 0
+    assert res["mx"]["sqnr_db"] == pytest.approx(-20 * math.log10(err["mx"]))
+    assert "nvfp4" not in fp8.compare_granularities(x, "fp8_e4m3")  # NVFP4 means fp4 elements
+
+
+def test_error_measures():
+    x = torch.tensor([3.0, 4.0])
+    assert fp8.relative_error(x, torch.tensor([3.0, 4.5])) == pytest.approx(0.1)
+    assert fp8.sqnr_db(x, torch.tensor([3.0, 4.5])) == pytest.approx(20.0)
+    assert fp8.sqnr_db(x, x) == math.inf and fp8.relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    # the median looks at a typical element: one big error barely moves it, flushing half of them does
+    assert fp8.median_relative_error(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1.0, 2.0, 0.0])) == 0.0
+    assert fp8.median_relative_error(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0.0, 0.0, 4.0])) == 1.0
+
+
+def test_quantize_scaled_keeps_1d_shape_and_accepts_block_size():
+    r = quantize_scaled(torch.arange(64.0), "fp8_e4m3", "mx", block_size=16)
+    assert r.values.shape == (64,) and r.scales.shape == (1, 4) and r.block == (1, 16)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: quantize_scaled(torch.ones(4, 30), "fp8_e4m3", "mx"), "not a multiple"),
+    (lambda: quantize_scaled(torch.ones(4, 32), "fp8_e4m3", "blockwise"), "unknown granularity 'blockwise'"),
+    (lambda: quantize_scaled(torch.ones(4, 32), "fp32", "mx"), "narrow signed format"),
+    (lambda: quantize_scaled(torch.ones(4, 32), "fp8_e4m3", "nvfp4"), "fp4_e2m1 elements"),
+    (lambda: quantize_scaled(torch.ones(4, 32), "fp8_e4m3", "mx", mx_rounding="up"), "mx_rounding"),
+    (lambda: quantize_scaled(torch.ones(4, 32), "fp8_e4m3", "row", block_size=8), "block_size applies"),
+    (lambda: quantize_scaled(torch.ones(4, 32), "fp8_e4m3", "mx", block_size=0), "positive int"),
+    (lambda: quantize_scaled(torch.tensor([1.0, float("inf")]), "fp8_e4m3"), "inf or NaN"),
+    (lambda: quantize_scaled(torch.ones(2, 2, 2), "fp8_e4m3"), "1-D or 2-D"),
+    (lambda: fp8.simulate_scaling([torch.ones(4)], mode="lazy"), "'delayed' or 'current'"),
+    (lambda: fp8.simulate_scaling([torch.ones(4)], history=0), "history"),
+    (lambda: fp8.bytes_per_parameter("fp4 magic"), "unknown scheme"),
+    (lambda: fp8.scaled_matmul(torch.ones(2, 3), torch.ones(2, 3)), "a.shape\\[1\\] == b.shape\\[0\\]"),
+])
+def test_bad_input_is_rejected_clearly(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_delayed_scaling_saturates_at_a_spike_and_then_underflows():
+    seq = fp8.spike_sequence(steps=30, spike_at=10, spike=1000.0, size=512)
+    delayed = fp8.simulate_scaling(seq, mode="delayed", history=8)
+    current = fp8.simulate_scaling(seq, mode="current")
+    assert all(s.saturated == 0 for s in current)  # just-in-time scales never clip
+    assert delayed[10].saturated > 100  # the spike meets a scale made for values 1000x smaller
+    assert delayed[10].rel_error > 10 * current[10].rel_error
+    # afterwards the spike's amax sits in the history for 8 steps: scales are ~1000x too coarse
+    after = delayed[11:19]
+    assert sum(s.underflowed for s in after) > 0 and sum(current[s.step].underflowed for s in after) == 0
+    assert all(s.scale > 500 * current[s.step].scale for s in after)
+    assert delayed[19].scale < 2 * current[19].scale  # the spike has left the window
+    assert delayed[0].scale == 1.0 and delayed[1].scale == pytest.approx(seq[0].abs().max().item() / 448)
+
+
+def test_delayed_scaling_margin_and_history_follow_transformer_engine():
+    seq = [torch.full((4,), float(v)) for v in (1.0, 4.0, 2.0, 2.0)]
+    d = fp8.simulate_scaling(seq, mode="delayed", history=2, margin=1)
+    # step 2 uses max(history = [1, 4]) * 2**1 / 448; step 3 uses max([4, 2]); history 2 forgets step 0
+    assert d[2].scale == pytest.approx(4.0 * 2 / 448) and d[3].scale == pytest.approx(4.0 * 2 / 448)
+    d1 = fp8.simulate_scaling(seq, mode="delayed", history=1)
+    assert d1[3].scale == pytest.approx(2.0 / 448)
+
+
+def test_bytes_per_parameter_are_computed_from_components():
+    table = fp8.bytes_per_parameter()
+    assert table["bf16 mixed precision"] == 2 + 2 + 4 + 4 + 4
+    assert table["TE fp8 (delayed scaling)"] > table["bf16 mixed precision"]  # fp8 compute saves no state
+    assert table["DeepSeek-V3 fp8"] == pytest.approx(1 + 4 / 16384 + 4 + 4 + 2 + 2)
+    assert table["MS-AMP O2"] < table["MS-AMP O1"] < table["bf16 mixed precision"]
+    for s in fp8.SCHEMES:
+        assert s.bytes == sum(formats.spec(c.fmt).bits / 8 / c.per for c in s.components)
+
+
+def test_scaled_mm_matches_dequantize_then_matmul():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=gen), torch.randn(64, 16, generator=gen)
+    for g in ("tensor", "row"):
+        out, ref = fp8.scaled_matmul(a, b, g)
+        assert out.dtype == torch.float32 and out.shape == (32, 16)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert fp8.relative_error(a @ b, out) < 0.1  # e4m3 keeps ~2 significant digits
+
+
+def test_quiet_torchao_restores_logger_levels():
+    import logging
+    lg = logging.getLogger("torchao")
+    before = lg.level
+    with fp8.quiet_torchao():
+        assert lg.level == logging.ERROR
+    assert lg.level == before
+
+
+def test_importing_ampcourse_fp8_emits_no_warnings():
+    import importlib
+    import sys
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sys.modules.pop("ampcourse.fp8", None)
+        importlib.import_module("ampcourse.fp8")
+    assert not caught
+
+
+def test_emulated_training_recipes_are_deterministic_and_track_fp32():
+    runs = {r: fp8.train_recipe(r, steps=6, batch=4) for r in fp8.RECIPES}
+    assert fp8.train_recipe("mxfp8", steps=6, batch=4) == runs["mxfp8"]  # bit-for-bit on CPU
+    assert fp8.train_recipe("float8", steps=6, batch=4) == runs["float8"]
+    for r, losses in runs.items():
+        assert losses[-1] < losses[0], r  # every recipe learns
+        assert abs(losses[-1] - runs["fp32"][-1]) < 0.05, r
+    assert runs["float8"] != runs["fp32"] and runs["mxfp8"] != runs["fp32"]  # the casts really happen
+
+
+def test_to_recipe_swaps_the_linear_layers():
+    from ampcourse.models import make_model
+    m = fp8.to_recipe(make_model("transformer"), "float8")
+    assert type(m.blocks[0].qkv).__name__ == "Float8Linear"
+    mx = fp8.to_recipe(make_model("transformer"), "mxfp8")
+    assert type(mx.blocks[0].qkv.weight).__name__ == "MXFP8TrainingWeightWrapperTensor"
+    with pytest.raises(ValueError, match="unknown recipe 'fp4'"):
+        fp8.to_recipe(m, "fp4")
+    with pytest.raises(ValueError, match="even int"):
+        fp8.train_recipe("fp32", batch=3)
