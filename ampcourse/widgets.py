@@ -679,7 +679,7 @@ if __name__ == "__main__":
 _OUTLIER_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
 
 
-class OutlierExplorer(W.VBox):
+class OutlierExplorer(_Guarded, W.VBox):
     """Move one outlier and the block size; see each scaling granularity's error (chapter 9).
 
         >>> w = outlier_explorer()
@@ -714,10 +714,12 @@ class OutlierExplorer(W.VBox):
         self.position = W.IntSlider(value=position, min=0, max=cols - 1, description="position")
         self.block = W.Dropdown(options=blocks, value=block_size, description="block size")
         self.table = W.HTML()
+        self.message = W.HTML()  # _Guarded: what a refused value shows
         self.results: dict[str, dict[str, float]] = {}
         for control in (self.element, self.magnitude, self.position, self.block):
-            control.observe(lambda change: self._update(), names="value")
-        super().__init__([W.HBox([self.element, self.block]), W.HBox([self.magnitude, self.position]), self.table])
+            self._watch(control, lambda change: self._update())
+        super().__init__([W.HBox([self.element, self.block]), W.HBox([self.magnitude, self.position]), self.message,
+                          self.table])
         self._update()
 
     def __repr__(self) -> str:

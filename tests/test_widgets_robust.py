@@ -99,6 +99,10 @@ def test_no_value_makes_an_observer_raise_and_the_last_good_state_stays(name, sm
 
 def good_value_nearby(control: W.ValueWidget):
     """Another valid value for a control (to show the widget still responds)."""
+    options = list(getattr(control, "options", ()))
+    if options:  # a dropdown: another of its options
+        return next((o[1] if isinstance(o, tuple) else o for o in options
+                     if (o[1] if isinstance(o, tuple) else o) != control.value), control.value)
     if isinstance(control.value, str):
         return control.value + "0" if control.value[-1:].isdigit() else control.value
     return control.max if hasattr(control, "max") else control.value
