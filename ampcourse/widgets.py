@@ -714,6 +714,7 @@ class OutlierExplorer(_Guarded, W.VBox):
         self.position = W.IntSlider(value=position, min=0, max=cols - 1, description="position")
         self.block = W.Dropdown(options=blocks, value=block_size, description="block size")
         self.table = W.HTML()
+        self.table.add_class("ampcourse-outlier-table")  # for the browser test
         self.message = W.HTML()  # _Guarded: what a refused value shows
         self.results: dict[str, dict[str, float]] = {}
         for control in (self.element, self.magnitude, self.position, self.block):

@@ -325,6 +325,20 @@ def drive_range_explorer(page, shoot: Shoot) -> None:
     shoot("dragged")
 
 
+def drive_outlier_explorer(page, shoot: Shoot) -> None:
+    """Chapter 9's outlier explorer: drag the outlier's magnitude; the error table changes."""
+    from playwright.sync_api import expect
+
+    out = rendered_widget(page, ".ampcourse-outlier-table", "outlier_explorer")
+    table = out.locator(".ampcourse-outlier-table").first
+    expect(table).to_contain_text("block e8m0")
+    before = table.inner_text()
+    shoot("rendered")
+    drag_slider(page, out, label="outlier")
+    expect(table).not_to_have_text(before)
+    shoot("dragged")
+
+
 @dataclass(frozen=True)
 class BrowserCase:
     """A chapter notebook and how to drive its widget."""
@@ -337,6 +351,7 @@ class BrowserCase:
 ALL_CASES = [
     BrowserCase("01_precision_basics.ipynb", drive_format_explorer, "format_explorer"),
     BrowserCase("06_loss_scaling.ipynb", drive_range_explorer, "range_explorer"),
+    BrowserCase("09_below_16_bits.ipynb", drive_outlier_explorer, "outlier_explorer"),
 ]
 CASES = [c for c in ALL_CASES if (CHAPTERS / c.notebook).exists()]
 
