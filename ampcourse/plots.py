@@ -164,14 +164,22 @@ _OVERLAP_STYLES = [dict(lw=4.0, alpha=0.4, zorder=2), dict(lw=1.8, ls="--", zord
                    dict(lw=1.2, ls=":", marker="o", ms=3, zorder=4), dict(lw=1.0, ls="-.", zorder=5)]
 
 
-def loss_curves(ax, runs: dict, key: str = "loss") -> None:
-    """Plot runs[name].<key> per step on ax, styled so that curves lying on top of each other all stay visible."""
+def loss_curves(ax, runs: dict, key: str = "loss", steps_taken: bool = False) -> None:
+    """Plot runs[name].<key> per step on ax, styled so that curves lying on top of each other all stay visible.
+
+    Run i gets style i in every panel, so one run looks the same wherever it is drawn. With
+    ``steps_taken`` only finite values of steps that were not skipped are drawn (a skipped step's
+    gradient norm is inf or NaN and would break the line).
+    """
     for i, (name, hist) in enumerate(runs.items()):
         style = dict(_OVERLAP_STYLES[i % len(_OVERLAP_STYLES)])
         values = list(getattr(hist, key))
+        skipped = list(getattr(hist, "skipped", [])) if steps_taken else []
+        steps = [k for k, v in enumerate(values)
+                 if not steps_taken or (np.isfinite(v) and not (k < len(skipped) and skipped[k]))]
         if "marker" in style:
-            style["markevery"] = max(len(values) // 12, 1)
-        ax.plot(values, label=name, **style)
+            style["markevery"] = max(len(steps) // 12, 1)
+        ax.plot(steps, [values[k] for k in steps], label=name, **style)
 
 
 def training_monitor(runs: dict, scaled: str = "fp16") -> plt.Figure:
@@ -188,11 +196,7 @@ def training_monitor(runs: dict, scaled: str = "fp16") -> plt.Figure:
     axes[1].scatter(skipped, [h.scale[k] for k in skipped], color="C3", zorder=3, label="skipped step")
     axes[1].set(xlabel="step", ylabel="loss scale", title=f"{scaled} loss scale")
     axes[1].legend(fontsize=8)
-    finite = [k for k, v in enumerate(h.grad_norm) if np.isfinite(v) and not h.skipped[k]]
-    axes[2].plot(finite, [h.grad_norm[k] for k in finite], ".-", label=f"{scaled} (finite steps)")
-    for name, other in runs.items():
-        if name != scaled:
-            axes[2].plot(other.grad_norm, label=name, **_OVERLAP_STYLES[1 + (name != "fp32")])
-    axes[2].set(xlabel="step", ylabel="true gradient norm", title="gradient norm")
+    loss_curves(axes[2], runs, "grad_norm", steps_taken=True)  # same style per run as the loss panel
+    axes[2].set(xlabel="step", ylabel="true gradient norm", title="gradient norm (steps taken)")
     axes[2].legend(fontsize=8)
     return fig

@@ -41,3 +41,13 @@ def test_legends_sit_beside_the_axes(make):
     ax = fig.axes[0]
     legend, box = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
     assert legend.x0 >= box.x1 and legend.x1 <= fig.bbox.x1 + 0.5  # right of the axes, inside the figure
+
+
+def test_training_monitor_draws_a_run_alike_in_every_panel(runs):
+    fig = plots.training_monitor(runs)
+    loss_ax, norm_ax = fig.axes[0], fig.axes[2]
+    look = lambda ln: (ln.get_color(), ln.get_linewidth(), ln.get_linestyle(), ln.get_marker())  # noqa: E731
+    assert {ln.get_label(): look(ln) for ln in norm_ax.get_lines()} == {ln.get_label(): look(ln) for ln in loss_ax.get_lines()}
+    skipped = [k for k, s in enumerate(runs["fp16"].skipped) if s]
+    fp16_norm = next(ln for ln in norm_ax.get_lines() if ln.get_label() == "fp16")
+    assert skipped and not set(skipped) & set(fp16_norm.get_xdata())  # skipped steps left out, not drawn as gaps
