@@ -92,11 +92,14 @@ class Log2Hist:
     QMAX = 13  # Q classes 0 (a power of two) .. 13 (within 2**-12 of the binade's top): enough for fp16 and bf16
     _ROW0 = 32  # table row of binade b is b + 127 + _ROW0; row 0 holds zeros, the last row infs and NaNs
     _ROWS = 255 + _ROW0 + 1
+    _NB = _ROWS * (QMAX + 1)  # table size
 
     def __init__(self) -> None:
-        self._bins: torch.Tensor | None = None  # accumulated on the tensors' device: no host sync per tensor
-        self._scalars: torch.Tensor | None = None  # numel, max, nonfinite
+        self._table: np.ndarray | None = None  # host counts, _ROWS x (QMAX + 1); filled by _Counter.flush()
+        self._n = self._nonfinite = 0
+        self._max = 0.0
         self._frozen: tuple[np.ndarray, int, int, int, float] | None = None
+        self._cum: tuple[np.ndarray, np.ndarray, int] | None = None  # cumulative sums for counts()
         self._counts: dict[tuple[float, str], dict[str, int]] = {}  # counts() per (scale, fmt) since the last add
 
     @property
@@ -104,34 +107,15 @@ class Log2Hist:
         return self.QMAX + 1
 
     def add(self, t: torch.Tensor, cap: int | None = None) -> None:
-        """Count the values of a floating-point tensor (ignored otherwise); cap as in count()."""
-        counted = self.count(t, cap)
-        if counted is not None:
-            self.accumulate(*counted)
+        """Count the values of a floating-point tensor (ignored otherwise); cap: histogram at most about this many
+        evenly spaced values, each standing for its share of the tensor (max and infs/NaNs come from every value)."""
+        counter = _Counter()
+        counter.add(t, [self], cap)
+        counter.flush()
 
     @classmethod
-    def count(cls, t: torch.Tensor, cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(table of counts, [numel, max, nonfinite]) of one tensor, on its device; None if it is not floating point.
-
-        cap: histogram at most about this many evenly spaced values, each standing for `step` values (the
-        max and the count of infs/NaNs always come from every value). None: every value.
-        """
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            return None
-        a = t.detach().reshape(-1)
-        if a.dtype != torch.float32:
-            a = a.float()  # exact for fp16/bf16
-        n = a.numel()
-        full = a.contiguous().view(torch.int32) & 0x7FFFFFFF  # |x| as bits: integer order is float order
-        top = full.max() if n else torch.zeros((), dtype=torch.int32, device=a.device)
-        if a.device.type == "cpu" and int(top) < 0x7F800000:  # all finite (reading it back is free on a CPU)
-            nonfinite = torch.zeros((), dtype=torch.float64)
-        else:  # an inf/NaN may be there: the largest finite value and the count need a second look
-            finite = full < 0x7F800000
-            top = torch.where(finite, full, 0).max() if n else top
-            nonfinite = (~finite).sum().double()
-        step = max(1, -(-n // cap)) if cap else 1
-        bits = full[::step] if step > 1 else full
+    def _bin_index(cls, bits: torch.Tensor) -> torch.Tensor:
+        """The table index of each value from its |x| float32 bits (int32): row (binade) x (QMAX + 1) + Q."""
         sub = bits < 0x00800000  # zero or an fp32 subnormal: read its bits from float(bits) instead, 149 binades up
         eff = torch.where(sub, bits.float().view(torch.int32) - (149 << 23), bits)
         frac = eff & 0x7FFFFF
@@ -139,45 +123,48 @@ class Log2Hist:
         q = (150 - ((frac ^ 0x7FFFFF).float().view(torch.int32) >> 23)).clamp_(max=cls.QMAX)
         q = torch.where(frac == 0, 0, q)
         rows = ((eff >> 23) + cls._ROW0).clamp_(0, cls._ROWS - 1)  # zero lands below every binade: row 0
-        bins = torch.bincount(rows * (cls.QMAX + 1) + q, minlength=cls._ROWS * (cls.QMAX + 1))
-        if step > 1:
-            bins = bins * step
-        scalars = torch.stack([torch.tensor(float(n), dtype=torch.float64, device=a.device),
-                               top.view(1).view(torch.float32).double()[0], nonfinite])
-        return bins, scalars
+        return rows * (cls.QMAX + 1) + q
 
-    def accumulate(self, bins: torch.Tensor, scalars: torch.Tensor) -> None:
-        """Add the counts count() returned."""
-        if self._bins is None:
-            self._bins, self._scalars = bins, scalars
+    def _add_counts(self, table: np.ndarray, n: int, top: float, nonfinite: int) -> None:
+        """Add one tensor's counts (a host table row, numel, max |finite x|, infs/NaNs)."""
+        if self._table is None:
+            self._table = table.astype(np.int64).reshape(self._ROWS, self._nq)
         else:
-            self._bins = self._bins + bins.to(self._bins.device)
-            s = scalars.to(self._scalars.device)
-            self._scalars = torch.stack([self._scalars[0] + s[0], torch.maximum(self._scalars[1], s[1]),
-                                         self._scalars[2] + s[2]])
-        self._frozen = None
-        self._counts = {}
+            self._table = self._table + table.reshape(self._ROWS, self._nq)
+        self._n += n
+        self._max = max(self._max, top)
+        self._nonfinite += nonfinite
+        self._frozen, self._cum, self._counts = None, None, {}
 
     def merge(self, other: Log2Hist) -> Log2Hist:
         """A new histogram holding the counts of both."""
         out = Log2Hist()
         for h in (self, other):
-            if h._bins is not None:
-                out.accumulate(h._bins.cpu(), h._scalars.cpu())
+            if h._table is not None:
+                out._add_counts(h._table, h._n, h._max, h._nonfinite)
         return out
 
     def _values(self) -> tuple[np.ndarray, int, int, int, float]:
-        """(positive finite counts as binade x Q, numel, zeros, nonfinite, max) as host values, read back once."""
+        """(positive finite counts as binade x Q, numel, zeros, nonfinite, max) as host values."""
         if self._frozen is None:
             nq = self._nq
-            if self._bins is None:
+            if self._table is None:
                 self._frozen = (np.zeros((self.HI - self.LO + 1, nq), np.int64), 0, 0, 0, 0.0)
             else:
-                n, m, nonfinite = self._scalars.cpu().tolist()
-                table = self._bins.cpu().numpy().astype(np.int64).reshape(self._ROWS, nq)
                 first = self.LO + 127 + self._ROW0
-                self._frozen = (table[first:self._ROWS - 1], int(n), int(table[0].sum()), int(nonfinite), float(m))
+                self._frozen = (self._table[first:self._ROWS - 1], self._n, int(self._table[0].sum()),
+                                self._nonfinite, float(self._max))
         return self._frozen
+
+    def _cumulative(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(counts of all binades below each one, counts below each Q within each binade, total): counts() in O(1)."""
+        if self._cum is None:
+            bins = self._values()[0]
+            rows = bins.sum(1)
+            below_row = np.concatenate([[0], np.cumsum(rows)])
+            below_q = np.concatenate([np.zeros((bins.shape[0], 1), np.int64), np.cumsum(bins, 1)], 1)
+            self._cum = (below_row, below_q, int(below_row[-1]))
+        return self._cum
 
     @property
     def numel(self) -> int:
@@ -197,7 +184,7 @@ class Log2Hist:
     @property
     def nonzero(self) -> int:
         """Finite nonzero values: those a format can flush or overflow."""
-        return int(self._values()[0].sum())
+        return self._cumulative()[2]
 
     @property
     def max(self) -> float:
@@ -212,20 +199,20 @@ class Log2Hist:
 
     def _below(self, t: float, goes_up: bool, shift: int) -> int:
         """How many values x have x * 2**shift below t (x * 2**shift == t included when t rounds down)."""
-        bins = self._values()[0]
+        below_row, below_q, total = self._cumulative()
         fm, fe = math.frexp(t)  # t = fm * 2**fe lies in binade fe - 1
         b = fe - 1 - shift - self.LO  # that binade's row, for the unscaled values
         if b < 0:
             return 0
-        if b >= bins.shape[0]:
-            return int(bins.sum())
-        full = int(bins[:b].sum())
+        if b >= below_q.shape[0]:
+            return total
+        full = int(below_row[b])
         if fm == 0.5:  # t is a power of two: the binade starts at t; values exactly t are class 0
-            return full + (0 if goes_up else int(bins[b, 0]))
+            return full + (0 if goes_up else int(below_q[b, 1]))
         d = -math.log2(1 - fm)
         if not d.is_integer():
             raise ValueError(f"threshold {t!r} is not 2**E * (1 - 2**-d): Log2Hist cannot place it exactly")
-        return full + int(bins[b, :int(d)].sum())  # Q < d: m < 1 - 2**-d, so x < t
+        return full + int(below_q[b, int(d)])  # Q < d: m < 1 - 2**-d, so x < t
 
     def counts(self, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
         """range_counts(values, scale, fmt), from the histogram; scale must be a power of two (as GradScaler's are)."""
@@ -255,6 +242,107 @@ class Log2Hist:
         bins, n, z, nf, m = self._values()
         return {"numel": n, "zeros": z, "nonfinite": nf, "max": m,
                 "log2_bins": {int(i) + self.LO: int(c) for i, c in enumerate(bins.sum(1)) if c}}
+
+
+class _Entry:
+    """One queued tensor: the histograms it goes into, and its counts once flushed."""
+
+    __slots__ = ("targets", "result")
+
+    def __init__(self, targets: list[Log2Hist]) -> None:
+        self.targets = targets  # may still grow (a container's output is its last child's) until flushed
+        self.result: tuple[np.ndarray, int, float, int] | None = None
+
+    def feed(self, h: Log2Hist) -> None:
+        """Count this tensor into one more histogram (now if flushed, else at the flush)."""
+        if self.result is not None:
+            h._add_counts(*self.result)
+        else:
+            self.targets.append(h)
+
+
+class _Counter:
+    """Histogram counting, batched: per tensor only its max (and inf/NaN count) is taken when it is queued; the values
+    of every queued tensor are binned together, in one bincount and one read-back, by flush().
+
+    Per-tensor small ops and host reads (a sync on CUDA), not the counting itself, dominated the doctor's time on
+    small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT values wait: memory stays bounded.
+    """
+
+    LIMIT = 2**20
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """Nothing queued."""
+        self.parts: list[torch.Tensor] = []  # the values to bin, one part per entry (possibly empty)
+        self.steps: list[int] = []  # each binned value stands for this many
+        self.numels: list[int] = []
+        self.tops: list[float | torch.Tensor] = []  # max |finite x|: a float where already read, else a 0-dim tensor
+        self.nonfinite: list[int | torch.Tensor] = []
+        self.entries: list[_Entry] = []
+        self.pending = 0
+
+    def add(self, t: torch.Tensor, targets: list[Log2Hist], cap: int | None = None) -> _Entry | None:
+        """Queue a floating-point tensor (None for anything else) for the histograms in targets."""
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return None
+        a = t.detach().reshape(-1)
+        if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            a = a.float()  # float64 is counted as float32 (out-of-range values become inf); fp16/bf16 widen exactly
+        n = a.numel()
+        if n == 0:
+            top, nonfinite = 0.0, 0
+        else:
+            top = torch.linalg.vector_norm(a, math.inf)  # max |x|; inf or NaN if any value is
+            if a.device.type == "cpu" and math.isfinite(top := float(top)):  # all finite (a read-back is free on a CPU)
+                nonfinite = 0
+            else:  # an inf/NaN may be there: the largest finite value and the count need a second look
+                finite = torch.isfinite(a)
+                top = torch.where(finite, a.abs(), 0).max().float()
+                nonfinite = n - finite.sum()
+        step = max(1, -(-n // cap)) if cap else 1
+        part = a[::step].contiguous() if step > 1 else a  # a copy of the sample: the tensor itself is not kept
+        entry = _Entry(targets)
+        self.parts.append(part)
+        self.steps.append(step)
+        self.numels.append(n)
+        self.tops.append(top)
+        self.nonfinite.append(nonfinite)
+        self.entries.append(entry)
+        self.pending += part.numel()
+        if self.pending >= self.LIMIT:
+            self.flush()
+        return entry
+
+    def flush(self) -> None:
+        """Bin every queued tensor and add the counts to their histograms: one bincount, one read-back."""
+        if not self.entries:
+            return
+        nb = Log2Hist._NB
+        dev = self.parts[0].device
+        lengths = [p.numel() for p in self.parts]
+        values = torch.cat([p.float() for p in self.parts])
+        idx = Log2Hist._bin_index(values.view(torch.int32) & 0x7FFFFFFF)
+        seg = torch.repeat_interleave(torch.arange(len(lengths), device=dev) * nb,
+                                      torch.tensor(lengths, device=dev))
+        bins = torch.bincount(idx + seg, minlength=len(lengths) * nb).view(len(lengths), nb)
+        if any(s > 1 for s in self.steps):
+            bins = bins * torch.tensor(self.steps, device=dev).view(-1, 1)
+        lazy = [i for i, v in enumerate(self.tops) if isinstance(v, torch.Tensor)]
+        tops, nonfinite = list(self.tops), list(self.nonfinite)
+        if lazy:
+            read = torch.stack([torch.stack([self.tops[i].double(), torch.as_tensor(self.nonfinite[i]).double()])
+                                for i in lazy]).cpu().tolist()
+            for i, (m, nf) in zip(lazy, read):
+                tops[i], nonfinite[i] = m, int(nf)
+        table = bins.cpu().numpy()
+        for i, entry in enumerate(self.entries):
+            entry.result = (table[i], self.numels[i], float(tops[i]), int(nonfinite[i]))
+            for h in entry.targets:
+                h._add_counts(*entry.result)
+        self._reset()
 
 
 @functools.cache
@@ -638,7 +726,8 @@ class _Hooks:
         self.model, self.records, self.order, self.precision, self.dev = model, records, order, precision, dev
         self.grads = grads
         self.calls: dict[str, int] = {}
-        self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its counts, gradient histograms)
+        self.counter = _Counter()  # histograms are filled in batches, at the latest when the pass ends
+        self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its queued counts, gradient histograms)
         self.rng_before: dict[int, Any] = {}  # id(module) -> RNG state when it started (nothing stored on the model)
         self.seen: set[str] = set()
         self.busy = False  # True while a module is being rerun in fp32: its own hooks must stay quiet
@@ -646,7 +735,8 @@ class _Hooks:
 
     def __enter__(self) -> _Hooks:
         for name, module in self.model.named_modules():
-            self.records.setdefault(name, _ModuleRecord(name, _is_leaf(module)))
+            if name not in self.records:
+                self.records[name] = _ModuleRecord(name, _is_leaf(module))
             if self.precision != "fp32" and self._reruns(module):
                 self.handles.append(module.register_forward_pre_hook(self._pre))
             self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
@@ -655,6 +745,11 @@ class _Hooks:
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
+        self.counter.flush()
+
+    def _count_grad(self, hists: list[Log2Hist], grad: torch.Tensor) -> None:
+        """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
+        self.counter.add(grad, hists, COUNT_CAP)
 
     def _reruns(self, module: nn.Module) -> bool:
         """Leaf modules whose own error is measured; not dropout (random by design) nor in-place ones."""
@@ -702,11 +797,11 @@ class _Hooks:
             # A container often returns its last child's output tensor: count it (and its gradient) once.
             seen = self.counted.get(id(t))
             if seen is None or seen[0]() is not t:
-                seen = (weakref.ref(t), Log2Hist.count(t, COUNT_CAP), [])
+                seen = (weakref.ref(t), self.counter.add(t, [], COUNT_CAP), [])
                 self.counted[id(t)] = seen
                 if self.grads and t.requires_grad:
-                    t.register_hook(functools.partial(_count_grad, seen[2]))
-            rec.act.accumulate(*seen[1])
+                    t.register_hook(functools.partial(self._count_grad, seen[2]))
+            seen[1].feed(rec.act)
             seen[2].append(rec.grad)
         if tensors:
             rec.samples.append(_sample(tensors[0]))
@@ -740,14 +835,6 @@ class _Hooks:
         if ref_t:
             err = _rel_error(tensors[0].float(), ref_t[0].float()) if bad == 0 else math.inf
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), err)
-
-
-def _count_grad(hists: list[Log2Hist], grad: torch.Tensor) -> None:
-    """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
-    counted = Log2Hist.count(grad, COUNT_CAP)
-    if counted is not None:
-        for h in hists:
-            h.accumulate(*counted)
 
 
 def _copy_as(obj, dtype: torch.dtype):
@@ -795,11 +882,12 @@ def _reference_pass(ctx: _Context) -> tuple[float, dict[int, torch.Tensor]]:
             loss.backward()
     names = {id(p): n for n, p in ctx.model.named_parameters()}
     fresh = {}
+    counter = _Counter()
     for p in params:
         if p.grad is not None:
-            h = ctx.param_grads.setdefault(names[id(p)], Log2Hist())
-            h.accumulate(*Log2Hist.count(p.grad, COUNT_CAP))
+            counter.add(p.grad, [ctx.param_grads.setdefault(names[id(p)], Log2Hist())], COUNT_CAP)
             fresh[id(p)] = p.grad
+    counter.flush()
     return float(loss.detach()), fresh
 
 
