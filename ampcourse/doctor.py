@@ -114,6 +114,18 @@ class Log2Hist:
         counter.flush()
 
     @classmethod
+    def _fast_index(cls, bits: torch.Tensor) -> torch.Tensor:
+        """_bin_index for normal numbers, zeros, infs and NaNs, in cheap integer ops (no compares, no where).
+
+        Zeros and fp32 subnormals (exponent field 0) land in the row of binade -127: zeros at Q 0, subnormals at Q >= 1,
+        which _Counter.flush() checks on the host (an fp32 subnormal is rare: it then recounts with _bin_index).
+        """
+        frac = bits & 0x7FFFFF
+        q = (150 - ((frac ^ 0x7FFFFF).float().view(torch.int32) >> 23)).clamp_(max=cls.QMAX)
+        q.mul_((frac + 0x7FFFFF) >> 23)  # Q = 0 for a power of two: (frac + 2**23 - 1) >> 23 is 0 iff frac == 0
+        return q.add_((bits >> 23).add_(cls._ROW0).mul_(cls.QMAX + 1))
+
+    @classmethod
     def _bin_index(cls, bits: torch.Tensor) -> torch.Tensor:
         """The table index of each value from its |x| float32 bits (int32): row (binade) x (QMAX + 1) + Q."""
         sub = bits < 0x00800000  # zero or an fp32 subnormal: read its bits from float(bits) instead, 149 binades up
@@ -269,7 +281,7 @@ class _Counter:
     small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT values wait: memory stays bounded.
     """
 
-    LIMIT = 2**20
+    LIMIT = 2**16
 
     def __init__(self) -> None:
         self._reset()
@@ -295,7 +307,7 @@ class _Counter:
         if n == 0:
             top, nonfinite = 0.0, 0
         else:
-            top = torch.linalg.vector_norm(a, math.inf)  # max |x|; inf or NaN if any value is
+            top = a.abs().amax()  # inf or NaN if any value is
             if a.device.type == "cpu" and math.isfinite(top := float(top)):  # all finite (a read-back is free on a CPU)
                 nonfinite = 0
             else:  # an inf/NaN may be there: the largest finite value and the count need a second look
@@ -320,16 +332,12 @@ class _Counter:
         """Bin every queued tensor and add the counts to their histograms: one bincount, one read-back."""
         if not self.entries:
             return
-        nb = Log2Hist._NB
+        nb, nq = Log2Hist._NB, Log2Hist.QMAX + 1
         dev = self.parts[0].device
         lengths = [p.numel() for p in self.parts]
-        values = torch.cat([p.float() for p in self.parts])
-        idx = Log2Hist._bin_index(values.view(torch.int32) & 0x7FFFFFFF)
-        seg = torch.repeat_interleave(torch.arange(len(lengths), device=dev) * nb,
-                                      torch.tensor(lengths, device=dev))
-        bins = torch.bincount(idx + seg, minlength=len(lengths) * nb).view(len(lengths), nb)
-        if any(s > 1 for s in self.steps):
-            bins = bins * torch.tensor(self.steps, device=dev).view(-1, 1)
+        bits = torch.cat([p.float() for p in self.parts]).view(torch.int32) & 0x7FFFFFFF
+        idx = Log2Hist._fast_index(bits)
+        bins = torch.stack([torch.bincount(i, minlength=nb) for i in idx.split(lengths)])
         lazy = [i for i, v in enumerate(self.tops) if isinstance(v, torch.Tensor)]
         tops, nonfinite = list(self.tops), list(self.nonfinite)
         if lazy:
@@ -338,6 +346,14 @@ class _Counter:
             for i, (m, nf) in zip(lazy, read):
                 tops[i], nonfinite[i] = m, int(nf)
         table = bins.cpu().numpy()
+        sub_row = Log2Hist._ROW0 * nq  # the row of binade -127, where the fast index puts exponent field 0
+        for i, part in enumerate(self.parts):
+            if table[i, sub_row + 1:sub_row + nq].any():  # fp32 subnormals: count this tensor exactly
+                table[i] = torch.bincount(Log2Hist._bin_index(part.float().view(torch.int32) & 0x7FFFFFFF),
+                                          minlength=nb).cpu().numpy()
+            else:  # what the fast index put at (binade -127, Q 0) are the zeros: row 0
+                table[i, 0], table[i, sub_row] = table[i, sub_row], 0
+        table *= np.asarray(self.steps, dtype=table.dtype)[:, None]
         for i, entry in enumerate(self.entries):
             entry.result = (table[i], self.numels[i], float(tops[i]), int(nonfinite[i]))
             for h in entry.targets:
