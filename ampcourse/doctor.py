@@ -99,7 +99,7 @@ class Log2Hist:
         self._n = self._nonfinite = 0
         self._max = 0.0
         self._frozen: tuple[np.ndarray, int, int, int, float] | None = None
-        self._cum: tuple[np.ndarray, np.ndarray, int] | None = None  # cumulative sums for counts()
+        self._cum: np.ndarray | None = None  # counts below each (binade, Q), in table order: counts() in O(1)
         self._counts: dict[tuple[float, str], dict[str, int]] = {}  # counts() per (scale, fmt) since the last add
 
     @property
@@ -150,10 +150,16 @@ class Log2Hist:
 
     def merge(self, other: Log2Hist) -> Log2Hist:
         """A new histogram holding the counts of both."""
+        return Log2Hist.merged([self, other])
+
+    @staticmethod
+    def merged(hists: Sequence[Log2Hist]) -> Log2Hist:
+        """A new histogram holding the counts of all of them (one sum, not a chain of merges)."""
         out = Log2Hist()
-        for h in (self, other):
-            if h._table is not None:
-                out._add_counts(h._table, h._n, h._max, h._nonfinite)
+        full = [h for h in hists if h._table is not None]
+        if full:
+            out._add_counts(np.sum([h._table for h in full], axis=0), sum(h._n for h in full),
+                            max(h._max for h in full), sum(h._nonfinite for h in full))
         return out
 
     def _values(self) -> tuple[np.ndarray, int, int, int, float]:
@@ -168,14 +174,10 @@ class Log2Hist:
                                 self._nonfinite, float(self._max))
         return self._frozen
 
-    def _cumulative(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(counts of all binades below each one, counts below each Q within each binade, total): counts() in O(1)."""
+    def _cumulative(self) -> np.ndarray:
+        """Counts of the values below each (binade, Q), in table order, then the total: counts() in O(1)."""
         if self._cum is None:
-            bins = self._values()[0]
-            rows = bins.sum(1)
-            below_row = np.concatenate([[0], np.cumsum(rows)])
-            below_q = np.concatenate([np.zeros((bins.shape[0], 1), np.int64), np.cumsum(bins, 1)], 1)
-            self._cum = (below_row, below_q, int(below_row[-1]))
+            self._cum = np.concatenate([[0], np.cumsum(self._values()[0])])
         return self._cum
 
     @property
@@ -196,7 +198,7 @@ class Log2Hist:
     @property
     def nonzero(self) -> int:
         """Finite nonzero values: those a format can flush or overflow."""
-        return self._cumulative()[2]
+        return int(self._cumulative()[-1])
 
     @property
     def max(self) -> float:
@@ -211,20 +213,19 @@ class Log2Hist:
 
     def _below(self, t: float, goes_up: bool, shift: int) -> int:
         """How many values x have x * 2**shift below t (x * 2**shift == t included when t rounds down)."""
-        below_row, below_q, total = self._cumulative()
+        below, nq = self._cumulative(), self._nq
         fm, fe = math.frexp(t)  # t = fm * 2**fe lies in binade fe - 1
         b = fe - 1 - shift - self.LO  # that binade's row, for the unscaled values
         if b < 0:
             return 0
-        if b >= below_q.shape[0]:
-            return total
-        full = int(below_row[b])
+        if b * nq >= below.size - 1:
+            return int(below[-1])
         if fm == 0.5:  # t is a power of two: the binade starts at t; values exactly t are class 0
-            return full + (0 if goes_up else int(below_q[b, 1]))
+            return int(below[b * nq + (0 if goes_up else 1)])
         d = -math.log2(1 - fm)
         if not d.is_integer():
             raise ValueError(f"threshold {t!r} is not 2**E * (1 - 2**-d): Log2Hist cannot place it exactly")
-        return full + int(below_q[b, int(d)])  # Q < d: m < 1 - 2**-d, so x < t
+        return int(below[b * nq + min(int(d), nq)])  # Q < d: m < 1 - 2**-d, so x < t
 
     def counts(self, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
         """range_counts(values, scale, fmt), from the histogram; scale must be a power of two (as GradScaler's are)."""
@@ -654,14 +655,22 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     return flat[::step][:_SAMPLE].float()
 
 
+def _count_nonfinite(t: torch.Tensor) -> int:
+    """How many values of t are inf or NaN (the max |x| first: a bool mask only when one is there)."""
+    if t.numel() == 0 or math.isfinite(float(t.detach().abs().amax())):
+        return 0
+    return int((~torch.isfinite(t)).sum())
+
+
 def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64 (0 when both are 0, inf when got is not finite or ref is 0)."""
     got, ref = got.detach().double().reshape(-1), ref.detach().double().reshape(-1)
     if got.shape != ref.shape:
         return math.inf
-    if not bool(torch.isfinite(got).all()):
-        return math.inf
     num, den = float(torch.linalg.vector_norm(got - ref)), float(torch.linalg.vector_norm(ref))
+    # An inf/NaN in got makes num inf/NaN, so a finite num means a finite got; only a non-finite ref needs a look.
+    if not math.isfinite(num) and (math.isfinite(den) or not bool(torch.isfinite(got).all())):
+        return math.inf
     if den == 0:
         return 0.0 if num == 0 else math.inf
     return num / den
@@ -826,7 +835,7 @@ class _Hooks:
         """Autocast pass: output dtype, inf/NaN, error of the final output, and the leaf's own error."""
         p = self.precision
         rec.dtype[p] = str(tensors[0].dtype).removeprefix("torch.")
-        bad = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+        bad = sum(_count_nonfinite(t) for t in tensors)
         rec.nonfinite[p] = rec.nonfinite.get(p, 0) + bad
         if call < len(rec.samples):
             err = _rel_error(_sample(tensors[0]), rec.samples[call])
@@ -1004,12 +1013,7 @@ def _islands_for(ctx: _Context, amp: AmpSetup, records: Mapping[str, _ModuleReco
 
 def _gradient_findings(ctx: _Context, examined: Sequence[str]) -> tuple[list[Finding], dict[str, Any], float]:
     """Loss-scale advice from the fp32 gradients: findings, the numbers behind them, the recommended init_scale."""
-    total = Log2Hist()
-    for h in ctx.param_grads.values():
-        total = total.merge(h)
-    for n in ctx.order:
-        if ctx.records[n].leaf:
-            total = total.merge(ctx.records[n].grad)
+    total = Log2Hist.merged([*ctx.param_grads.values(), *(ctx.records[n].grad for n in ctx.order if ctx.records[n].leaf)])
     gmax, nonzero = total.max, total.nonzero
     info: dict[str, Any] = {"max": gmax, "nonzero": nonzero, "nonfinite": total.nonfinite, "margin": GRAD_MARGIN}
     if nonzero == 0:
