@@ -115,15 +115,17 @@ class Log2Hist:
 
     @classmethod
     def _fast_index(cls, bits: torch.Tensor) -> torch.Tensor:
-        """_bin_index for normal numbers, zeros, infs and NaNs, in cheap integer ops (no compares, no where).
+        """_bin_index for normal numbers, zeros, infs and NaNs, in cheap integer ops (no compares, no where); overwrites bits.
 
         Zeros and fp32 subnormals (exponent field 0) land in the row of binade -127: zeros at Q 0, subnormals at Q >= 1,
         which _Counter.flush() checks on the host (an fp32 subnormal is rare: it then recounts with _bin_index).
         """
         frac = bits & 0x7FFFFF
-        q = (150 - ((frac ^ 0x7FFFFF).float().view(torch.int32) >> 23)).clamp_(max=cls.QMAX)
-        q.mul_((frac + 0x7FFFFF) >> 23)  # Q = 0 for a power of two: (frac + 2**23 - 1) >> 23 is 0 iff frac == 0
-        return q.add_((bits >> 23).add_(cls._ROW0).mul_(cls.QMAX + 1))
+        nz = frac.add(0x7FFFFF).bitwise_right_shift_(23)  # 0 iff frac == 0 (a power of two: Q 0), else 1
+        # Q = 1 + leading ones of the fraction = 24 - bit length of its complement (read off a float's exponent).
+        q = frac.bitwise_xor_(0x7FFFFF).float().view(torch.int32).bitwise_right_shift_(23)
+        q = q.neg_().add_(150).clamp_(max=cls.QMAX).mul_(nz)  # in place: few allocations, the values stay in cache
+        return q.add_(bits.bitwise_right_shift_(23).add_(cls._ROW0).mul_(cls.QMAX + 1))
 
     @classmethod
     def _bin_index(cls, bits: torch.Tensor) -> torch.Tensor:
@@ -282,7 +284,7 @@ class _Counter:
     small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT values wait: memory stays bounded.
     """
 
-    LIMIT = 2**16
+    LIMIT = 2**18
 
     def __init__(self) -> None:
         self._reset()
@@ -336,7 +338,7 @@ class _Counter:
         nb, nq = Log2Hist._NB, Log2Hist.QMAX + 1
         dev = self.parts[0].device
         lengths = [p.numel() for p in self.parts]
-        bits = torch.cat([p.float() for p in self.parts]).view(torch.int32) & 0x7FFFFFFF
+        bits = torch.cat([p.float() for p in self.parts]).view(torch.int32).bitwise_and_(0x7FFFFFFF)
         idx = Log2Hist._fast_index(bits)
         bins = torch.stack([torch.bincount(i, minlength=nb) for i in idx.split(lengths)])
         lazy = [i for i, v in enumerate(self.tops) if isinstance(v, torch.Tensor)]
