@@ -318,7 +318,8 @@ class _Counter:
                 top = torch.where(finite, a.abs(), 0).max().float()
                 nonfinite = n - finite.sum()
         step = max(1, -(-n // cap)) if cap else 1
-        part = a[::step].contiguous() if step > 1 else a  # a copy of the sample: the tensor itself is not kept
+        # A copy, taken now: the model may still change the tensor in place (a residual's +=) before the flush.
+        part = a[::step].contiguous() if step > 1 else a.clone()
         entry = _Entry(targets)
         self.parts.append(part)
         self.steps.append(step)
@@ -666,10 +667,13 @@ def _count_nonfinite(t: torch.Tensor) -> int:
 
 def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64 (0 when both are 0, inf when got is not finite or ref is 0)."""
-    got, ref = got.detach().double().reshape(-1), ref.detach().double().reshape(-1)
+    got, ref = (t.detach().reshape(-1) for t in (got, ref))
+    got, ref = (t.float() if t.dtype == torch.float64 else t for t in (got, ref))  # compared as float32 values
     if got.shape != ref.shape:
         return math.inf
-    num, den = float(torch.linalg.vector_norm(got - ref)), float(torch.linalg.vector_norm(ref))
+    # In float64 without a float64 copy of ref (the same sums as converting both first, one allocation fewer).
+    num = float(torch.linalg.vector_norm(got.double().sub_(ref)))
+    den = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
     # An inf/NaN in got makes num inf/NaN, so a finite num means a finite got; only a non-finite ref needs a look.
     if not math.isfinite(num) and (math.isfinite(den) or not bool(torch.isfinite(got).all())):
         return math.inf
@@ -860,7 +864,7 @@ class _Hooks:
             self._set_rng_state(after)
         ref_t = list(_float_tensors(ref))
         if ref_t:
-            err = _rel_error(tensors[0].float(), ref_t[0].float()) if bad == 0 else math.inf
+            err = _rel_error(tensors[0], ref_t[0]) if bad == 0 else math.inf
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), err)
 
 
