@@ -114,17 +114,20 @@ class Log2Hist:
         counter.flush()
 
     @classmethod
-    def _fast_index(cls, bits: torch.Tensor) -> torch.Tensor:
-        """_bin_index for normal numbers, zeros, infs and NaNs, in cheap integer ops (no compares, no where); overwrites bits.
+    def _fast_index(cls, values: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+        """_bin_index for normal numbers, zeros, infs and NaNs, from float32 values seen as int32, in cheap integer
+        ops written into the four rows of work (no compares, no where, no allocation); returns one of those rows.
 
         Zeros and fp32 subnormals (exponent field 0) land in the row of binade -127: zeros at Q 0, subnormals at Q >= 1,
         which _Counter.flush() checks on the host (an fp32 subnormal is rare: it then recounts with _bin_index).
         """
-        frac = bits & 0x7FFFFF
-        nz = frac.add(0x7FFFFF).bitwise_right_shift_(23)  # 0 iff frac == 0 (a power of two: Q 0), else 1
+        bits, frac, nz, q = work
+        torch.bitwise_and(values, 0x7FFFFFFF, out=bits)
+        torch.bitwise_and(bits, 0x7FFFFF, out=frac)
+        torch.add(frac, 0x7FFFFF, out=nz).bitwise_right_shift_(23)  # 0 iff frac == 0 (a power of two: Q 0), else 1
         # Q = 1 + leading ones of the fraction = 24 - bit length of its complement (read off a float's exponent).
-        q = frac.bitwise_xor_(0x7FFFFF).float().view(torch.int32).bitwise_right_shift_(23)
-        q = q.neg_().add_(150).clamp_(max=cls.QMAX).mul_(nz)  # in place: few allocations, the values stay in cache
+        q.view(torch.float32).copy_(frac.bitwise_xor_(0x7FFFFF))
+        q.bitwise_right_shift_(23).neg_().add_(150).clamp_(max=cls.QMAX).mul_(nz)
         return q.add_(bits.bitwise_right_shift_(23).add_(cls._ROW0).mul_(cls.QMAX + 1))
 
     @classmethod
@@ -277,27 +280,36 @@ class _Entry:
 
 
 class _Counter:
-    """Histogram counting, batched: per tensor only its max (and inf/NaN count) is taken when it is queued; the values
-    of every queued tensor are binned together, in one bincount and one read-back, by flush().
+    """Histogram counting, batched: per tensor only its max (and inf/NaN count) is taken when it is queued, and its
+    values (or COUNT_CAP of them) are copied into one reusable buffer; flush() bins the buffer in a few in-place integer
+    ops, one bincount and one read-back.
 
-    Per-tensor small ops and host reads (a sync on CUDA), not the counting itself, dominated the doctor's time on
-    small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT values wait: memory stays bounded.
+    Per-tensor small ops, host reads (a sync on CUDA) and fresh allocations (page faults on a CPU), not the counting
+    itself, dominated the doctor's time on small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT
+    values wait: memory stays bounded (five buffers of LIMIT int32, about 2.5 MiB).
     """
 
-    LIMIT = 2**18
+    LIMIT = 2**17
 
     def __init__(self) -> None:
+        self._work: torch.Tensor | None = None  # 5 x size int32: the values, then four scratch rows for flush()
         self._reset()
 
     def _reset(self) -> None:
         """Nothing queued."""
-        self.parts: list[torch.Tensor] = []  # the values to bin, one part per entry (possibly empty)
+        self.spans: list[tuple[int, int]] = []  # (offset, length) of each entry's values in the buffer
         self.steps: list[int] = []  # each binned value stands for this many
         self.numels: list[int] = []
         self.tops: list[float | torch.Tensor] = []  # max |finite x|: a float where already read, else a 0-dim tensor
         self.nonfinite: list[int | torch.Tensor] = []
         self.entries: list[_Entry] = []
         self.pending = 0
+
+    def _buffer(self, size: int, dev: torch.device) -> torch.Tensor:
+        """The work buffer, at least size values per row, on dev (kept between flushes: no fresh pages each time)."""
+        if self._work is None or self._work.shape[1] < size or self._work.device != dev:
+            self._work = torch.empty(5, max(size, self.LIMIT), dtype=torch.int32, device=dev)
+        return self._work
 
     def add(self, t: torch.Tensor, targets: list[Log2Hist], cap: int | None = None) -> _Entry | None:
         """Queue a floating-point tensor (None for anything else) for the histograms in targets."""
@@ -318,16 +330,19 @@ class _Counter:
                 top = torch.where(finite, a.abs(), 0).max().float()
                 nonfinite = n - finite.sum()
         step = max(1, -(-n // cap)) if cap else 1
-        # A copy, taken now: the model may still change the tensor in place (a residual's +=) before the flush.
-        part = a[::step].contiguous() if step > 1 else a.clone()
+        m = -(-n // step)
+        if self.entries and (self.pending + m > self.LIMIT or self._work.device != a.device):
+            self.flush()
+        # Copied now (as float32): the model may still change the tensor in place (a residual's +=) before the flush.
+        self._buffer(self.pending + m, a.device)[0, self.pending:self.pending + m].view(torch.float32).copy_(a[::step])
         entry = _Entry(targets)
-        self.parts.append(part)
+        self.spans.append((self.pending, m))
         self.steps.append(step)
         self.numels.append(n)
         self.tops.append(top)
         self.nonfinite.append(nonfinite)
         self.entries.append(entry)
-        self.pending += part.numel()
+        self.pending += m
         if self.pending >= self.LIMIT:
             self.flush()
         return entry
@@ -336,12 +351,12 @@ class _Counter:
         """Bin every queued tensor and add the counts to their histograms: one bincount, one read-back."""
         if not self.entries:
             return
-        nb, nq = Log2Hist._NB, Log2Hist.QMAX + 1
-        dev = self.parts[0].device
-        lengths = [p.numel() for p in self.parts]
-        bits = torch.cat([p.float() for p in self.parts]).view(torch.int32).bitwise_and_(0x7FFFFFFF)
-        idx = Log2Hist._fast_index(bits)
-        bins = torch.stack([torch.bincount(i, minlength=nb) for i in idx.split(lengths)])
+        nb, nq, n = Log2Hist._NB, Log2Hist.QMAX + 1, self.pending
+        w = self._work[:, :n]
+        idx = Log2Hist._fast_index(w[0], w[1:])
+        for i, (start, length) in enumerate(self.spans[1:], 1):  # entry i counts into table i
+            idx[start:start + length].add_(i * nb)
+        bins = torch.bincount(idx, minlength=len(self.entries) * nb).view(len(self.entries), nb)
         lazy = [i for i, v in enumerate(self.tops) if isinstance(v, torch.Tensor)]
         tops, nonfinite = list(self.tops), list(self.nonfinite)
         if lazy:
@@ -351,10 +366,10 @@ class _Counter:
                 tops[i], nonfinite[i] = m, int(nf)
         table = bins.cpu().numpy()
         sub_row = Log2Hist._ROW0 * nq  # the row of binade -127, where the fast index puts exponent field 0
-        for i, part in enumerate(self.parts):
+        for i, (start, length) in enumerate(self.spans):
             if table[i, sub_row + 1:sub_row + nq].any():  # fp32 subnormals: count this tensor exactly
-                table[i] = torch.bincount(Log2Hist._bin_index(part.float().view(torch.int32) & 0x7FFFFFFF),
-                                          minlength=nb).cpu().numpy()
+                bits = w[0, start:start + length] & 0x7FFFFFFF
+                table[i] = torch.bincount(Log2Hist._bin_index(bits), minlength=nb).cpu().numpy()
             else:  # what the fast index put at (binade -127, Q 0) are the zeros: row 0
                 table[i, 0], table[i, sub_row] = table[i, sub_row], 0
         table *= np.asarray(self.steps, dtype=table.dtype)[:, None]
