@@ -69,6 +69,9 @@ LOST_WARN = 0.10  # warn when more than 10% of the update elements round to no c
 MAX_ISLANDS = 4  # more fp32 modules than this, and fp16 is not worth it: use bf16 or fp32
 DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale
 _SAMPLE = 1024  # output values per module kept to compare a precision's final outputs with fp32
+#: Modules whose output only selects or rearranges input values: rerun in fp32 on the same inputs (converted exactly),
+#: they return the same values, so their own error is 0 (or inf with an inf/NaN) without running them again.
+_EXACT = frozenset({nn.Identity, nn.Flatten, nn.Unflatten, nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d})
 #: Values histogrammed per tensor at most (evenly spaced; max and inf/NaN counts use every value): the
 #: counting, not the model, dominated examine()'s time on large activations (benchmarks/README.md).
 COUNT_CAP = 2**16
@@ -864,6 +867,9 @@ class _Hooks:
         before = self.rng_before.pop(id(module), None)
         if before is None or "_ampcourse_forward" in module.__dict__:
             return  # not a rerun module, or a policy already decides its precision
+        if type(module) in _EXACT:
+            rec.local_error[p] = max(rec.local_error.get(p, 0.0), 0.0 if bad == 0 else math.inf)
+            return
         after = self._rng_state()
         self._set_rng_state(before)
         # Without autocast, in the dtype of the module's own parameters (fp32 normally; bf16 for a pure-bf16 model).
