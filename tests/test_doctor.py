@@ -408,3 +408,23 @@ def test_batched_counter_matches_one_histogram_per_tensor():
         assert h.to_dict() == alone.to_dict() and h.counts(2.0**16) == alone.counts(2.0**16)
         if t.numel() <= doctor.COUNT_CAP:
             assert h.counts(1.0, "fp16") == range_counts(t.float().numpy(), 1.0, "fp16")
+
+
+def test_value_selecting_modules_report_the_error_a_rerun_measures():
+    """Identity, ReLU, MaxPool, Flatten are not rerun in fp32: what they report is what a rerun would measure."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Identity(), nn.Flatten(), nn.Linear(36, 2))
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    r = examine(model, x, torch.tensor([0, 1, 0, 1]), loss_fn=F.cross_entropy, precisions=("bf16",))
+    rows = {m["name"]: m for m in r.modules}
+    checked = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x
+        for i, m in enumerate(model):
+            out = m(h)
+            if type(m) in doctor._EXACT:
+                with torch.autocast("cpu", enabled=False):
+                    ref = m(h.detach().float())
+                assert rows[str(i)]["local_error"]["bf16"] == doctor._rel_error(out, ref) == 0.0
+                checked += 1
+            h = out
+    assert checked == 4
