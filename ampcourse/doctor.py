@@ -265,6 +265,12 @@ class Log2Hist:
                 "log2_bins": {int(i) + self.LO: int(c) for i, c in enumerate(bins.sum(1)) if c}}
 
 
+def _abs_max(t: torch.Tensor) -> torch.Tensor:
+    """max |x| of a non-empty tensor (NaN if one is NaN), in one pass without an |x| copy (fresh pages cost more)."""
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(hi, -lo).abs()  # abs: max(-0.0, 0.0) may be -0.0
+
+
 class _Entry:
     """One queued tensor: the histograms it goes into, and its counts once flushed."""
 
@@ -325,7 +331,7 @@ class _Counter:
         if n == 0:
             top, nonfinite = 0.0, 0
         else:
-            top = a.abs().amax()  # inf or NaN if any value is
+            top = _abs_max(a)  # inf or NaN if any value is
             if a.device.type == "cpu" and math.isfinite(top := float(top)):  # all finite (a read-back is free on a CPU)
                 nonfinite = 0
             else:  # an inf/NaN may be there: the largest finite value and the count need a second look
@@ -678,7 +684,7 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 
 def _count_nonfinite(t: torch.Tensor) -> int:
     """How many values of t are inf or NaN (the max |x| first: a bool mask only when one is there)."""
-    if t.numel() == 0 or math.isfinite(float(t.detach().abs().amax())):
+    if t.numel() == 0 or math.isfinite(float(_abs_max(t.detach()))):
         return 0
     return int((~torch.isfinite(t)).sum())
 

@@ -396,7 +396,8 @@ def test_batched_counter_matches_one_histogram_per_tensor():
     """Tensors queued together (one with fp32 subnormals, one capped, one empty) count as each one alone would."""
     g = torch.Generator().manual_seed(3)
     tensors = [torch.randn(5000, generator=g) * 2.0 ** -130, torch.randn(300000, generator=g),
-               torch.randn(0), torch.randn(70, generator=g).half(), torch.tensor([0.0, math.inf, -2.0**-149, 65520.0])]
+               torch.randn(0), torch.randn(70, generator=g).half(), torch.tensor([0.0, math.inf, -2.0**-149, 65520.0]),
+               torch.tensor([-0.0, -0.0])]
     counter = doctor._Counter()
     together = [Log2Hist() for _ in tensors]
     for t, h in zip(tensors, together):
@@ -406,6 +407,8 @@ def test_batched_counter_matches_one_histogram_per_tensor():
         alone = Log2Hist()
         alone.add(t, doctor.COUNT_CAP)
         assert h.to_dict() == alone.to_dict() and h.counts(2.0**16) == alone.counts(2.0**16)
+        finite = t[torch.isfinite(t)].float()
+        assert math.copysign(1.0, h.max) == 1.0 and h.max == (float(finite.abs().max()) if finite.numel() else 0.0)
         if t.numel() <= doctor.COUNT_CAP:
             assert h.counts(1.0, "fp16") == range_counts(t.float().numpy(), 1.0, "fp16")
 
