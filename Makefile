@@ -15,7 +15,7 @@ help:  ## list the targets
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[lab,test]'
-	$(BIN)/python -m ipykernel install --sys-prefix --name ampcourse --display-name "ampcourse (.venv)"
+	$(BIN)/python -m ipykernel install --sys-prefix --name ampcourse --display-name "ampcourse (.venv)" --env OMP_NUM_THREADS 1
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv with pinned dependencies, ampcourse (editable) and a Jupyter kernel
@@ -23,8 +23,17 @@ setup: $(STAMP)  ## create .venv with pinned dependencies, ampcourse (editable) 
 # JupyterLab listens on loopback only; as root (containers) it needs --allow-root to start at all.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-lab: setup  ## set up, then open JupyterLab on the chapters
-	$(BIN)/jupyter lab --notebook-dir=chapters --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) $(LAB_ARGS)
+# The learner's own copies (git ignores them): made on the first `make lab`, never overwritten after;
+# a chapter added later is copied in. JupyterLab opens at the repository root, in workspace/, so the
+# full chapters (solutions, stored outputs) stay one folder away and are never written by a run.
+WORKSPACE ?= workspace
+# Kernels inherit the server's environment: one OpenMP thread, as under `make test` (TEST_ENV below),
+# so a busy machine does not slow a chapter tenfold (benchmarks/README.md, "Busy machine").
+LAB_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
+
+lab: setup  ## set up, copy the chapters you have no copy of yet into workspace/, open JupyterLab there
+	$(BIN)/python tools/make_student.py -o $(WORKSPACE)
+	$(LAB_ENV) $(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/$(WORKSPACE) --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) $(LAB_ARGS)
 
 # Tests run with one OpenMP thread per process unless OMP_NUM_THREADS is set: the course's models are
 # tiny, and on a busy 2-core machine two spinning OpenMP threads per process made chapter 2 take 148 s
@@ -46,8 +55,8 @@ notebooks: setup  ## re-execute every chapter and store clean outputs (after cha
 nbclean: setup  ## strip noisy metadata from the chapters without executing them
 	$(BIN)/python tools/nbtool.py clean chapters/*.ipynb
 
-student: setup  ## learner copies of the chapters in student/: solutions replaced by stubs, outputs cleared
-	$(BIN)/python tools/make_student.py -o student
+student: setup  ## learner copies in workspace/ (solutions stubbed, outputs cleared); existing copies are kept
+	$(BIN)/python tools/make_student.py -o $(WORKSPACE)
 
 # GPU_PYTHON=python3: use a Python that already has torch (CUDA) and the test wheels instead of building .venv;
 # for GPU machines without network (tools/gpu_wheels.sh says how to bring the wheels).

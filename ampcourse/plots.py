@@ -7,7 +7,8 @@ import numpy as np
 
 from . import formats
 
-__all__ = ["bit_layouts", "ulp_staircase", "relative_error"]
+__all__ = ["bit_layouts", "ulp_staircase", "relative_error", "gradient_histogram", "scale_trajectories",
+           "loss_curves", "training_monitor", "legend_outside", "shade_zones", "format_zones", "log2_window"]
 
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
@@ -36,7 +37,7 @@ def bit_layouts(fmts=("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")) -> plt.Fi
 def ulp_staircase(fmts=("fp16", "bf16", "fp32"), lo: float = 2.0**-26, hi: float = 2.0**17) -> plt.Figure:
     """The gap to the next representable value (ulp) across magnitudes, one staircase per format."""
     x = np.geomspace(lo, hi, 2000)
-    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80)
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80, layout="constrained")
     for f in fmts:
         spec = formats.spec(f)
         u = np.array([formats.ulp(v, spec) for v in x])
@@ -45,8 +46,7 @@ def ulp_staircase(fmts=("fp16", "bf16", "fp32"), lo: float = 2.0**-26, hi: float
            title="Precision shrinks as magnitude grows; below the normals it stops shrinking")
     ax.axvline(formats.spec("fp16").min_normal, color="grey", ls=":", lw=1)
     ax.axvline(formats.spec("fp16").max, color="grey", ls="--", lw=1)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_outside(ax)
     return fig
 
 
@@ -54,7 +54,7 @@ def relative_error(fmts=("fp16", "bf16"), lo: float = 1e-9, hi: float = 1e6, n: 
     """Relative rounding error of random values across magnitudes: flat for normals, rising for subnormals."""
     rng = np.random.default_rng(seed)
     x = np.exp(rng.uniform(np.log(lo), np.log(hi), n))
-    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80)
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80, layout="constrained")
     for f in fmts:
         with np.errstate(invalid="ignore"):
             err = np.abs(formats.quantize(x, f) - x) / x
@@ -63,8 +63,7 @@ def relative_error(fmts=("fp16", "bf16"), lo: float = 1e-9, hi: float = 1e6, n: 
     ax.set(xscale="log", yscale="log", xlabel="|x|", ylabel="relative error", ylim=(1e-6, 1.5))
     ax.axvline(formats.spec("fp16").min_normal, color="grey", ls=":", lw=1)
     ax.axvline(formats.spec("fp16").max, color="grey", ls="--", lw=1)
-    ax.legend(fontsize=8, markerscale=4)
-    fig.tight_layout()
+    legend_outside(ax, markerscale=4)
     return fig
 
 
@@ -81,17 +80,30 @@ def format_zones(fmt="fp16") -> list[tuple[str, float, float]]:
     return [("underflow", -np.inf, flush), ("subnormal", flush, normal), ("normal", normal, over), ("overflow", over, np.inf)]
 
 
-def shade_zones(ax, fmt="fp16", label: bool = True) -> None:
-    """Shade a log2 x-axis by what fmt does to values there (flush to zero, subnormal, normal, overflow)."""
+def shade_zones(ax, fmt="fp16", label: bool = True, fontsize: float = 8) -> None:
+    """Shade a log2 x-axis by what fmt does to values there (flush to zero, subnormal, normal, overflow).
+
+    Labels never overprint or leave the axes: each is centred on its zone but kept inside the axes,
+    and one that would touch the previous label drops to the next row (bf16's narrow subnormal zone).
+    """
     lo, hi = ax.get_xlim()
+    width_in = ax.get_position().width * ax.figure.get_figwidth()  # axes width in inches (before layout)
+    rows_right: list[float] = []  # right edge (axes fraction) of the last label in each row
     for name, a, b in format_zones(fmt):
         a, b = max(a, lo), min(b, hi)
         if a >= b:
             continue
         ax.axvspan(a, b, color=ZONE_COLORS[name], alpha=0.18, lw=0)
-        if label:
-            ax.text((a + b) / 2, 0.97, name, transform=ax.get_xaxis_transform(), ha="center", va="top",
-                    fontsize=8, color=ZONE_COLORS[name])
+        if not label:
+            continue
+        half = 0.62 * fontsize * len(name) / 72 / width_in / 2 + 0.005  # half the label's width, axes fraction
+        centre = min(max(((a + b) / 2 - lo) / (hi - lo), half), 1 - half)
+        row = next((r for r, right in enumerate(rows_right) if centre - half > right), len(rows_right))
+        if row == len(rows_right):
+            rows_right.append(0.0)
+        rows_right[row] = centre + half
+        ax.text(centre, 0.97 - 0.1 * row, name, transform=ax.transAxes, ha="center", va="top",
+                fontsize=fontsize, color=ZONE_COLORS[name])
     ax.set_xlim(lo, hi)
 
 
@@ -128,7 +140,7 @@ def gradient_histogram(values, fmt="fp16", log2_scales=(0,), bins_per_octave: in
 
 def scale_trajectories(runs: dict[str, tuple[list[float], list[bool]]], title: str = "") -> plt.Figure:
     """log2(scale) over steps for several settings, skipped (overflow) steps marked with dots."""
-    fig, ax = plt.subplots(figsize=(7, 3), dpi=80)
+    fig, ax = plt.subplots(figsize=(7, 3), dpi=80, layout="constrained")
     for label, (scales, overflows) in runs.items():
         steps = np.arange(1, len(scales) + 1)
         with np.errstate(divide="ignore"):
@@ -137,6 +149,54 @@ def scale_trajectories(runs: dict[str, tuple[list[float], list[bool]]], title: s
         skipped = np.asarray(overflows, dtype=bool)
         ax.plot(steps[skipped], y[skipped], ".", color=line.get_color(), ms=5)
     ax.set(xlabel="step", ylabel="log2(scale)", title=title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_outside(ax)
+    return fig
+
+
+def legend_outside(ax, **kwargs) -> None:
+    """A legend right of the axes (with a constrained layout the figure makes room): it never covers data."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False, **kwargs)
+
+
+# Lines that often coincide (fp32 and bf16 loss curves): the first wide and pale, the next dashed, the
+# next dotted with markers, so each stays visible where another runs on top of it.
+_OVERLAP_STYLES = [dict(lw=4.0, alpha=0.4, zorder=2), dict(lw=1.8, ls="--", zorder=3),
+                   dict(lw=1.2, ls=":", marker="o", ms=3, zorder=4), dict(lw=1.0, ls="-.", zorder=5)]
+
+
+def loss_curves(ax, runs: dict, key: str = "loss", steps_taken: bool = False) -> None:
+    """Plot runs[name].<key> per step on ax, styled so that curves lying on top of each other all stay visible.
+
+    Run i gets style i in every panel, so one run looks the same wherever it is drawn. With
+    ``steps_taken`` only finite values of steps that were not skipped are drawn (a skipped step's
+    gradient norm is inf or NaN and would break the line).
+    """
+    for i, (name, hist) in enumerate(runs.items()):
+        style = dict(_OVERLAP_STYLES[i % len(_OVERLAP_STYLES)])
+        values = list(getattr(hist, key))
+        skipped = list(getattr(hist, "skipped", [])) if steps_taken else []
+        steps = [k for k, v in enumerate(values)
+                 if not steps_taken or (np.isfinite(v) and not (k < len(skipped) and skipped[k]))]
+        if "marker" in style:
+            style["markevery"] = max(len(steps) // 12, 1)
+        ax.plot(steps, [values[k] for k in steps], label=name, **style)
+
+
+def training_monitor(runs: dict, scaled: str = "fp16") -> plt.Figure:
+    """Chapter 4's monitor: loss of every run, the loss scale of runs[scaled] with its skipped steps, gradient norms."""
+    if scaled not in runs:
+        raise ValueError(f"scaled must name one of the runs {list(runs)}, got {scaled!r}")
+    h = runs[scaled]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), dpi=80, layout="constrained")
+    loss_curves(axes[0], runs)
+    axes[0].set(xlabel="step", ylabel="loss", title="loss curves")
+    axes[0].legend(fontsize=8)
+    skipped = [k for k, s in enumerate(h.skipped) if s]
+    axes[1].semilogy(h.scale, drawstyle="steps-post", base=2, label="loss scale")
+    axes[1].scatter(skipped, [h.scale[k] for k in skipped], color="C3", zorder=3, label="skipped step")
+    axes[1].set(xlabel="step", ylabel="loss scale", title=f"{scaled} loss scale")
+    axes[1].legend(fontsize=8)
+    loss_curves(axes[2], runs, "grad_norm", steps_taken=True)  # same style per run as the loss panel
+    axes[2].set(xlabel="step", ylabel="true gradient norm", title="gradient norm (steps taken)")
+    axes[2].legend(fontsize=8)
     return fig

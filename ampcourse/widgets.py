@@ -15,6 +15,10 @@ results are attributes, so tests drive it without a browser:
 The figure widgets draw on an Agg figure (``w.fig``) and send PNGs to an ``ipywidgets.Image``
 (``w.image``); a move redraws only what changed (see ``_FigureImage``). ``python -m
 ampcourse.widgets --bench`` times slider moves (benchmarks/README.md).
+
+Two rules every widget here keeps (``_Guarded``): an observer never raises (a value the widget cannot
+use, typed or set from code, shows a message in the widget and the control goes back to its last good
+value), and a stored notebook says "run the cells above" where the live widget will appear.
 """
 
 from __future__ import annotations
@@ -61,7 +65,74 @@ def _fmt(v: float) -> str:
     return repr(v) if not math.isfinite(v) else f"{v:.10g}"
 
 
-class FormatExplorer(W.VBox):
+def _plural(n: int, word: str) -> str:
+    """'1 step', '2 steps'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+# Labels wide enough for GradScaler's argument names ("log2 init_scale", "growth_interval"): the
+# default width cuts them to "log2 init_s...".
+_LABEL = {"description_width": "8.5em"}
+_WIDE = {"width": "24em"}
+# What a stored notebook shows where a widget will be (its saved output has no widget state, so
+# JupyterLab would otherwise say "Error displaying widget: model not found").
+STORED_HINT = "(an interactive widget: run this cell and the cells above it to use it)"
+
+
+class _Guarded:
+    """Mixin for the widgets: observers that never raise, and a text/plain that tells a reader what to do.
+
+    ``self._watch(control, handler)`` observes ``value``. If the handler raises (a seed of -1, a NaN
+    factor set from code, ...), the control goes back to its previous value (which redraws the last good
+    state) and the error is shown in ``self.message``; the next good change clears it.
+    """
+
+    message: W.HTML
+    _reverting = False      # True while a refused value is being put back
+    _reverting_owner = None  # the control being put back: only its own observer runs meanwhile
+    _guard_error = False    # the message shows an error from _recover (the next good change clears it)
+
+    def _watch(self, control: W.Widget, handler) -> None:
+        """Observe control's value through handler, guarded."""
+        control.observe(functools.partial(self._guarded, handler), names="value")
+
+    def _guarded(self, handler, change) -> None:
+        """Run handler; on an error, restore the control's last good value and say why."""
+        if self._reverting and change.get("owner") is not self._reverting_owner:
+            return
+        try:
+            handler(change)
+        except Exception as err:  # noqa: BLE001 (a widget callback must never raise into the kernel)
+            self._recover(change, err)
+            return
+        if self._guard_error and not self._reverting:
+            self._guard_error = False
+            self.message.value = ""
+
+    def _recover(self, change, err: Exception) -> None:
+        """Put the control back to its previous value (redrawing that state) and show the error."""
+        owner, old = change.get("owner"), change.get("old")
+        kept = ""
+        if owner is not None and not self._reverting:
+            self._reverting, self._reverting_owner = True, owner
+            try:
+                owner.value = old
+                kept = f" Kept {html.escape(repr(old))}."
+            except Exception:  # noqa: BLE001 (the old value may be refused too: the message is all that is left)
+                pass
+            finally:
+                self._reverting, self._reverting_owner = False, None
+        self._guard_error = True
+        self.message.value = _error_html(err, kept)
+
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget view plus a text/plain that says how to see it (shown where no widget state is stored)."""
+        data = super()._repr_mimebundle_(**kwargs)  # type: ignore[misc]
+        data["text/plain"] = f"{data.get('text/plain', repr(self))}\n{STORED_HINT}"
+        return data
+
+
+class FormatExplorer(_Guarded, W.VBox):
     """Type or slide a value; see its bits, rounded value and error in every format."""
 
     def __init__(self, value: float = 1.0001, fmts: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")):
@@ -75,8 +146,8 @@ class FormatExplorer(W.VBox):
         self.rows: dict[str, dict] = {}
         self.x = math.nan
         self._syncing = False
-        self.text.observe(self._on_text, names="value")
-        self.slider.observe(self._on_slider, names="value")
+        self._watch(self.text, self._on_text)
+        self._watch(self.slider, self._on_slider)
         super().__init__([W.HBox([self.text, self.slider]), self.message, self.table])
         self._update(self.text.value)
 
@@ -153,23 +224,30 @@ def format_explorer(value: float = 1.0001, fmts: tuple[str, ...] = ("fp32", "fp1
 
 # -- shared by the figure widgets -------------------------------------------------------------------------
 
-def _error_html(err: Exception) -> str:
-    """A visible, escaped error line for the widget (learners see it instead of a traceback)."""
-    return f'<span style="color:#d62728">{html.escape(str(err))}</span>'
+def _error_html(err: Exception, then: str = "") -> str:
+    """A visible, escaped error line for the widget (learners see it instead of a traceback); then: HTML after it."""
+    return f'<span style="color:#d62728">{html.escape(str(err))}{then}</span>'
 
 
 class _FigureImage:
     """An Agg figure (no pyplot, no GUI) rendered into an ipywidgets.Image as PNG.
+
+    Sharpness: the image is shown at a fixed CSS width (figsize x css_dpi pixels; a VBox would
+    otherwise stretch it to the output's width, blurring it ~1.9x) and rendered at pixel_ratio times
+    that, so it stays sharp on HiDPI screens. The layout is "constrained": tick labels at the edges
+    and legends outside the axes are kept inside the figure whenever the static part is redrawn.
 
     Speed: the static part (axes, ticks, zones) is drawn once and cached as a bitmap; an update
     restores it and draws only the artists in ``dynamic`` (blitting). Call ``invalidate()`` after
     changing anything static (limits, labels, zones).
     """
 
-    def __init__(self, figsize: tuple[float, float], dpi: int = 72, css_class: str = ""):
-        self.fig = Figure(figsize=figsize, dpi=dpi)
+    def __init__(self, figsize: tuple[float, float], css_dpi: int = 96, pixel_ratio: int = 2, css_class: str = ""):
+        self.fig = Figure(figsize=figsize, dpi=css_dpi * pixel_ratio, layout="constrained")
         FigureCanvasAgg(self.fig)
-        self.image = W.Image(format="png")
+        width = f"{round(figsize[0] * css_dpi)}px"
+        self.image = W.Image(format="png", layout=W.Layout(width=width, max_width="100%", height="auto",
+                                                          align_self="flex-start"))
         if css_class:
             self.image.add_class(css_class)
         self.dynamic: list = []
@@ -193,8 +271,9 @@ class _FigureImage:
             self.fig.draw_artist(artist)
         width, height = canvas.get_width_height()
         buf = io.BytesIO()
-        PIL.Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1).save(
-            buf, format="png", compress_level=1)  # fast zlib level: the image is small
+        # RGB (the figure is opaque) and a fast zlib level: at 2x pixels the encoding is most of a move's time
+        PIL.Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1).convert("RGB").save(
+            buf, format="png", compress_level=1)
         self.image.value = buf.getvalue()
 
 
@@ -244,13 +323,13 @@ def _as_values(grads) -> np.ndarray:
         return grads.detach().cpu().double().numpy().ravel()
     try:
         return np.asarray(grads, dtype=np.float64).ravel()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float64 (10**400)
         shown = repr(grads) if len(repr(grads)) <= 60 else repr(grads)[:57] + "..."
         raise ValueError("grads must be a tensor, an array of numbers, a list of tensors or a GradientRecord, "
                          f"got {shown}") from None
 
 
-class RangeExplorer(W.VBox):
+class RangeExplorer(_Guarded, W.VBox):
     """Slide the loss scale; watch the gradient histogram move across a format's zones, with live counts."""
 
     BINS_PER_OCTAVE = 4
@@ -268,9 +347,10 @@ class RangeExplorer(W.VBox):
         self._percent = 100 * hist / max(self.values.size, 1)
 
         names = list(dict.fromkeys([self.fmt, "fp16", "bf16", "fp8_e5m2", "fp8_e4m3"]))
-        self.fmt_select = W.Dropdown(options=names, value=self.fmt, description="format")
-        self.slider = W.IntSlider(value=0, min=-24, max=40, description="log2 scale", continuous_update=True)
-        self.text = W.Text(value="1", description="loss scale", continuous_update=False)
+        self.fmt_select = W.Dropdown(options=names, value=self.fmt, description="format", layout={"width": "12em"})
+        self.slider = W.IntSlider(value=0, min=-24, max=40, description="log2 scale", continuous_update=True,
+                                  style=_LABEL, layout=_WIDE)
+        self.text = W.Text(value="1", description="loss scale", continuous_update=False, layout={"width": "14em"})
         self.message = W.HTML()
         self.counts_html = W.HTML()
         self.counts_html.add_class("ampcourse-range-counts")
@@ -281,9 +361,9 @@ class RangeExplorer(W.VBox):
         self.counts: dict[str, int] = {}
         self._syncing = False
         self._build_axes()
-        self.slider.observe(self._on_slider, names="value")
-        self.text.observe(self._on_text, names="value")
-        self.fmt_select.observe(self._on_fmt, names="value")
+        self._watch(self.slider, self._on_slider)
+        self._watch(self.text, self._on_text)
+        self._watch(self.fmt_select, self._on_fmt)
         super().__init__([W.HBox([self.slider, self.text, self.fmt_select]), self.message, self.image, self.counts_html])
         self._update()
 
@@ -295,13 +375,12 @@ class RangeExplorer(W.VBox):
         ax = self.ax
         ax.clear()
         ax.set_xlim(*plots.log2_window(self.fmt))
-        ax.set_ylim(0, max(float(self._percent.max(initial=0)) * 1.25, 1.0))
+        ax.set_ylim(0, max(float(self._percent.max(initial=0)) * 1.4, 1.0))  # headroom for two rows of zone labels
         plots.shade_zones(ax, self.fmt)
         self._stairs = ax.stairs(self._percent, self._edges, fill=True, color="#1f77b4", alpha=0.85)
         ax.set_xlabel(f"log2 |gradient x scale|   (zones: {self.fmt})")
         ax.set_ylabel("% of values")
         ax.set_title(" ", fontsize=9)
-        self.fig.tight_layout()
         self._figure.dynamic = [self._stairs, ax.title]
         self._figure.invalidate()
 
@@ -394,21 +473,23 @@ def _check_simulator_args(steps: int, probability: float, seed: int) -> None:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
 
 
-class ScalerSimulator(W.VBox):
+class ScalerSimulator(_Guarded, W.VBox):
     """GradScaler's four settings and an overflow pattern in, the scale over steps (skipped steps marked) out."""
 
     def __init__(self, steps: int = 6000, probability: float = 5e-4, burst: str = "3000-3005", seed: int = 0):
         _check_simulator_args(steps, probability, seed)
-        self.init_log2 = W.IntSlider(value=16, min=-24, max=40, description="log2 init_scale")
-        self.growth_factor = W.FloatSlider(value=2.0, min=1.05, max=8.0, step=0.05, description="growth_factor")
-        self.backoff_factor = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="backoff_factor")
-        self.growth_interval = W.IntSlider(value=2000, min=1, max=5000, description="growth_interval")
-        self.steps = W.IntSlider(value=steps, min=10, max=20000, step=10, description="steps")
+        label = dict(style=_LABEL, layout=_WIDE)
+        self.init_log2 = W.IntSlider(value=16, min=-24, max=40, description="log2 init_scale", **label)
+        self.growth_factor = W.FloatSlider(value=2.0, min=1.05, max=8.0, step=0.05, description="growth_factor", **label)
+        self.backoff_factor = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="backoff_factor",
+                                            **label)
+        self.growth_interval = W.IntSlider(value=2000, min=1, max=5000, description="growth_interval", **label)
+        self.steps = W.IntSlider(value=steps, min=10, max=20000, step=10, description="steps", **label)
         self.probability = W.FloatLogSlider(value=probability, base=10, min=-5, max=0, description="P(overflow)",
-                                            readout_format=".1e")
+                                            readout_format=".1e", **label)
         self.burst = W.Text(value=burst, description="burst steps", continuous_update=False,
-                            placeholder="e.g. 1000-1020, 4000")
-        self.seed = W.IntText(value=seed, description="seed")
+                            placeholder="e.g. 1000-1020, 4000", **label)
+        self.seed = W.IntText(value=seed, description="seed", **label)
         self.message = W.HTML()
         self.summary_html = W.HTML()
         self.summary_html.add_class("ampcourse-scaler-summary")
@@ -419,8 +500,9 @@ class ScalerSimulator(W.VBox):
         (self._skips,) = self.ax.plot([], [], "|", color="#d62728", ms=9, label="skipped step (overflow)")
         self.ax.set(xlabel="step", ylabel="log2(scale)")
         self.ax.set_title(" ", fontsize=9)
-        self.ax.legend(fontsize=8, loc="lower right")
-        self.fig.tight_layout()
+        # right of the axes: inside, the legend would cover the trajectory wherever the scale goes
+        self.ax.legend(["scale", "skipped step\n(overflow)"], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                       frameon=False, borderaxespad=0.0)
         self._figure.dynamic = [self._line, self._skips, self.ax.title]
         self.overflows: list[bool] = []
         self.scales: list[float] = []
@@ -429,8 +511,8 @@ class ScalerSimulator(W.VBox):
         controls = [self.init_log2, self.growth_factor, self.backoff_factor, self.growth_interval, self.steps,
                     self.probability, self.seed]
         for c in controls:
-            c.observe(self._on_change, names="value")
-        self.burst.observe(self._on_burst, names="value")
+            self._watch(c, self._on_change)
+        self._watch(self.burst, self._on_burst)
         super().__init__([W.HBox([W.VBox(controls[:4]), W.VBox(controls[4:] + [self.burst])]), self.message,
                           self.image, self.summary_html])
         self._update()
@@ -463,8 +545,15 @@ class ScalerSimulator(W.VBox):
         over[burst - 1] = True
         return over.tolist()
 
+    def _check_controls(self) -> None:
+        """ValueError naming the control whose value (typed, or set from code) the simulation cannot use."""
+        _check_simulator_args(self.steps.value, self.probability.value, self.seed.value)
+        scaling.check_scaler_args(2.0 ** self.init_log2.value, self.growth_factor.value, self.backoff_factor.value,
+                                  self.growth_interval.value)
+
     def _update(self) -> None:
         """Simulate GradScaler's scale for the pattern and redraw."""
+        self._check_controls()
         self.overflows = self.pattern()
         self.scales = scaling.simulate_scale(self.overflows, 2.0 ** self.init_log2.value, self.growth_factor.value,
                                              self.backoff_factor.value, self.growth_interval.value)
@@ -480,8 +569,8 @@ class ScalerSimulator(W.VBox):
         self._skips.set_data(steps[skipped], y[skipped])
         self._set_limits(len(steps), float(y.min(initial=0.0)), float(y.max(initial=1.0)))
         self.summary = self._summarize(skipped)
-        self.ax.title.set_text(f"{self.summary['skipped']} of {len(steps)} steps skipped; final scale "
-                               f"{self.summary['final_scale']:.4g}")
+        self.ax.title.set_text(f"{self.summary['skipped']} of {_plural(len(steps), 'step')} skipped; "
+                                     f"final scale {self.summary['final_scale']:.4g}")
         self.summary_html.value = self._summary_html()
         self._figure.render()
 
@@ -514,7 +603,7 @@ class ScalerSimulator(W.VBox):
         """The summary as a small table."""
         s = self.summary
         rec = "never (within the run)" if s["recovery_steps"] is None and s["skipped"] else (
-            "no overflow" if s["recovery_steps"] is None else f"{s['recovery_steps']} steps")
+            "no overflow" if s["recovery_steps"] is None else _plural(s["recovery_steps"], "step"))
         rows = [("skipped steps", f"{s['skipped']}"), ("final scale", f"{s['final_scale']:.6g}"),
                 ("min / max scale", f"{s['min_scale']:.3g} / {s['max_scale']:.3g}"),
                 ("back to the pre-overflow scale after the first overflow", rec)]
@@ -590,7 +679,7 @@ if __name__ == "__main__":
 _OUTLIER_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
 
 
-class OutlierExplorer(W.VBox):
+class OutlierExplorer(_Guarded, W.VBox):
     """Move one outlier and the block size; see each scaling granularity's error (chapter 9).
 
         >>> w = outlier_explorer()
@@ -625,10 +714,13 @@ class OutlierExplorer(W.VBox):
         self.position = W.IntSlider(value=position, min=0, max=cols - 1, description="position")
         self.block = W.Dropdown(options=blocks, value=block_size, description="block size")
         self.table = W.HTML()
+        self.table.add_class("ampcourse-outlier-table")  # for the browser test
+        self.message = W.HTML()  # _Guarded: what a refused value shows
         self.results: dict[str, dict[str, float]] = {}
         for control in (self.element, self.magnitude, self.position, self.block):
-            control.observe(lambda change: self._update(), names="value")
-        super().__init__([W.HBox([self.element, self.block]), W.HBox([self.magnitude, self.position]), self.table])
+            self._watch(control, lambda change: self._update())
+        super().__init__([W.HBox([self.element, self.block]), W.HBox([self.magnitude, self.position]), self.message,
+                          self.table])
         self._update()
 
     def __repr__(self) -> str:

@@ -10,6 +10,9 @@ browser download is not used). Without it the test skips with the reason, except
 where a missing browser is a failure.
 To add a widget chapter: write a `drive_*` function and add a BrowserCase to ALL_CASES; a case runs
 as soon as its notebook exists in chapters/ (test_every_widget_chapter_has_a_browser_case insists).
+
+One case runs a learner copy (`tools/make_student.py`, as `make lab` writes it to workspace/): it must
+open unmodified, and Run All must reach the summary cell with every checker's verdict and no traceback.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
+sys.path.insert(0, str(ROOT / "tools"))
+import make_student  # noqa: E402
+import nbtool  # noqa: E402
+
+STUDENT_CHAPTER = "01_precision_basics.ipynb"  # the learner copy run to the end: quick, with 3 exercises
 ARTIFACTS = ROOT / "artifacts" / "browser"
 CHROMIUM = Path(os.environ.get("AMPCOURSE_CHROMIUM", "/usr/bin/chromium"))  # another Chromium/Chrome: set this
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
@@ -146,6 +154,12 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
     root.mkdir()
     for case in CASES:
         copy_without_outputs(CHAPTERS / case.notebook, root / case.notebook)
+    if (CHAPTERS / STUDENT_CHAPTER).exists():  # the learner copy, where `make lab` puts it
+        make_student.make_student([CHAPTERS / STUDENT_CHAPTER], root / "workspace")
+        # the chapter as stored in git after `nbtool.py clean`, outputs and all (never run in this test)
+        stored = nbtool.clean(nbformat.read(CHAPTERS / STUDENT_CHAPTER, as_version=4))
+        (root / "stored").mkdir()
+        nbformat.write(stored, root / "stored" / STUDENT_CHAPTER)
     port = free_port()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     log = ARTIFACTS / "jupyterlab.log"
@@ -187,16 +201,19 @@ def browser():
 Shoot = Callable[[str], None]
 
 
-def open_and_run_all(page, lab: Lab, notebook: str, timeout_ms: int = 120_000) -> None:
+def open_and_run_all(page, lab: Lab, notebook: str, timeout_ms: int = 120_000, before_run: Callable[[], object] | None = None) -> None:
     """Open a notebook in JupyterLab, wait for its kernel, run all cells from the Run menu, wait for the last."""
     from playwright.sync_api import expect
 
     nb = nbformat.read(lab.root / notebook, as_version=4)
     n_code = sum(1 for c in nb.cells if c.cell_type == "code" and c.source.strip())
     # a workspace of its own per notebook: JupyterLab does not reopen the previous case's tabs
-    page.goto(f"{lab.url}/lab/workspaces/{notebook.removesuffix('.ipynb')}/tree/{notebook}?token={TOKEN}")
+    page.goto(f"{lab.url}/lab/workspaces/{notebook.replace('/', '-').removesuffix('.ipynb')}/tree/{notebook}?token={TOKEN}")
     expect(page.locator(".jp-Notebook .jp-CodeCell")).to_have_count(n_code, timeout=60_000)
     expect(page.get_by_text("| Idle")).to_be_visible(timeout=60_000)  # status bar: "Python 3 (ipykernel) | Idle"
+    if before_run is not None:
+        time.sleep(1.0)  # JupyterLab writes the kernel's language_info just after it connects
+        before_run()
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_text("Run All Cells", exact=True).click()
     # done when every non-empty code cell shows an execution count ("[*]" while queued or running)
@@ -290,12 +307,35 @@ def drive_range_explorer(page, shoot: Shoot) -> None:
     before_counts, before_figure = counts.inner_text(), figure.screenshot()
     shoot("rendered")
 
+    scaler = rendered_widget(page, ".ampcourse-scaler-figure", "scaler_simulator")
+    cut = scaler.locator(".widget-label").evaluate_all(
+        "labels => labels.filter(l => l.textContent && l.scrollWidth > l.clientWidth + 1).map(l => l.textContent)")
+    assert not cut, f"scaler_simulator labels cut off in the browser: {cut}"
+    image = scaler.locator(".ampcourse-scaler-figure").first  # shown at its own width, drawn at twice the pixels
+    natural, shown = image.evaluate("img => [img.naturalWidth, img.getBoundingClientRect().width]")
+    assert natural >= 2 * shown - 2, f"the figure is upscaled: {natural} px drawn, {shown} px shown"
+    out.scroll_into_view_if_needed()
+
     drag_slider(page, out, label="scale")
     expect(counts).not_to_have_text(before_counts)
     deadline = time.monotonic() + 15
     while figure.screenshot() == before_figure:
         assert time.monotonic() < deadline, "the histogram did not change when the loss scale moved"
         time.sleep(0.25)
+    shoot("dragged")
+
+
+def drive_outlier_explorer(page, shoot: Shoot) -> None:
+    """Chapter 9's outlier explorer: drag the outlier's magnitude; the error table changes."""
+    from playwright.sync_api import expect
+
+    out = rendered_widget(page, ".ampcourse-outlier-table", "outlier_explorer")
+    table = out.locator(".ampcourse-outlier-table").first
+    expect(table).to_contain_text("block e8m0")
+    before = table.inner_text()
+    shoot("rendered")
+    drag_slider(page, out, label="outlier")
+    expect(table).not_to_have_text(before)
     shoot("dragged")
 
 
@@ -311,6 +351,7 @@ class BrowserCase:
 ALL_CASES = [
     BrowserCase("01_precision_basics.ipynb", drive_format_explorer, "format_explorer"),
     BrowserCase("06_loss_scaling.ipynb", drive_range_explorer, "range_explorer"),
+    BrowserCase("09_below_16_bits.ipynb", drive_outlier_explorer, "outlier_explorer"),
 ]
 CASES = [c for c in ALL_CASES if (CHAPTERS / c.notebook).exists()]
 
@@ -351,6 +392,75 @@ def test_every_widget_chapter_has_a_browser_case():
         code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
         for name in re.findall(r"\b(\w+_explorer)\(", code):
             assert name in widgets and path.name in cased, f"{path.name} shows {name}: add a BrowserCase for it"
+
+
+@pytest.mark.timeout(180)
+def test_a_stored_chapter_opens_unmodified_and_its_widget_says_run_the_cells(request):
+    """Before any cell runs: no "modified" mark, and "run this cell ..." where the widget will be, not an error."""
+    from playwright.sync_api import expect
+
+    require_browser()
+    lab, browser = request.getfixturevalue("lab"), request.getfixturevalue("browser")
+    from ampcourse.widgets import STORED_HINT
+
+    notebook = f"stored/{STUDENT_CHAPTER}"
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        page.goto(f"{lab.url}/lab/workspaces/stored/tree/{notebook}?token={TOKEN}")
+        expect(page.get_by_text("| Idle")).to_be_visible(timeout=60_000)
+        time.sleep(1.0)  # JupyterLab writes the kernel's language_info just after it connects
+        dirty = page.evaluate("() => [...document.querySelectorAll('.lm-TabBar-tab.jp-mod-dirty')].map(t => t.textContent)")
+        assert dirty == [], f"JupyterLab marked the stored chapter modified on open: {dirty}"
+        hint = page.locator(".jp-OutputArea-output").filter(has_text=STORED_HINT)
+        hint.first.scroll_into_view_if_needed()
+        expect(hint).to_have_count(1)
+        assert page.get_by_text("Error displaying widget").count() == 0
+        page.screenshot(path=str(ARTIFACTS / "stored-01-before-run.png"))
+    finally:
+        context.close()
+        shut_down_kernels(lab)
+
+
+@pytest.mark.timeout(240)
+def test_learner_copy_opens_unmodified_and_run_all_reaches_the_summary(request):
+    """A learner's Run All: a checker that rejects the stub prints its verdict, no traceback, the last cell runs."""
+    from playwright.sync_api import expect
+
+    require_browser()
+    lab, browser = request.getfixturevalue("lab"), request.getfixturevalue("browser")
+    notebook = f"workspace/{STUDENT_CHAPTER}"
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        opened: dict[str, list] = {}
+
+        def run_all_after_checking_clean(page, lab, notebook):
+            open_and_run_all(page, lab, notebook, before_run=lambda: opened.setdefault(
+                "dirty", page.evaluate("() => [...document.querySelectorAll('.lm-TabBar-tab.jp-mod-dirty')]"
+                                       ".map(t => t.textContent)")))
+
+        run_all_after_checking_clean(page, lab, notebook)
+        assert opened["dirty"] == [], f"JupyterLab marked the learner copy modified on open: {opened['dirty']}"
+        outputs = page.locator(".jp-Notebook .jp-OutputArea-output")
+        summary = outputs.filter(has_text="Exercises done:")
+        expect(summary).to_have_count(1)
+        expect(summary).to_contain_text("Exercises done: 0 of 3")
+        verdicts = outputs.filter(has_text="not yet.")
+        expect(verdicts).to_have_count(3)
+        for i in range(3):
+            expect(verdicts.nth(i)).to_contain_text("expected:")
+            expect(verdicts.nth(i)).to_contain_text("hint:")
+        texts = outputs.all_inner_texts()
+        assert not [t for t in texts if "Traceback" in t or "ExerciseError" in t], "a traceback in the learner copy"
+        page.screenshot(path=str(ARTIFACTS / "student-01-run-all.png"), full_page=False)
+    except BaseException:
+        page.screenshot(path=str(ARTIFACTS / "student-01-failure.png"))
+        raise
+    finally:
+        context.close()
+        shut_down_kernels(lab)
 
 
 @pytest.mark.parametrize("ci, outcome", [("", pytest.skip.Exception), ("true", pytest.fail.Exception)])

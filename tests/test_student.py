@@ -1,11 +1,14 @@
-"""Learner copies (`make student`): solutions stubbed, nothing else changed, and the checkers bite.
+"""Learner copies (`make student`, `make lab`): solutions stubbed, nothing else changed, the checkers bite,
+and "Run All" reaches the end.
 
-The execution test runs each learner copy cell by cell in one kernel. After a stubbed solution its
-checker cell must fail; then the chapter's own solution and checker are run in the same kernel and
-must pass, so the rest of the notebook runs on the state the full chapter would have.
+The execution test runs each learner copy top to bottom as JupyterLab's Run All does (a cell ending in
+error stops it, unless tagged raises-exception): every checker must print its verdict without an error,
+and the summary cell must list every exercise as not done. That the same checkers pass with the
+chapter's own solutions is what nbval proves on the chapters (their stored checker outputs show ✅).
 """
 
-import copy
+import importlib
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,18 +16,18 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import make_student  # noqa: E402
-from make_student import STUB, SolutionMarkerError, exercise_cells, is_solution, learner_copy, stub_source  # noqa: E402
+from make_student import (NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerError, exercise_cells, is_solution,  # noqa: E402
+                          learner_copy, stub_source)
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 NUMBERED = [p for p in CHAPTERS if int(p.name[:2]) > 0]  # 00 is the index, not a chapter
 WITH_EXERCISES = [p for p in CHAPTERS if exercise_cells(nbformat.read(p, as_version=4))]
 MIN_EXERCISES = 2
-# What a checker cell may raise when the learner has not written the solution yet.
-STUB_FAILURES = {"ExerciseError", "NameError", "NotImplementedError"}
 
 
 def read(path: Path) -> nbformat.NotebookNode:
@@ -40,6 +43,11 @@ def error_name(cell: nbformat.NotebookNode) -> str | None:
 def stdout(cell: nbformat.NotebookNode) -> str:
     """Everything a code cell printed to stdout."""
     return "".join(o.text for o in cell.get("outputs", []) if o.output_type == "stream" and o.name == "stdout")
+
+
+def added(cell: nbformat.NotebookNode) -> bool:
+    """Whether a cell is one of the two a learner copy adds (the note on top, the summary at the end)."""
+    return bool({NOTE_TAG, SUMMARY_TAG} & set(cell.metadata.get("tags", [])))
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +67,18 @@ def test_stub_keeps_the_def_line_and_docstring_and_uses_the_region_indentation()
     assert stub_source(src) == f'def f(x):\n    """Doc."""\n    {STUB}\n'
 
 
-def test_stub_at_top_level_and_for_several_regions():
-    src = "a = 1\n### BEGIN SOLUTION\nN = 3\n### END SOLUTION\nb = 2\n  ### BEGIN SOLUTION\n  M = 4\n  ### END SOLUTION"
-    assert stub_source(src) == f"a = 1\n{STUB}\nb = 2\n  {STUB}"
+def test_stub_at_top_level_binds_the_answer_to_ellipsis_and_for_several_regions():
+    # a top-level raise would stop Run All; `N = ...` lets the checker give its verdict instead
+    src = ("a = 1\n### BEGIN SOLUTION\nints = range(9)\nN = 3\n### END SOLUTION\nb = 2\n"
+           "def f():\n  ### BEGIN SOLUTION\n  M = 4\n  ### END SOLUTION")
+    assert stub_source(src, "check(N)") == f"a = 1\nN = ...  # your code here\nb = 2\ndef f():\n  {STUB}"
+    assert stub_source(src).split("\n")[1:3] == ["ints = ...  # your code here", "N = ...  # your code here"]
+
+
+def test_top_level_stub_names_classes_and_keeps_helpers_hidden():
+    src = "### BEGIN SOLUTION\nclass Square:\n    pass\nhelper = 1\n### END SOLUTION"
+    assert stub_source(src, "exercises.check_square_function(Square)") == "Square = ...  # your code here"
+    assert stub_source("### BEGIN SOLUTION\nprint(1)\n### END SOLUTION", "check()") == "# your code here"
 
 
 @pytest.mark.parametrize("bad", [
@@ -92,15 +109,24 @@ def test_every_chapter_gets_a_learner_copy(student_dir):
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_learner_copy_changes_only_solutions_and_outputs(path, student_dir):
     full, learner = read(path), read(student_dir / path.name)
-    assert learner.metadata == full.metadata
+    assert learner.metadata.language_info == make_student.kernel_language_info()  # opens unmodified in JupyterLab
+    assert {k: v for k, v in learner.metadata.items() if k != "language_info"} == {
+        k: v for k, v in full.metadata.items() if k != "language_info"}
     assert (learner.nbformat, learner.nbformat_minor) == (full.nbformat, full.nbformat_minor)
-    assert len(learner.cells) == len(full.cells)
-    for i, (a, b) in enumerate(zip(full.cells, learner.cells)):
+    notes = [c for c in learner.cells if NOTE_TAG in c.metadata.get("tags", [])]
+    assert len(notes) == 1 and f"../chapters/{path.name}" in notes[0].source  # the solutions stay one click away
+    summaries = [i for i, c in enumerate(learner.cells) if SUMMARY_TAG in c.metadata.get("tags", [])]
+    assert summaries == ([len(learner.cells) - 1] if exercise_cells(full) else [])
+    kept = [c for c in learner.cells if not added(c)]
+    assert len(kept) == len(full.cells)
+    checker_of = dict(exercise_cells(full))
+    for i, (a, b) in enumerate(zip(full.cells, kept)):
         assert b.cell_type == a.cell_type and b.metadata == a.metadata, f"cell {i}"
         if a.cell_type == "code":
             assert b.outputs == [] and b.execution_count is None, f"cell {i} keeps outputs"
         if is_solution(a):
-            assert b.source == stub_source(a.source) and "SOLUTION" not in b.source, f"cell {i}"
+            check = full.cells[checker_of[i]].source if i in checker_of else None
+            assert b.source == stub_source(a.source, check) and "SOLUTION" not in b.source, f"cell {i}"
         else:
             assert b.source == a.source, f"cell {i} changed"
             rest = lambda c: {k: v for k, v in c.items() if k not in ("outputs", "execution_count")}  # noqa: E731
@@ -124,53 +150,138 @@ def test_stored_checker_outputs_pass(path):
 
 
 def learner_copy_problems(full: nbformat.NotebookNode, learner: nbformat.NotebookNode, cwd: Path) -> list[str]:
-    """Run a learner copy cell by cell; list checkers that accept a stub and cells that break."""
-    checker_of = {c: s for s, c in exercise_cells(full)}
+    """Run a learner copy top to bottom as Run All does; list what stops it and checkers that accept a stub."""
+    checkers = {i for i, c in enumerate(learner.cells) if c.cell_type == "code" and make_student.checker_calls(c)
+                and not added(c)}
+    n_exercises = len(exercise_cells(full))
+    client = NotebookClient(learner, timeout=300, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(cwd)}})  # allow_errors=False: like Run All
+    try:
+        client.execute()
+    except CellExecutionError as err:
+        return [f"Run All stopped: {str(err)[-600:]}"]
     problems = []
-    client = NotebookClient(learner, timeout=300, kernel_name="python3", allow_errors=True,
-                            record_timing=False, resources={"metadata": {"path": str(cwd)}})
-    with client.setup_kernel():
-        for i, cell in enumerate(learner.cells):
-            if cell.cell_type != "code":
-                continue
-            client.execute_cell(cell, i)
-            err = error_name(cell)
-            if i in checker_of:
-                if err not in STUB_FAILURES:
-                    problems.append(f"cell {i}: checker accepted the stub (raised {err}): {stdout(cell)!r}")
-                # the chapter's own solution and checker, in the same kernel: they must pass
-                solution, checker = copy.deepcopy(full.cells[checker_of[i]]), copy.deepcopy(full.cells[i])
-                client.execute_cell(solution, checker_of[i])
-                client.execute_cell(checker, i)
-                if error_name(solution) or error_name(checker) or "✅" not in stdout(checker):
-                    problems.append(f"cell {i}: with the chapter's solution the checker does not pass: {checker.outputs}")
-            elif is_solution(cell):
-                if err not in (None, "NotImplementedError"):
-                    problems.append(f"cell {i}: stubbed solution raised {err}")
-            elif err is not None and "raises-exception" not in cell.metadata.get("tags", []):
-                problems.append(f"cell {i}: raised {err} in the learner copy")
+    for i in sorted(checkers):
+        cell = learner.cells[i]
+        if error_name(cell) or "❌" not in stdout(cell) or "not yet" not in stdout(cell):
+            problems.append(f"cell {i}: checker did not reject the stub with a verdict: {cell.outputs}")
+        elif "expected:" not in stdout(cell) or "hint:" not in stdout(cell):
+            problems.append(f"cell {i}: verdict without expected/hint: {stdout(cell)!r}")
+    last = learner.cells[-1]
+    if n_exercises and (SUMMARY_TAG not in last.metadata.get("tags", [])
+                        or f"Exercises done: 0 of {n_exercises}" not in stdout(last)):
+        problems.append(f"summary cell: {last.outputs}")
     return problems
 
 
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)
-def test_learner_copy_checkers_fail_until_solved(path, student_dir):
+def test_learner_copy_runs_to_the_end_and_every_checker_gives_its_verdict(path, student_dir):
     # cwd = chapters/ as under nbval, so relative paths in a chapter mean the same thing
     problems = learner_copy_problems(read(path), read(student_dir / path.name), path.parent)
     assert not problems, f"{path.name}:\n" + "\n".join(problems)
 
 
 def test_learner_copy_problems_are_reported(tmp_path):
-    """The execution check can fail: a checker passing on a stub, a chapter solution that is wrong."""
+    """The execution check can fail: a checker passing on a stub, a cell that stops Run All."""
     code, tagged = nbformat.v4.new_code_cell, {"tags": ["solution"]}
     full = nbformat.v4.new_notebook()
     full.cells = [
-        code("from ampcourse import exercises\nx = 1e-6  # leaks into the exercise below"),
+        code("from ampcourse import exercises"),
         code("### BEGIN SOLUTION\nx = 2.0**-20\n### END SOLUTION", metadata=tagged),
-        code("exercises.check_subnormal_example(x)"),
-        code("### BEGIN SOLUTION\nN = 255  # wrong: 256 is exact too\n### END SOLUTION", metadata=tagged),
+        code("exercises.check_subnormal_example(2.0**-20)"),  # ignores the learner's answer: accepts the stub
+        code("### BEGIN SOLUTION\nN = 256\n### END SOLUTION", metadata=tagged),
         code("exercises.check_largest_exact_integer(N, 'bf16')"),
-        code("print(N + 1)"),  # needs the solution's state: runs after the chapter's solution is restored
     ]
     problems = learner_copy_problems(full, learner_copy(full), tmp_path)
-    assert [p.split(":")[0] for p in problems] == ["cell 2", "cell 4"], problems
-    assert "accepted the stub" in problems[0] and "does not pass" in problems[1]
+    assert [p.split(":")[0] for p in problems] == ["cell 2", "summary cell"], problems  # 1 of 2 "done"
+    assert "did not reject" in problems[0]
+    full.cells.insert(3, code("print(N + 1)"))  # needs a solution the learner has not written
+    problems = learner_copy_problems(full, learner_copy(full), tmp_path)
+    assert len(problems) == 1 and "Run All stopped" in problems[0] and "NameError" in problems[0], problems
+
+
+# --- the checkers: verdicts in notebooks, ExerciseError in tests --------------------------------
+
+def test_every_checker_is_exported_and_wrapped():
+    """A new chapter's checkers reach the notebook through ampcourse.exercises, wrapped (summary, no traceback)."""
+    from ampcourse import exercises
+    found = []
+    for mod in pkgutil.iter_modules(exercises.__path__):
+        if mod.name.startswith("ch"):
+            module = importlib.import_module(f"ampcourse.exercises.{mod.name}")
+            found += [n for n in dir(module) if n.startswith("check_") and getattr(module, n).__module__ == module.__name__]
+    assert found
+    for name in found:
+        fn = getattr(exercises, name, None)
+        assert fn is not None and name in exercises.__all__, f"{name}: import it in ampcourse/exercises/__init__.py"
+        assert getattr(fn, "_ampcourse_checker", False), f"{name} is not wrapped by _core.checker"
+
+
+def test_outside_a_notebook_a_wrong_answer_raises_and_summary_counts_it(capsys):
+    from ampcourse import exercises
+    with pytest.raises(exercises.ExerciseError, match="expected"):
+        exercises.check_largest_exact_integer(255, "bf16")
+    with pytest.raises(exercises.ExerciseError):
+        exercises.check_fp16_ulp(lambda x: 2.0 ** -10)  # right only near 1
+    exercises.check_largest_exact_integer(256, "bf16")
+    capsys.readouterr()
+    exercises.summary(["check_largest_exact_integer", "check_subnormal_example"])
+    out = capsys.readouterr().out
+    assert "Exercises done: 1 of 2" in out and "✅ Exercise 1.2" in out and "· Exercise 1.3" in out
+    with pytest.raises(ValueError, match="names"):
+        exercises.summary(["check_nothing"])
+
+
+def test_in_a_kernel_a_wrong_answer_prints_its_verdict_and_raising_restores_the_error(tmp_path):
+    code = nbformat.v4.new_code_cell
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [code("from ampcourse import exercises\nexercises.check_largest_exact_integer(255, 'bf16')"),
+                code('def check_demo(x):\n    """Exercise 9.9: a checker that cannot use its answer."""\n    return len(x)\n'
+                     "exercises.checker(check_demo)(...)"),
+                code("with exercises.raising():\n    exercises.check_largest_exact_integer(255, 'bf16')",
+                     metadata={"tags": ["raises-exception"]}),
+                code("exercises.summary()")]
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    first, junk, strict, summary = nb.cells
+    assert error_name(first) is None and "❌ Exercise 1.2" in stdout(first) and "hint:" in stdout(first)
+    assert error_name(junk) is None and "❌ Exercise 9.9" in stdout(junk) and "replace the `...`" in stdout(junk)
+    assert error_name(strict) == "ExerciseError"
+    assert "Exercises done: 0 of 2" in stdout(summary)
+
+
+# --- the learner's workspace (`make lab`) ---------------------------------------------------------
+
+def test_workspace_is_made_once_kept_and_gets_new_chapters(tmp_path):
+    chapters, ws = tmp_path / "chapters", tmp_path / "workspace"
+    chapters.mkdir()
+    for p in CHAPTERS[:2]:
+        (chapters / p.name).write_bytes(p.read_bytes())
+    assert make_student.main([str(p) for p in sorted(chapters.glob("*.ipynb"))] + ["-o", str(ws)]) == 0
+    made = sorted(p.name for p in ws.glob("*.ipynb"))
+    assert made == sorted(p.name for p in CHAPTERS[:2]) and (ws / "README.md").exists()
+
+    mine = ws / CHAPTERS[0].name  # the learner edits and runs a copy ...
+    nb = read(mine)
+    nb.cells.append(nbformat.v4.new_code_cell("my_answer = 42"))
+    nbformat.write(nb, mine)
+    before = mine.read_bytes()
+    (chapters / CHAPTERS[2].name).write_bytes(CHAPTERS[2].read_bytes())  # ... and a new chapter arrives
+    assert make_student.main([str(p) for p in sorted(chapters.glob("*.ipynb"))] + ["-o", str(ws)]) == 0
+    assert mine.read_bytes() == before, "make lab overwrote the learner's copy"
+    assert (ws / CHAPTERS[2].name).exists()
+    assert not list(ws.glob(".*.tmp")), "a temporary file was left behind"
+    assert make_student.main([str(chapters / CHAPTERS[0].name), "-o", str(ws), "--overwrite"]) == 0
+    assert "my_answer" not in mine.read_text()
+
+
+def test_git_ignores_the_workspace():
+    run = subprocess.run(["git", "check-ignore", "workspace/01_precision_basics.ipynb", "workspace/README.md"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, "workspace/ must be in .gitignore: a learner's git pull would conflict with it"
+
+
+def test_binder_opens_the_same_workspace():
+    post_build = (ROOT / "binder/postBuild").read_text()
+    assert "tools/make_student.py -o workspace" in post_build
+    assert "labpath=workspace" in (ROOT / "README.md").read_text()
+    assert "--name python3" in post_build and "--env OMP_NUM_THREADS 1" in post_build

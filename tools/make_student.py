@@ -1,28 +1,45 @@
 """Make learner copies of the chapters: solutions stubbed out, outputs cleared (nbgrader convention).
 
-    python tools/make_student.py                      # chapters/*.ipynb -> student/
+    python tools/make_student.py                      # chapters/*.ipynb -> workspace/ (what `make lab` runs)
     python tools/make_student.py -o /tmp/s chapters/01_precision_basics.ipynb
 
+workspace/ is the learner's own folder (git ignores it): a copy that exists is never overwritten, so
+edits and outputs survive `git pull` and a second `make lab`; a chapter added later is copied in.
+Delete a copy to get a fresh one; `--overwrite` replaces them all.
+
 In a cell tagged ``solution``, every region from a ``### BEGIN SOLUTION`` line to the next
-``### END SOLUTION`` line (both included) becomes ``raise NotImplementedError("your code here")`` at
-the BEGIN line's indentation; the rest of the cell (a ``def`` line, its docstring) stays. Every code
-cell loses its outputs and execution count. Nothing else changes: markdown, tags and notebook metadata
-are kept as they are, so a learner copy differs from its chapter only where a learner has work to do.
+``### END SOLUTION`` line (both included) becomes a stub at the BEGIN line's indentation: inside a
+function, ``raise NotImplementedError("your code here")`` (the ``def`` line and docstring stay); at the
+top level, ``name = ...  # your code here`` for each name the region defines and the checker cell
+uses, so the cell runs and the checker prints its verdict instead of a NameError stopping "Run All".
+Every code cell loses its outputs and execution count; ``language_info`` becomes this interpreter's
+kernel's, so the copy opens unmodified in the learner's JupyterLab. Two cells are added: a note at the top (where
+the full chapter with solutions is) and, after the last cell, ``exercises.summary([...])`` with the
+checkers the notebook calls. Nothing else changes: markdown, tags and the other metadata stay as
+they are, so a learner copy differs from its chapter only where a learner has work to do.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from pathlib import Path
 
 import nbformat
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nbtool import kernel_language_info  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+WORKSPACE = ROOT / "workspace"
 SOLUTION_TAG = "solution"
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("your code here")'
+ANSWER_STUB = "{name} = ...  # your code here"
+TOP_STUB = "# your code here"  # a top-level region that defines nothing the checker reads
+NOTE_TAG, SUMMARY_TAG = "learner-note", "learner-summary"  # the two cells a learner copy adds
 _BEGIN_LINE = re.compile(r"^([ \t]*)### BEGIN SOLUTION[ \t]*$")
 _END_LINE = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
 _CHECKER_CALL = re.compile(r"\bexercises\.(check_\w+)\s*\(")
@@ -54,56 +71,154 @@ def exercise_cells(nb: nbformat.NotebookNode) -> list[tuple[int, int]]:
     return pairs
 
 
-def stub_source(source: str) -> str:
-    """Replace each BEGIN..END SOLUTION region with a NotImplementedError stub at its indentation."""
+def defined_names(code: str) -> list[str]:
+    """Names a top-level block of code binds (assignments, def, class, import), in order."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    names: list[str] = []
+    for node in tree.body:
+        targets: list[ast.AST] = []
+        if isinstance(node, (ast.Assign,)):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names += [(a.asname or a.name).split(".")[0] for a in node.names]
+        for t in targets:
+            names += [n.id for n in ast.walk(t) if isinstance(n, ast.Name)]
+    return list(dict.fromkeys(names))
+
+
+def used_names(code: str) -> set[str]:
+    """Names a piece of code reads."""
+    try:
+        return {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    except SyntaxError:
+        return set()
+
+
+def _top_level_stub(region: list[str], indent: str, wanted: set[str] | None) -> list[str]:
+    """`name = ...` for each name the region binds that the checker reads (all of them if wanted is None)."""
+    names = [n for n in defined_names("\n".join(line[len(indent):] for line in region))
+             if wanted is None or n in wanted]
+    return [indent + ANSWER_STUB.format(name=n) for n in names] or [indent + TOP_STUB]
+
+
+def stub_source(source: str, checker_source: str | None = None) -> str:
+    """Replace each BEGIN..END SOLUTION region with a stub at its indentation (see the module docstring).
+
+    checker_source: the checker cell's code; at the top level only the names it reads get an `...`
+    stub (None: every name the region binds).
+    """
+    wanted = None if checker_source is None else used_names(checker_source)
     out: list[str] = []
+    region: list[str] = []
     indent: str | None = None  # set while inside a region
+    stubs = 0
     for n, line in enumerate(source.split("\n"), start=1):
         begin, end = _BEGIN_LINE.match(line), _END_LINE.match(line)
         if begin:
             if indent is not None:
                 raise SolutionMarkerError(f"line {n}: {BEGIN} inside another solution region")
-            indent = begin.group(1)
-            out.append(indent + STUB)
+            indent, region = begin.group(1), []
         elif end:
             if indent is None:
                 raise SolutionMarkerError(f"line {n}: {END} without a {BEGIN} before it")
-            indent = None
+            # Inside a def the stub raises when called (the checker reports it); at the top level a
+            # raise would end the cell in error and stop "Run All", so the answer's names get `...`.
+            out += [indent + STUB] if indent else _top_level_stub(region, indent, wanted)
+            indent, stubs = None, stubs + 1
         elif indent is None:
             out.append(line)
+        else:
+            region.append(line)
     if indent is not None:
         raise SolutionMarkerError(f"{BEGIN} without a matching {END}")
-    if STUB not in "\n".join(out):
+    if not stubs:
         raise SolutionMarkerError(f"a cell tagged {SOLUTION_TAG!r} has no {BEGIN} ... {END} region")
     return "\n".join(out)
 
 
-def learner_copy(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """A copy of a chapter with solutions stubbed and every output and execution count cleared."""
+def note_cell(name: str) -> nbformat.NotebookNode:
+    """The markdown cell at the top of a learner copy: whose copy it is and where the solutions are."""
+    return nbformat.v4.new_markdown_cell(
+        f"**Your copy** (in `workspace/`, which git ignores: your edits and outputs stay yours, and "
+        f"`make lab` never overwrites them). The exercises' solutions are in the full chapter, "
+        f"[`chapters/{name}`](../chapters/{name}). Delete this file and run `make lab` again for a fresh copy.",
+        metadata={"tags": [NOTE_TAG]})
+
+
+def summary_cell(checkers: list[str]) -> nbformat.NotebookNode:
+    """The code cell at the end of a learner copy: which of its exercises pass."""
+    listed = ", ".join(f'"{c}"' for c in checkers)
+    return nbformat.v4.new_code_cell(
+        "# Your progress: which exercises of this notebook pass (after Run All, or after you rerun a checker).\n"
+        f"from ampcourse import exercises\nexercises.summary([{listed}])",
+        metadata={"tags": [SUMMARY_TAG]})
+
+
+def learner_copy(nb: nbformat.NotebookNode, name: str | None = None) -> nbformat.NotebookNode:
+    """A copy of a chapter with solutions stubbed, outputs cleared, a note on top (if named) and a summary cell."""
     copy = nbformat.from_dict(nb)  # deep copy: the chapter itself is left alone
+    checker_of = dict(exercise_cells(nb))
+    checkers: list[str] = []
     for i, cell in enumerate(copy.cells):
         if cell.cell_type != "code":
             continue
         cell.outputs, cell.execution_count = [], None
         if is_solution(cell):
+            check_src = copy.cells[checker_of[i]].source if i in checker_of else None
             try:
-                cell.source = stub_source(cell.source)
+                cell.source = stub_source(cell.source, check_src)
             except SolutionMarkerError as err:
                 raise SolutionMarkerError(f"cell {i}: {err}") from None
+        if i in checker_of.values():
+            checkers += [c for c in checker_calls(cell) if c not in checkers]
+    if checkers:
+        copy.cells.append(summary_cell(checkers))
+    # JupyterLab marks a notebook modified on open unless its language_info is exactly what the
+    # kernel reports: this interpreter's, the one `make lab` (and Binder) run the kernel with.
+    copy.metadata["language_info"] = kernel_language_info()
+    if name is not None:  # under the title, if the notebook starts with one
+        title = bool(copy.cells) and copy.cells[0].cell_type == "markdown" and copy.cells[0].source.startswith("# ")
+        copy.cells.insert(1 if title else 0, note_cell(name))
     return copy
 
 
-def make_student(notebooks: list[Path], outdir: Path) -> list[Path]:
-    """Write a learner copy of each notebook into outdir (same file names); return their paths."""
+WORKSPACE_README = """\
+# Your workspace
+
+Learner copies of the chapters: the exercises' solutions are replaced by stubs, outputs are cleared,
+and the last cell sums up which exercises pass. Edit and run them freely: git ignores this folder,
+and `make lab` never overwrites a copy that exists (a chapter added later is copied in).
+
+The full chapters, with solutions and stored outputs, are in `../chapters/`. To start a chapter
+afresh, delete its copy here and run `make lab` (or `make student`) again.
+"""
+
+
+def make_student(notebooks: list[Path], outdir: Path, overwrite: bool = False) -> list[Path]:
+    """Write a learner copy of each notebook into outdir (same names), keeping existing copies; return those written."""
     outdir.mkdir(parents=True, exist_ok=True)
+    readme = outdir / "README.md"
+    if not readme.exists():
+        readme.write_text(WORKSPACE_README)
     written = []
     for path in notebooks:
+        target = outdir / path.name
+        if target.exists() and not overwrite:  # the learner's work: never replaced
+            continue
         try:
-            copy = learner_copy(nbformat.read(path, as_version=4))
+            copy = learner_copy(nbformat.read(path, as_version=4), name=path.name)
         except SolutionMarkerError as err:
             raise SolutionMarkerError(f"{path}: {err}") from None
-        target = outdir / path.name
-        nbformat.write(copy, target)
+        tmp = target.with_name(f".{target.name}.tmp")  # a crash mid-write leaves no half copy behind
+        nbformat.write(copy, tmp)
+        tmp.replace(target)
         written.append(target)
     return written
 
@@ -112,19 +227,23 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: write learner copies."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("notebooks", nargs="*", type=Path, help="default: chapters/*.ipynb")
-    ap.add_argument("-o", "--outdir", type=Path, default=ROOT / "student")
+    ap.add_argument("-o", "--outdir", type=Path, default=WORKSPACE)
+    ap.add_argument("--overwrite", action="store_true", help="replace existing copies (their edits are lost)")
     args = ap.parse_args(argv)
     notebooks = args.notebooks or sorted((ROOT / "chapters").glob("*.ipynb"))
     if not notebooks:
         print("no notebooks found in chapters/", file=sys.stderr)
         return 1
     try:
-        written = make_student(notebooks, args.outdir)
+        written = make_student(notebooks, args.outdir, overwrite=args.overwrite)
     except SolutionMarkerError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     for path in written:
         print(f"wrote {path}")
+    kept = len(notebooks) - len(written)
+    if kept:
+        print(f"{args.outdir}: kept {kept} existing learner cop{'y' if kept == 1 else 'ies'} (yours; delete one for a fresh copy)")
     return 0
 
 

@@ -6,11 +6,20 @@
 
 "Clean" means: no execution timestamps, no widget state, no machine paths, a standard python3
 kernelspec, only the cell metadata that means something (tags), and execution counts 1..n.
+
+It also means "opens unmodified in JupyterLab". JupyterLab copies the kernel's ``language_info``
+(kernel_info reply: name, version, mimetype, codemirror_mode, ...) into the notebook when the kernel
+connects; if the stored one differs (a trimmed dict, another Python version), the notebook is marked
+modified on open and autosave writes it back. So ``language_info`` is stored whole, as the kernel that
+executed the notebook reported it (cell ids and nbformat 4.4 do not matter: checked in a browser).
+A widget's output keeps no ``widget-view`` entry: without stored widget state JupyterLab can only show
+"Error displaying widget: model not found" for it; the text/plain left says to run the cells.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -19,6 +28,7 @@ from pathlib import Path
 import nbformat
 
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 KEEP_CELL_METADATA = ("tags",)
 # Absolute paths of the machine that ran the notebook have no place in the course.
 MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|tmp|home|Users|opt|usr)/[\w.+-]+(?:/[\w.+-]+)*")
@@ -34,11 +44,43 @@ def scrub_paths(text: str, repo: Path) -> str:
     return text.replace(str(repo.resolve()) + "/", "")
 
 
+def kernel_language_info() -> dict:
+    """The language_info this interpreter's ipykernel reports (what JupyterLab writes into a notebook)."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    return json.loads(json.dumps(IPythonKernel.language_info))  # a deep copy
+
+
+def language_info(stored: dict | None) -> dict:
+    """The stored language_info if a kernel wrote it whole (after execute), else this interpreter's kernel's."""
+    current = kernel_language_info()
+    return dict(stored) if stored and set(current) <= set(stored) else current
+
+
+def widget_hint() -> str:
+    """The line a widget's text/plain ends with (ampcourse.widgets.STORED_HINT)."""
+    from ampcourse.widgets import STORED_HINT
+
+    return STORED_HINT
+
+
+def clean_widget_output(out: nbformat.NotebookNode) -> None:
+    """Drop a stored widget view (no state is stored: it cannot render) and keep a text/plain that says why."""
+    data = out.get("data", {})
+    if WIDGET_VIEW not in data:
+        return
+    del data[WIDGET_VIEW]
+    hint = widget_hint()
+    text = data.get("text/plain", "")
+    if hint not in text:
+        data["text/plain"] = f"{text}\n{hint}" if text else hint
+
+
 def clean(nb: nbformat.NotebookNode, repo: Path = Path(__file__).resolve().parents[1]) -> nbformat.NotebookNode:
     """Strip timestamps, widget state, per-machine metadata and paths; renumber executed cells."""
     nb.metadata = nbformat.from_dict({
         "kernelspec": KERNELSPEC,
-        "language_info": {"name": "python", "pygments_lexer": "ipython3"},
+        "language_info": language_info(nb.metadata.get("language_info")),
     })
     count = 0
     for cell in nb.cells:
@@ -57,6 +99,7 @@ def clean(nb: nbformat.NotebookNode, repo: Path = Path(__file__).resolve().paren
             if out.get("output_type") == "error":  # nbval ignores tracebacks; readers should not see our paths
                 out.traceback = [scrub_paths(line, repo) for line in out.traceback]
             if out.get("output_type") in ("display_data", "execute_result"):
+                clean_widget_output(out)
                 out.metadata = nbformat.from_dict({k: v for k, v in out.get("metadata", {}).items() if k == "image/png"})
     nb.nbformat, nb.nbformat_minor = 4, 4  # 4.4: no cell ids, so diffs show content, not random ids
     return nb
@@ -78,6 +121,12 @@ def problems(path: Path) -> list[str]:
             found.append(f"code cell {i}: outputs without an execution count")
     if "widgets" in nb.metadata:
         found.append("widget state stored")
+    missing = set(kernel_language_info()) - set(nb.metadata.get("language_info", {}))
+    if missing:
+        found.append(f"language_info lacks {sorted(missing)}: JupyterLab would mark it modified on open (run clean)")
+    for i, c in enumerate(code):
+        if any(WIDGET_VIEW in o.get("data", {}) for o in c.outputs):
+            found.append(f"code cell {i}: a widget view without state (JupyterLab: 'model not found'; run clean)")
     for m in MACHINE_PATH.finditer(ANSI_JSON.sub("", text)):
         found.append(f"machine path {m.group(0)!r}")
     counts = [c.execution_count for c in code if c.execution_count is not None]

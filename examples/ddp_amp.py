@@ -1,0 +1,127 @@
+"""DDP + AMP in one file: autocast, GradScaler and DistributedDataParallel, top to bottom, plain PyTorch.
+
+The same run as ``python -m ampcourse.train --model mlp`` (same model, data, batches and step), written
+out without the course's package so you can read a whole distributed mixed-precision program at once.
+
+    # 1 process (no torchrun needed)
+    python examples/ddp_amp.py --precision fp16 --steps 50
+    # N processes on one node: one per GPU (NCCL), or N CPU processes (gloo) on a machine without GPUs
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 examples/ddp_amp.py --precision fp16
+
+Rank 0 writes the final weights to --out (a state_dict, read back with torch.load(weights_only=True)).
+"""
+
+import argparse
+import contextlib
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16")
+p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+p.add_argument("--steps", type=int, default=50)
+p.add_argument("--global-batch-size", type=int, default=64, help="samples per step, over all ranks")
+p.add_argument("--samples", type=int, default=1024)
+p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+p.add_argument("--lr", type=float, default=1e-3)
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--out", default=None, help="where rank 0 saves the final state_dict")
+args = p.parse_args()
+
+# --- processes: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without torchrun we are rank 0 of 1 ---
+ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+rank = int(os.environ.get("RANK", 0))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else "cpu")
+if ddp:
+    if device_type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL starts: each process owns one GPU
+    # A bounded timeout: a rank that dies must not leave the others waiting forever in a collective.
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120))
+
+# --- precision, chosen once: the autocast dtype, and a GradScaler that is on only for fp16 ---
+amp_dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.precision]
+autocast = (torch.amp.autocast(device_type=device_type, dtype=amp_dtype) if amp_dtype is not None
+            else contextlib.nullcontext())
+# bf16 has fp32's exponent range, so only fp16 needs loss scaling (a disabled scaler passes values through)
+scaler = torch.amp.GradScaler(device_type, enabled=args.precision == "fp16")
+
+
+# --- the model: the course's MLP (two hidden layers, GELU) ---
+class MLP(nn.Module):
+    def __init__(self, in_features=32, hidden=64, classes=10):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                                 nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(args.seed)  # every rank builds the same initial weights (DDP also broadcasts rank 0's)
+    model = MLP()
+model = model.to(device)  # weights stay fp32: autocast makes low-precision copies per op
+net = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None) if ddp else model
+
+# --- the data: Gaussian inputs labelled by a fixed random teacher (the same on every rank) ---
+gen = torch.Generator().manual_seed(args.seed)
+xs = torch.randn(args.samples, 32, generator=gen)
+ys = (xs @ torch.randn(32, 10, generator=gen)).argmax(1)
+
+
+def local_batch(step):
+    """This rank's slice of the global batch of `step`: a seeded permutation per epoch, cut into batches."""
+    per_epoch = args.samples // args.global_batch_size
+    epoch, pos = divmod(step, per_epoch)
+    mixed = (args.seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) % (2**63)  # one stream per epoch
+    perm = torch.randperm(args.samples, generator=torch.Generator().manual_seed(mixed))
+    batch = perm[pos * args.global_batch_size:(pos + 1) * args.global_batch_size]
+    local = args.global_batch_size // world_size
+    idx = batch[rank * local:(rank + 1) * local]
+    return xs[idx].to(device), ys[idx].to(device)
+
+
+if args.optimizer == "adamw":
+    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)  # as ampcourse.train's default
+else:
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr)
+assert args.global_batch_size % world_size == 0, "the global batch must divide by the number of processes"
+
+# --- the loop: one AMP step per iteration, the same on every rank ---
+torch.manual_seed(args.seed)
+for step in range(args.steps):
+    x, y = local_batch(step)
+    optimizer.zero_grad(set_to_none=True)
+    with autocast:  # forward and loss only; backward runs outside autocast (it follows the forward's dtypes)
+        loss = F.cross_entropy(net(x), y)
+    # DDP all-reduces (averages) the SCALED fp32 gradients during backward, bucket by bucket
+    scaler.scale(loss).backward()
+    # After the all-reduce every rank holds the same gradients: an inf on any rank is now on every rank,
+    # so unscale_ finds it everywhere, every rank skips the step, and the replicas stay identical.
+    scaler.unscale_(optimizer)  # .grad now holds true gradients (clip here if you clip)
+    scaler.step(optimizer)  # skips optimizer.step() if unscale_ found inf/nan
+    scaler.update()  # halve the scale after a skip; double it after 2000 clean steps
+    if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+        # loss.item() syncs with the GPU: fine every 10 steps, wasteful every step
+        print(f"step {step:4d}  loss (rank 0's slice) {loss.item():.4f}  scale {scaler.get_scale():g}")
+
+# --- the end: rank 0 saves; everyone waits for it, then the process group goes down ---
+if rank == 0 and args.out:
+    torch.save(model.state_dict(), args.out)  # the module's keys, without DDP's "module." prefix
+if ddp:
+    dist.barrier()  # nobody shuts down while rank 0 is still writing
+    dist.destroy_process_group()
+    # DDP still references the group, whose threads can crash interpreter shutdown (pytorch/pytorch#179291);
+    # everything is saved, so leave without it
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,222 @@
+"""Chapter 7's distributed exercises (7.3-7.6): each checker runs the learner's function on 2 CPU ranks under
+torchrun, accepts the reference solution and rejects typical wrong ones with a hint that names the bug.
+
+Several solutions share one torchrun launch (the checkers' judge_* functions read one case each), so the
+whole file costs a few launches (~1 minute on a 2-core machine). A hang ends with a verdict, and nothing is
+left running.
+"""
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+
+from ampcourse.exercises import ExerciseError, ch07
+from ampcourse.exercises._torchrun import learner_source, run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def variants(fn, **edits) -> dict:
+    """{name: (source, function name)}: the reference `fn` and copies with text replaced (the wrong answers)."""
+    src = inspect.getsource(fn)
+    out = {"right": (src, fn.__name__)}
+    for name, pairs in edits.items():
+        changed = src
+        for old, new in pairs:
+            assert old in changed, old
+            changed = changed.replace(old, new)
+        out[name] = (changed, fn.__name__)
+    return out
+
+
+def verdict(judge, res, name, capsys) -> str:
+    """What the judge printed for one case; raises if it passed a wrong one."""
+    judge(name, res, name)
+    return capsys.readouterr().out
+
+
+def rejects(judge, res, name, hint, capsys) -> None:
+    with pytest.raises(ExerciseError, match=hint):
+        judge(name, res, name)
+    assert "❌" in capsys.readouterr().out
+
+
+# --- 7.3 ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dp_launch():
+    cases = variants(ch07.reference_rank_step,
+                     check_first=[("    scaler.scale(loss).backward()\n",
+                                   "    scaler.scale(loss).backward()\n    scaler.unscale_(optimizer)\n")],
+                     summed=[("        p.grad /= world\n", "")],
+                     twice=[("loss = loss_fn(model(x), y)", "loss = loss_fn(model(x), y) / dist.get_world_size()")],
+                     local=[("        dist.all_reduce(p.grad)", "        pass")])
+    return run_on_ranks("7.3", "ampcourse.exercises.ch07:_run_dp", {"reference": cases["right"], **cases})
+
+
+def test_rank_step_accepts_the_reference(dp_launch, capsys):
+    assert dp_launch.nproc == 2 and dp_launch.device == "cpu"
+    assert "✅" in verdict(ch07.judge_rank_step, dp_launch, "right", capsys)
+
+
+@pytest.mark.parametrize("name,hint", [
+    ("check_first", r"rank 0 stepped \(weights now NaN\), rank 1 skipped"),
+    ("summed", "2x too large: all_reduce SUMS"),
+    ("twice", "averaged twice"),
+    ("local", "all-reduce every gradient"),
+])
+def test_rank_step_rejects(dp_launch, name, hint, capsys):
+    rejects(ch07.judge_rank_step, dp_launch, name, hint, capsys)
+
+
+# --- 7.4 ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compress_launch():
+    cases = variants(ch07.reference_compressed_ddp,
+                     nodiv=[(".div_(dist.get_world_size())", "")],
+                     fp16=[("buffer.to(torch.bfloat16)", "buffer.to(torch.float16)")],
+                     nohook=[("ddp.register_comm_hook(None, bf16_hook)", "pass")],
+                     builtin=[("ddp.register_comm_hook(None, bf16_hook)",
+                               "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
+                               "    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)")])
+    return run_on_ranks("7.4", "ampcourse.exercises.ch07:_run_compress", cases)
+
+
+def test_compressed_ddp_accepts_the_reference(compress_launch, capsys):
+    out = verdict(ch07.judge_compressed_ddp, compress_launch, "right", capsys)
+    assert "✅" in out and "half the bytes" in out
+
+
+@pytest.mark.parametrize("name,hint", [
+    ("nodiv", "2x DDP's: the hook must return the MEAN"),
+    ("fp16", "send bf16"),
+    ("nohook", "register a communication hook"),
+    ("builtin", "runs on NCCL only"),  # on gloo; on NCCL the built-in hook is a right answer
+])
+def test_compressed_ddp_rejects(compress_launch, name, hint, capsys):
+    rejects(ch07.judge_compressed_ddp, compress_launch, name, hint, capsys)
+
+
+# --- 7.5 ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp_launch():
+    cases = variants(ch07.reference_shard,
+                     fp16=[("torch.bfloat16", "torch.float16")],
+                     fp32=[("param_dtype=torch.bfloat16", "param_dtype=torch.float32")],
+                     root_only=[("    for block in model.blocks:", "    for block in []:")])
+    return run_on_ranks("7.5", "ampcourse.exercises.ch07:_run_fsdp", {"reference": cases["right"], **cases})
+
+
+def test_fsdp_policy_accepts_the_reference(fsdp_launch, capsys):
+    assert "✅" in verdict(ch07.judge_fsdp_policy, fsdp_launch, "right", capsys)
+
+
+@pytest.mark.parametrize("name,hint", [
+    ("fp16", "flush to zero"),
+    ("fp32", "all-gathered weights are fp32"),
+    ("root_only", "the whole model is gathered at once"),
+])
+def test_fsdp_policy_rejects(fsdp_launch, name, hint, capsys):
+    rejects(ch07.judge_fsdp_policy, fsdp_launch, name, hint, capsys)
+
+
+# --- 7.6 ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def restart_launch():
+    # one torchrun round per case: case i is killed in round i (--max-restarts = number of cases)
+    cases = variants(ch07.reference_train_restartable,
+                     every_rank=[("if dist.get_rank() == 0:", "if True:"),
+                                 ('torch.save(state, path + ".tmp")', "torch.save(state, path)"),
+                                 ('os.replace(path + ".tmp", path)', "pass")],
+                     no_scaler=[('scaler.load_state_dict(state["scaler"])', "pass")],
+                     no_barrier=[("dist.barrier()", "pass")],
+                     # torn last: its restarted ranks fail to load, which ends that case on every rank alike
+                     torn=[('torch.save(state, path + ".tmp")', "torch.save(state, path)"),
+                           ('os.replace(path + ".tmp", path)', "pass"), ("dist.barrier()", "pass")])
+    return run_on_ranks("7.6", "ampcourse.exercises.ch07:_run_restartable", cases, max_restarts=len(cases),
+                        timeout=240)
+
+
+def test_restartable_accepts_the_reference(restart_launch, capsys):
+    assert restart_launch.restarts == 5
+    assert "✅" in verdict(ch07.judge_restartable, restart_launch, "right", capsys)
+
+
+@pytest.mark.parametrize("name,hint", [
+    ("every_rank", "save on rank 0 only"),
+    ("no_scaler", "GradScaler's state_dict"),
+    ("no_barrier", "resumed at step 3: the newest checkpoint was not complete"),
+    ("torn", "a torn file. Put dist.barrier"),
+])
+def test_restartable_rejects(restart_launch, name, hint, capsys):
+    rejects(ch07.judge_restartable, restart_launch, name, hint, capsys)
+
+
+# --- the launcher --------------------------------------------------------------------------------
+
+def running_workers() -> set[int]:
+    """PIDs of live exercise workers (their command line names this module)."""
+    pids = set()
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"ampcourse.exercises._torchrun" in cmd.read_bytes():
+                pids.add(int(cmd.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_hang_ends_with_a_verdict_and_no_process_left(capsys):
+    """Rank 1 never reaches the all-reduce: rank 0 waits in it until dist_timeout, then reports; the launch is
+    killed after `timeout` s and the verdict names rank 1."""
+    src = inspect.getsource(ch07.reference_rank_step).replace(
+        "    scaler.scale(loss).backward()\n",
+        "    if dist.get_rank() == 1:  # a rank stuck outside the collectives\n"
+        "        __import__('time').sleep(600)\n    scaler.scale(loss).backward()\n")
+    before = running_workers()
+    with pytest.raises(ExerciseError, match="a hang: rank 1 never finished"):
+        run_on_ranks("hang", "ampcourse.exercises.ch07:_run_dp", {"yours": (src, "reference_rank_step")}, timeout=20,
+                     dist_timeout=5)
+    out = capsys.readouterr().out
+    assert "never reaches" in out and "❌" in out and "rank 0:" in out  # rank 0 gave up waiting in the all-reduce
+    assert not (running_workers() - before), "workers left running after the hang"
+
+
+def stub(model, loss_fn, x, y, optimizer, scaler):
+    """A learner's stub."""
+    raise NotImplementedError
+
+
+def test_stub_and_non_functions_fail_without_a_launch(capsys):
+    with pytest.raises(ExerciseError, match="NotImplementedError"):
+        learner_source("t", stub)
+    with pytest.raises(ExerciseError, match="pass the function itself"):
+        learner_source("t", 3)
+    with pytest.raises(ExerciseError, match="define it with `def"):
+        learner_source("t", lambda x: x)
+
+
+def test_nproc_is_checked():
+    with pytest.raises(ValueError, match="nproc must be an int >= 1"):
+        run_on_ranks("t", "ampcourse.exercises.ch07:_run_dp", {}, nproc=0)
+    assert os.environ.get("RANK") is None  # the checkers run in the notebook's process, not under torchrun
+
+
+def test_one_process_per_gpu_when_cuda_is_there(monkeypatch):
+    """N = the GPU count on a GPU node (NCCL), 2 CPU processes without CUDA; a bad device name is refused."""
+    from ampcourse.exercises._torchrun import default_nproc
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    assert default_nproc(None) == (4, "cuda") and default_nproc("cpu") == (2, "cpu")
+    with pytest.raises(ValueError, match="nproc=8 but this node has 4 GPUs"):
+        run_on_ranks("t", "ampcourse.exercises.ch07:_run_dp", {}, nproc=8, device="cuda")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert default_nproc(None) == (2, "cpu")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or None"):
+        default_nproc("tpu")
