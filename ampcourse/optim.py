@@ -66,8 +66,8 @@ class BF16AdamW(torch.optim.Optimizer):
         rounding = _args.choice(rounding, "rounding", ROUNDINGS)
         lr = _args.real(lr, "lr", positive=True, what="a positive finite number")
         betas = _betas(betas)
-        eps = _args.real(eps, "eps", positive=True)
-        weight_decay = _args.real(weight_decay, "weight_decay", nonnegative=True)
+        eps = _args.real(eps, "eps", positive=True, what="> 0 (a finite number)")
+        weight_decay = _args.real(weight_decay, "weight_decay", nonnegative=True, what=">= 0 (a finite number)")
         seed = _args.seed(seed)
         try:
             super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
