@@ -1307,7 +1307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = (str(err).splitlines() or [""])[0]
         print(f"ampcourse.doctor: error: examining {args.model!r} failed with {type(err).__name__}: {first} "
               "(call ampcourse.doctor.examine in Python to see the traceback)", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
