@@ -1272,7 +1272,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the doctor from the command line; 0 on success, 2 with one line on stderr for bad input."""
     from .models import MODELS
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return done.code if isinstance(done.code, int) else 2
     try:
         for flag, path in (("--out", args.out), ("--html", args.html)):  # before the work, not after it
             if path is not None:

@@ -628,3 +628,96 @@ def test_scaler_simulator_burst_box():
 def test_the_table_is_large_enough():
     """The issue asks for at least 50 bad inputs; the widget tests above add 14 typed values."""
     assert len(API) + len(CLI) + len(WORKER_CLI) >= 50
+
+
+# --- numbers held as numpy scalars or 0-d tensors: accepted, with the result the Python number gives (issue 12) -----
+
+def _same(a, b) -> bool:
+    """Equal results, tensors compared exactly (torch.equal), containers element by element."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(_same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    return a == b and type(a) is type(b)
+
+
+def _adamw_step(**kw) -> torch.Tensor:
+    """One BF16AdamW step on a fixed bf16 weight with a fixed gradient: the new weight."""
+    w = torch.nn.Parameter(torch.linspace(-1, 1, 64).to(torch.bfloat16))
+    opt = optim.BF16AdamW([w], **kw)
+    w.grad = torch.linspace(1, -1, 64).to(torch.bfloat16)
+    opt.step()
+    return w.detach().clone()
+
+
+X = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+NUMPY_AND_TENSOR_NUMBERS = {
+    "quantize_scaled block_size": lambda n: fp8.quantize_scaled(X, "fp8_e4m3", "mx", block_size=n(16)),
+    "simulate_scaling history, margin": lambda n: fp8.simulate_scaling(fp8.spike_sequence(6, 3, size=8), history=n(2), margin=n(1)),
+    "spike_sequence steps, spike_at, spike, size, seed": lambda n: fp8.spike_sequence(n(5), n(2), n(10.0), n(8), n(3)),
+    "train_recipe steps, batch, seed": lambda n: fp8.train_recipe("fp32", steps=n(2), batch=n(2), seed=n(1)),
+    "Component per": lambda n: fp8.Component("scale", "fp32", n(128)).bytes,
+    "BF16AdamW lr, betas, eps, weight_decay, seed": lambda n: _adamw_step(lr=n(0.5), betas=(n(0.5), n(0.75)), eps=n(0.25),
+                                                                           weight_decay=n(0.125), rounding="stochastic", seed=n(7)),
+    "saved_bytes batch, seed": lambda n: bench.saved_bytes(["mlp"], batch=n(4), seed=n(0)),
+    "matmul sizes, repeats, seed (sizes come back as ints)": lambda n: [
+        (r["dtype"], r["n"]) for r in bench.matmul_tflops("cpu", ["fp32"], [n(8)], min_run_time=n(0.001), repeats=n(1), seed=n(0))],
+    "fraction_of_peak reference_n": lambda n: bench.fraction_of_peak(
+        [{"dtype": "bf16", "n": 8, "tflops": 1.0}, {"dtype": "bf16", "n": 16, "tflops": 2.0}], "bf16", n(8))["fraction_of_peak"],
+    "Log2Hist.counts scale": lambda n: doctor.Log2Hist.merge(doctor.Log2Hist(), _hist()).counts(n(2.0**10)),
+    "outlier_explorer magnitude, position, block_size": lambda n: widgets.outlier_explorer(
+        magnitude=n(3), position=n(7), block_size=n(16)).results,
+    "scaler_simulator steps, probability, seed": lambda n: widgets.scaler_simulator(steps=n(200), probability=n(0.0625),
+                                                                                      seed=n(3)).scales,
+    "format_explorer value": lambda n: widgets.format_explorer(n(1.5)).rows,
+}
+
+
+def _hist() -> doctor.Log2Hist:
+    h = doctor.Log2Hist()
+    h.add(torch.logspace(-30, 4, 200))
+    return h
+
+
+@pytest.mark.parametrize("holder", ["numpy", "0-d tensor"])
+@pytest.mark.parametrize("name", NUMPY_AND_TENSOR_NUMBERS)
+def test_numpy_scalars_and_0d_tensors_give_the_python_numbers_result(name, holder):
+    def held(v):
+        if holder == "numpy":
+            return np.int64(v) if isinstance(v, int) else np.float64(v)
+        return torch.tensor(v, dtype=torch.int64 if isinstance(v, int) else torch.float64)
+
+    call = NUMPY_AND_TENSOR_NUMBERS[name]
+    assert _same(call(lambda v: v), call(held)), name
+
+
+def test_autocast_op_table_takes_a_torch_device_like_its_name():
+    by_name = autocast_ops.op_table("cpu", torch.bfloat16, autocast_ops.OPS[:3])
+    assert by_name == autocast_ops.op_table(torch.device("cpu"), torch.bfloat16, autocast_ops.OPS[:3])
+
+
+# --- the bench and doctor command lines from a shell: one line on stderr, exit status 2, no traceback ----------------
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("ampcourse.bench", ["--out", "{tmp}/b", "--quick", "--seed", str(2**64)], "seed must be an int >= 0 and < 2**64"),
+    ("ampcourse.bench", ["--out", "{tmp}/b", "--threads", "x"], "argument --threads: invalid int value: 'x'"),
+    ("ampcourse.bench", ["--quick"], "the following arguments are required: --out"),
+    ("ampcourse.doctor", ["--model", "mlp", "--seed", str(2**64)], "--seed must be an int >= 0 and < 2**64"),
+    ("ampcourse.doctor", ["--model", "mlp", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_cli_bad_flags_from_a_shell(module, argv, message, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", module, *[a.replace("{tmp}", str(tmp_path)) for a in argv]],
+                         capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent, env=env)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{module}: error:") and message in lines[0], run.stderr
+    assert list(tmp_path.iterdir()) == [], "the refused run left files behind"
