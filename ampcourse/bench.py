@@ -30,7 +30,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -258,6 +258,24 @@ def _is_size(n) -> bool:
         return False
 
 
+def _rows(rows, keys: set[str], name: str = "rows") -> Sequence[Mapping]:
+    """rows as given, if it is a list of dicts holding keys (what matmul_tflops returns); ValueError naming it otherwise."""
+    if (isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence)
+            or not all(isinstance(r, Mapping) and keys <= r.keys() for r in rows)):
+        raise ValueError(f"{name} must be a list of dicts with keys {', '.join(sorted(keys))} (as matmul_tflops returns), "
+                         f"got {_args.shown(rows)}")
+    return rows
+
+
+def _report(report) -> Mapping:
+    """report as given, if it is a dict with run()'s sections; ValueError naming what is missing otherwise."""
+    missing = {"env", "config", "matmul", "train_step", "saved_bytes", "targets"} - set(report if isinstance(report, Mapping) else ())
+    if not isinstance(report, Mapping) or missing:
+        raise ValueError(f"report must be a dict as run() returns (missing: {', '.join(sorted(missing))}), "
+                         f"got {_args.shown(report)}")
+    return report
+
+
 def fraction_of_peak(rows: Sequence[dict], dtype: str = "bf16", reference_n: int = PEAK_REFERENCE_N,
                      device_name: str = "") -> dict:
     """TFLOP/s of the reference size as a fraction of a peak measured separately: the best of the larger sizes.
@@ -269,6 +287,7 @@ def fraction_of_peak(rows: Sequence[dict], dtype: str = "bf16", reference_n: int
     """
     dtype = _args.choice(dtype, "dtype", tuple(_DTYPES))
     reference_n = _args.integer(reference_n, "reference_n", low=1)
+    rows = _rows(rows, {"dtype", "n", "tflops"})
     mine = {r["n"]: r["tflops"] for r in rows if r["dtype"] == dtype}
     if reference_n not in mine:
         raise ValueError(f"no {dtype} row for n={reference_n}; measured sizes: {sorted(mine)}")
@@ -285,6 +304,7 @@ def fraction_of_peak(rows: Sequence[dict], dtype: str = "bf16", reference_n: int
 
 def speedup_sentence(rows: Sequence[dict], dtype: str, baseline: str = "fp32") -> str:
     """'bf16 is 3.1x faster than fp32 here (n=512)': read from the largest size both dtypes measured (+-10%: 'about as fast')."""
+    rows = _rows(rows, {"dtype", "n", "seconds"})
     by = {(r["dtype"], r["n"]): r["seconds"] for r in rows}
     common = [n for (d, n) in by if d == dtype and (baseline, n) in by]
     if not common:
@@ -624,6 +644,8 @@ def load_gpu_report(path: str | Path | None = None) -> dict | None:
 
 def gpu_report_lines(report: dict) -> list[str]:
     """A recorded GPU report as lines for a notebook: machine, torch, date, then each goal's figure."""
+    if not isinstance(report, Mapping) or not isinstance(report.get("machine", {}), Mapping):
+        raise ValueError(f"report must be a dict as load_gpu_report returns, got {_args.shown(report)}")
     m = report.get("machine", {})
     lines = [f"recorded GPU run: {m.get('device', 'unknown GPU')} ({m.get('capability', '?')}), torch {m.get('torch')} "
              f"(CUDA {m.get('cuda')}), {str(report.get('started', ''))[:10]}, status {report.get('status')}"]
@@ -636,6 +658,7 @@ def gpu_report_lines(report: dict) -> list[str]:
 
 def plot_matmul(rows: Sequence[dict], ax=None):
     """TFLOP/s against matrix size, one line per dtype."""
+    rows = _rows(rows, {"dtype", "n", "tflops"})
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -659,6 +682,8 @@ _SAVER_GROUPS = (("NativeLayerNorm", "layer norm"), ("NativeBatchNorm", "batch n
 
 def saver_group(saver: str) -> str:
     """A readable group for an autograd node name: 'NativeLayerNormBackward0' -> 'layer norm'."""
+    if not isinstance(saver, str):
+        raise ValueError(f"saver must be an autograd node name (str) such as 'AddmmBackward0', got {_args.shown(saver)}")
     for prefix, group in _SAVER_GROUPS:
         if saver.startswith(prefix):
             return group
@@ -667,6 +692,9 @@ def saver_group(saver: str) -> str:
 
 def plot_saved(runs: dict[str, memory.SavedBytes], ax=None):
     """Stacked bars of bytes saved for backward, one bar per run, split by the layer type that saved them."""
+    if not isinstance(runs, Mapping) or not runs or not all(isinstance(v, memory.SavedBytes) for v in runs.values()):
+        raise ValueError(f"runs must be a non-empty dict {{label: SavedBytes}} (memory.forward_saved_bytes results), "
+                         f"got {_args.shown(runs)}")
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -702,6 +730,7 @@ def _bars(ax, labels: Sequence[str], series: dict[str, Sequence[float]], ylabel:
 
 def plot(report: dict):
     """Three panels: matmul TFLOP/s, ms per train step, saved-for-backward bytes as a fraction of fp32."""
+    report = _report(report)
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), dpi=80)
@@ -724,6 +753,7 @@ def plot(report: dict):
 
 def summary(report: dict) -> str:
     """The report as a few human-readable lines."""
+    report = _report(report)
     prec = report["config"]["precision"]
     lines = [f"device: {report['env']['device_name']}  torch {report['env']['torch']}  "
              f"cpu flags: {' '.join(report['env']['cpu_flags']) or '-'}", "", "matmul TFLOP/s:"]

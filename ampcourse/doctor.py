@@ -162,6 +162,8 @@ class Log2Hist:
 
     def merge(self, other: Log2Hist) -> Log2Hist:
         """A new histogram holding the counts of both."""
+        if not isinstance(other, Log2Hist):
+            raise ValueError(f"other must be a Log2Hist, got {_args.shown(other)}")
         out = Log2Hist()
         for h in (self, other):
             if h._bins is not None:

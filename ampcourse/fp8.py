@@ -318,6 +318,11 @@ class TrainingScheme:
     components: tuple[Component, ...]
     source: str
 
+    def __post_init__(self) -> None:
+        if isinstance(self.components, Component) or not all(isinstance(c, Component) for c in self.components):
+            raise ValueError(f"components must be a tuple of Component, got {_args.shown(self.components)}")
+        object.__setattr__(self, "components", tuple(self.components))
+
     @property
     def bytes(self) -> float:
         """Total bytes per parameter."""

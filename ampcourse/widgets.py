@@ -623,8 +623,7 @@ def scaler_simulator(steps: int = 6000, probability: float = 5e-4, burst: str = 
 
 def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
     """Milliseconds per slider move (median, p90) while dragging each control, cached axes vs full redraws, interleaved."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    repeats = _args.integer(repeats, "repeats", low=1)  # numpy ints and 0-d tensors too
     drag = lambda lo, hi, step: [round(lo + i * step, 10) for i in range(int(round((hi - lo) / step)) + 1)]
     cases = {"format_explorer: log10 abs(x) slider": (format_explorer(), "slider", drag(-9, 6, 0.25)),
              "range_explorer: log2 scale slider": (range_explorer(), "slider", drag(-24, 40, 1)),

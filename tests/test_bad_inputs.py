@@ -320,6 +320,13 @@ API = {
     "bench.run seed 2**64": Row(lambda t: bench.run("cpu", "bf16", quick=True, seed=2**64), str(2**64), "seed must be"),
     "fraction_of_peak dtype int8": Row(lambda t: bench.fraction_of_peak([], "int8"), "'int8'", "fp32, tf32, bf16, fp16"),
     "fp32_math tf32 'yes'": Row(lambda t: bench.fp32_math("yes").__enter__(), "'yes'", "tf32 must be True or False"),
+    "fraction_of_peak rows of text": Row(lambda t: bench.fraction_of_peak("rows"), "'rows'", "list of dicts with keys dtype, n, tflops"),
+    "speedup_sentence rows missing seconds": Row(lambda t: bench.speedup_sentence([{"dtype": "fp32", "n": 8}], "bf16"),
+                                                 "[{'dtype': 'fp32', 'n': 8}]", "keys dtype, n, seconds"),
+    "summary of an empty dict": Row(lambda t: bench.summary({}), "got {}", "report must be a dict as run\\(\\) returns"),
+    "plot_saved of a list": Row(lambda t: bench.plot_saved([1]), "[1]", r"dict \{label: SavedBytes\}"),
+    "TrainingScheme of text": Row(lambda t: fp8.TrainingScheme("x", "fp32", "me"), "'fp32'", "tuple of Component"),
+    "Log2Hist.merge a tensor": Row(lambda t: doctor.Log2Hist().merge(torch.ones(2)), "tensor", "other must be a Log2Hist"),
     "load_gpu_report of a text file": Row(lambda t: bench.load_gpu_report(a_file(t)), "a_file", "is not a GPU report"),
     # optim.BF16AdamW: the settings torch.optim.AdamW takes, checked the same way
     "BF16AdamW lr 10**400": Row(lambda t: optim.BF16AdamW(bf16_params(), lr=HUGE), "too large for a float", "lr must be a positive"),
