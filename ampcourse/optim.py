@@ -57,6 +57,19 @@ def _betas(betas) -> tuple[float, float]:
     return out
 
 
+_CHECKS = {
+    "lr": lambda v: _args.real(v, "lr", positive=True, what="a positive finite number"),
+    "betas": lambda v: _betas(v),
+    "eps": lambda v: _args.real(v, "eps", positive=True, what="> 0 (a finite number)"),
+    "weight_decay": lambda v: _args.real(v, "weight_decay", nonnegative=True, what=">= 0 (a finite number)"),
+}
+
+
+def _settings(values: dict) -> dict:
+    """The given optimizer settings as plain Python numbers, each checked (ValueError naming the first bad one)."""
+    return {k: _CHECKS[k](v) for k, v in values.items()}
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW for bf16 parameters: bf16 weights and moments, update in fp32, rounding chosen by `rounding`."""
 
@@ -64,15 +77,15 @@ class BF16AdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, rounding: str = "kahan", seed: int = 0):
         # Plain Python numbers from here on (numpy scalars and 0-d tensors too), each checked before any work.
         rounding = _args.choice(rounding, "rounding", ROUNDINGS)
-        lr = _args.real(lr, "lr", positive=True, what="a positive finite number")
-        betas = _betas(betas)
-        eps = _args.real(eps, "eps", positive=True, what="> 0 (a finite number)")
-        weight_decay = _args.real(weight_decay, "weight_decay", nonnegative=True, what=">= 0 (a finite number)")
+        lr, betas, eps, weight_decay = _settings(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)).values()
         seed = _args.seed(seed)
-        try:
-            super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        except (TypeError, ValueError) as err:  # torch's words (an empty list, a lone tensor), said as ours
-            raise ValueError(f"params must be an iterable of parameters or of parameter-group dicts: {err}") from None
+        what = "params must be an iterable of parameters or of parameter-group dicts"
+        if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):  # torch's own words would follow
+            raise ValueError(f"{what} (such as model.parameters()), got {_args.shown(params)}")
+        params = list(params)
+        if not params:
+            raise ValueError(f"{what}, got an empty parameter list")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
@@ -80,6 +93,12 @@ class BF16AdamW(torch.optim.Optimizer):
                                     f"{tuple(p.shape)} (call model.to(torch.bfloat16) first)")
         self.rounding = rounding
         self.generator = torch.Generator().manual_seed(seed)  # CPU generator: reproducible on any device
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, with a group's own settings (lr, betas, eps, weight_decay) checked like the defaults."""
+        if isinstance(param_group, dict):
+            param_group = {**param_group, **_settings({k: v for k, v in param_group.items() if k in _CHECKS})}
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
