@@ -80,11 +80,6 @@ def _sizes(value) -> tuple[str, ...]:
     return _args.names(value, "sizes", tuple(models.SIZES))
 
 
-def _counts(**values) -> dict[str, int]:
-    """Each keyword as a Python int >= 1 (numpy ints and 0-d tensors too); ValueError naming the first that is not."""
-    return {name: _args.integer(v, name, low=1) for name, v in values.items()}
-
-
 def _sync(device: torch.device) -> None:
     """Wait for queued kernels, so wall-clock time covers the work (no-op on CPU)."""
     if device.type == "cuda":
@@ -225,7 +220,7 @@ def matmul_tflops(device: str | torch.device = "cpu", dtypes: Sequence[str] | No
     sizes = tuple(int(_args.scalar(n)) for n in sizes)
     min_run_time = _args.real(min_run_time, "min_run_time", positive=True, what="a finite number of seconds > 0")
     budget_s = _args.real(budget_s, "budget_s", nonnegative=True, what="a finite number of seconds >= 0")
-    repeats, seed = _counts(repeats=repeats)["repeats"], _args.seed(seed)
+    repeats, seed = _args.integer(repeats, "repeats", low=1), _args.seed(seed)
     gen = torch.Generator().manual_seed(seed)
     rows, active = [], list(dtypes)
     for i, n in enumerate(sizes):
@@ -345,8 +340,7 @@ def train_step_times(model_names: Sequence[str] = models.MODELS, device: str | t
     TF32 by default), for both sides, so the AMP speedup is measured against fp32, not against TF32.
     """
     model_names = _model_names(model_names)
-    counts = _counts(batch=batch, steps=steps, repeats=repeats)
-    batch, steps, repeats = counts["batch"], counts["steps"], counts["repeats"]
+    batch, steps, repeats = (_args.integer(v, k, low=1) for k, v in (("batch", batch), ("steps", steps), ("repeats", repeats)))
     warmup, seed = _args.integer(warmup, "warmup", low=0), _args.seed(seed)
     amp = pick(device, precision)
     with fp32_math(tf32=False, device=amp.device):
@@ -478,8 +472,7 @@ def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device
     from . import train as train_module
 
     model_names = _model_names(model_names)
-    counts = _counts(batch=batch, steps=steps, repeats=repeats)
-    batch, steps, repeats = counts["batch"], counts["steps"], counts["repeats"]
+    batch, steps, repeats = (_args.integer(v, k, low=1) for k, v in (("batch", batch), ("steps", steps), ("repeats", repeats)))
     warmup, lr, seed = _args.integer(warmup, "warmup", low=0), _args.real(lr, "lr", positive=True), _args.seed(seed)
     amp = pick(device, precision)
     if warmup >= steps - 1:
