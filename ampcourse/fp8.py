@@ -319,7 +319,7 @@ class TrainingScheme:
     source: str
 
     def __post_init__(self) -> None:
-        if isinstance(self.components, Component) or not all(isinstance(c, Component) for c in self.components):
+        if not isinstance(self.components, (tuple, list)) or not all(isinstance(c, Component) for c in self.components):
             raise ValueError(f"components must be a tuple of Component, got {_args.shown(self.components)}")
         object.__setattr__(self, "components", tuple(self.components))
 

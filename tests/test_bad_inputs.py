@@ -326,6 +326,7 @@ API = {
     "summary of an empty dict": Row(lambda t: bench.summary({}), "got {}", "report must be a dict as run\\(\\) returns"),
     "plot_saved of a list": Row(lambda t: bench.plot_saved([1]), "[1]", r"dict \{label: SavedBytes\}"),
     "TrainingScheme of text": Row(lambda t: fp8.TrainingScheme("x", "fp32", "me"), "'fp32'", "tuple of Component"),
+    "TrainingScheme of a number": Row(lambda t: fp8.TrainingScheme("x", 3, "me"), "got 3", "tuple of Component"),
     "Log2Hist.merge a tensor": Row(lambda t: doctor.Log2Hist().merge(torch.ones(2)), "tensor", "other must be a Log2Hist"),
     "load_gpu_report of a text file": Row(lambda t: bench.load_gpu_report(a_file(t)), "a_file", "is not a GPU report"),
     # optim.BF16AdamW: the settings torch.optim.AdamW takes, checked the same way
