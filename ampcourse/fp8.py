@@ -36,7 +36,6 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from . import _args, formats
