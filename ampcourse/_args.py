@@ -10,6 +10,10 @@ a ``ValueError`` that names the argument, shows the value and says what is allow
     >>> from ampcourse import _args
     >>> _args.integer(np.int64(3), "steps", low=1)          # 3, a Python int
     >>> _args.real(torch.tensor(1e-3), "lr", positive=True)  # 0.001, a Python float
+
+The same rule for the rest of what callers pass: names from a fixed list (:func:`choice`, :func:`names`,
+whose messages list the allowed names), True/False (:func:`flag`), output files (:func:`writable_file`,
+checked by creating them before any work), and command lines (:class:`OneLineParser`: one line, exit 2).
 """
 
 from __future__ import annotations
