@@ -10,18 +10,27 @@ a ``ValueError`` that names the argument, shows the value and says what is allow
     >>> from ampcourse import _args
     >>> _args.integer(np.int64(3), "steps", low=1)          # 3, a Python int
     >>> _args.real(torch.tensor(1e-3), "lr", positive=True)  # 0.001, a Python float
+
+The same rule for the rest of what callers pass: names from a fixed list (:func:`choice`, :func:`names`,
+whose messages list the allowed names), True/False (:func:`flag`), output files (:func:`writable_file`,
+checked by creating them before any work), and command lines (:class:`OneLineParser`: one line, exit 2).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed"]
+__all__ = ["INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed", "choice", "names",
+           "flag", "writable_file", "OneLineParser"]
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -92,3 +101,66 @@ def real(value: Any, name: str, *, positive: bool = False, nonnegative: bool = F
 def seed(value: Any, name: str = "seed") -> int:
     """A seed as a Python int in 0..2**64 - 1, the range torch.manual_seed takes; ValueError naming it otherwise."""
     return integer(value, name, low=0, high=SEED_MAX, what="an int >= 0 and < 2**64 (torch's seed range)")
+
+
+def choice(value: Any, name: str, allowed: Sequence[str]) -> str:
+    """value if it is one of the allowed names (a str); ValueError naming the argument and listing them otherwise."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {shown(value)}")
+    return value
+
+
+def names(value: Any, name: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    """A sequence of allowed names as a tuple (one name alone counts as a sequence of one: never iterated letter by letter)."""
+    if isinstance(value, str):
+        value = (value,)
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, (Sequence, set, frozenset)) or not value:
+        raise ValueError(f"{name} must be a non-empty sequence of names from {', '.join(allowed)}; got {shown(value)}")
+    bad = [v for v in value if not isinstance(v, str) or v not in allowed]
+    if bad:
+        raise ValueError(f"{name}: unknown name(s) {shown(bad)}; choose from {', '.join(allowed)}")
+    return tuple(value)
+
+
+def flag(value: Any, name: str) -> bool:
+    """value as a bool (True, False, numpy bools, 0-d bool tensors); ValueError naming it otherwise."""
+    v = scalar(value)
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be True or False, got {shown(value)}")
+    return v
+
+
+def writable_file(path: Any, name: str) -> Path:
+    """path as a Path whose file can be written, checked by creating it (then removed if it was new).
+
+    Looking at the folder is not enough: /proc/x has a folder, a read-only mount or a full quota says no
+    only when a file is opened. An existing file is opened for appending, which changes nothing in it.
+    """
+    if isinstance(path, bool) or not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"{name} must be a file path (str or pathlib.Path), got {shown(path)}")
+    target = Path(path)
+    if target.is_dir() or not target.resolve().parent.is_dir():
+        raise ValueError(f"cannot write {name} {str(path)!r}: "
+                         f"{'it is a directory' if target.is_dir() else 'its folder does not exist'}")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot write {name} {str(path)!r}: {err.strerror or err}; choose a file you can write to") from None
+    if not existed:
+        target.unlink(missing_ok=True)
+    return target
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr ('<name>: error: ...') and exit status 2, no usage block."""
+
+    def __init__(self, *args, error_prefix: str, **kwargs):
+        self.error_prefix = error_prefix
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        """Print one line and exit 2 (argparse's own status for bad arguments)."""
+        print(f"{self.error_prefix}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)

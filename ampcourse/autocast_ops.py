@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import _args
+
 __all__ = ["CATEGORIES", "Probe", "OpRow", "OpSpec", "OPS", "op_table", "format_table", "differences"]
 
 CATEGORIES = {
@@ -168,10 +170,12 @@ def _categorise(low: str, fp32: Probe, lowp: Probe, mixed: Probe | None) -> str:
 
 def _check_args(device_type: str, dtype: torch.dtype) -> torch.device:
     """Validate the device type and autocast dtype; return the device to probe on."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
-    if device_type not in ("cpu", "cuda", "mps", "xpu"):
-        raise ValueError(f"unknown device_type {device_type!r}; use 'cpu', 'cuda', 'mps' or 'xpu'")
+    if not isinstance(dtype, torch.dtype) or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {_args.shown(dtype)}")
+    if isinstance(device_type, torch.device):  # a device, as torch.autocast's callers often hold one: its type
+        device_type = device_type.type
+    if not isinstance(device_type, str) or device_type not in ("cpu", "cuda", "mps", "xpu"):
+        raise ValueError(f"unknown device_type {_args.shown(device_type)}; use 'cpu', 'cuda', 'mps' or 'xpu'")
     if device_type != "cpu":
         backend = getattr(torch, device_type, None) if device_type != "mps" else torch.backends.mps
         if backend is None or not backend.is_available():
@@ -182,6 +186,8 @@ def _check_args(device_type: str, dtype: torch.dtype) -> torch.device:
 def op_table(device_type: str, dtype: torch.dtype, ops: Sequence[OpSpec] = OPS) -> list[OpRow]:
     """Run each op under torch.amp.autocast(device_type, dtype) and classify what autocast did to it."""
     device = _check_args(device_type, dtype)
+    if isinstance(ops, OpSpec) or not isinstance(ops, Sequence) or not all(isinstance(o, OpSpec) for o in ops):
+        raise ValueError(f"ops must be a sequence of OpSpec (default: autocast_ops.OPS), got {_args.shown(ops)}")
     low = _name(dtype)
     rows = []
     for spec in ops:
@@ -198,8 +204,15 @@ def _short(output: str) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(output, "error" if output.startswith("error") else output)
 
 
+def _check_rows(rows, name: str) -> None:
+    """ValueError unless rows is a sequence of OpRow (what op_table returns)."""
+    if isinstance(rows, (str, OpRow)) or not isinstance(rows, Sequence) or not all(isinstance(r, OpRow) for r in rows):
+        raise ValueError(f"{name} must be a list of OpRow, as op_table() returns, got {_args.shown(rows)}")
+
+
 def format_table(rows: Sequence[OpRow]) -> str:
     """A plain-text table: op, output dtype for fp32 / low / mixed inputs, category."""
+    _check_rows(rows, "rows")
     low = _short(rows[0].from_low.inputs[0]) if rows else "low"
     head = f"{'op':34} {'fp32 in':>8} {low + ' in':>8} {'mixed in':>9}  category"
     lines = [head, "-" * len(head)]
@@ -211,5 +224,7 @@ def format_table(rows: Sequence[OpRow]) -> str:
 
 def differences(a: Sequence[OpRow], b: Sequence[OpRow]) -> list[tuple[str, str, str]]:
     """Ops whose category differs between two tables: (op, category in a, category in b)."""
+    _check_rows(a, "a")
+    _check_rows(b, "b")
     cats_b = {r.op: r.category for r in b}
     return [(r.op, r.category, cats_b[r.op]) for r in a if r.op in cats_b and cats_b[r.op] != r.category]

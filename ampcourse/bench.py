@@ -30,12 +30,12 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from . import memory, models
+from . import _args, memory, models
 from .device import AmpSetup, cpu_flags, native_bf16, pick
 
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
@@ -61,6 +61,23 @@ PEAK_SIZES = (PEAK_REFERENCE_N, 8192, 12288, 16384)
 DATASHEET_BF16_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100 80GB HBM3": 989.0}
 
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The largest square matrix timed: three n x n fp32 matrices of 2**16 take 48 GiB, more than any one GPU's share.
+MAX_MATMUL_N = 2**16
+
+
+def _device(device) -> torch.device:
+    """A device name or torch.device, checked (known type, present here); ValueError naming it otherwise."""
+    return pick(device, "fp32").device
+
+
+def _model_names(value) -> tuple[str, ...]:
+    """Reference model names as a tuple; one name alone is a list of one."""
+    return _args.names(value, "model_names", models.MODELS)
+
+
+def _sizes(value) -> tuple[str, ...]:
+    """Reference model sizes as a tuple; one size alone is a list of one."""
+    return _args.names(value, "sizes", tuple(models.SIZES))
 
 
 def _sync(device: torch.device) -> None:
@@ -73,6 +90,7 @@ def _sync(device: torch.device) -> None:
 
 def matmul_sizes(device: torch.device, quick: bool = False) -> tuple[int, ...]:
     """Square matrix sizes to time: small on CPU (low precision can be 200x slower there), large on GPUs."""
+    device = _parse_device(device)
     if device.type == "cuda":
         return (1024, 2048) if quick else (1024, 2048, 4096, 8192)
     return (64, 128) if quick else (64, 128, 256, 512)
@@ -80,7 +98,7 @@ def matmul_sizes(device: torch.device, quick: bool = False) -> tuple[int, ...]:
 
 def matmul_dtypes(device: torch.device) -> tuple[str, ...]:
     """The dtypes worth timing: tf32 and bf16 only on GPUs with their tensor cores (compute capability >= 8.0)."""
-    device = torch.device(device)
+    device = _parse_device(device)
     if device.type == "cuda":
         return ("fp32", "tf32", "bf16", "fp16") if native_bf16(device) else ("fp32", "fp16")
     return ("fp32", "bf16", "fp16")
@@ -113,6 +131,15 @@ def tf32_settings() -> dict:
             "cudnn_conv": "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"}
 
 
+def _parse_device(device) -> torch.device:
+    """A device name or torch.device as a torch.device, without requiring the device to be present."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a device name ('cpu', 'cuda', 'cuda:N', 'mps') or a torch.device, "
+                         f"got {_args.shown(device)}") from None
+
+
 @contextlib.contextmanager
 def fp32_math(tf32: bool, device: str | torch.device = "cuda"):
     """On CUDA, let fp32 matmuls and cuDNN convolutions use TF32 (tf32=True) or not (true fp32); restore after.
@@ -122,7 +149,8 @@ def fp32_math(tf32: bool, device: str | torch.device = "cuda"):
     the legacy get_float32_matmul_precision() after the new API was used raises), else the allow_tf32 flags.
     Does nothing off CUDA.
     """
-    if torch.device(device).type != "cuda":
+    tf32 = _args.flag(tf32, "tf32")
+    if _parse_device(device).type != "cuda":
         yield
         return
     mode = "tf32" if tf32 else "ieee"
@@ -172,17 +200,27 @@ def matmul_tflops(device: str | torch.device = "cpu", dtypes: Sequence[str] | No
     A dtype stops growing once a single call exceeds budget_s, so slow emulated low precision (AVX2 CPUs)
     never runs a big matmul. Other programs can only slow a measurement down, hence the fastest repeat.
     """
-    device = torch.device(device)
-    dtypes = tuple(dtypes or matmul_dtypes(device))
-    unknown = [d for d in dtypes if d not in _DTYPES]
-    if unknown:
+    device = _device(device)
+    if isinstance(dtypes, str):  # one dtype alone, not its letters
+        dtypes = (dtypes,)
+    dtypes = tuple(dtypes if dtypes is not None else matmul_dtypes(device))
+    unknown = [d for d in dtypes if not isinstance(d, str) or d not in _DTYPES]
+    if unknown or not dtypes:
         raise ValueError(f"unknown matmul dtype(s) {unknown}; choose from {', '.join(_DTYPES)}")
     if "tf32" in dtypes and device.type != "cuda":
         raise ValueError("tf32 exists only on CUDA (Ampere or newer); drop it on this device")
-    sizes = tuple(sizes or matmul_sizes(device))
-    bad = [n for n in sizes if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if sizes is not None and (isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes):
+        raise ValueError(f"sizes must be a non-empty sequence of ints >= 1, got {_args.shown(sizes)}; "
+                         f"e.g. {list(matmul_sizes(device))}")
+    sizes = tuple(sizes if sizes is not None else matmul_sizes(device))
+    bad = [n for n in sizes if not _is_size(n)]
     if bad:
-        raise ValueError(f"matrix sizes must be ints >= 1, got {bad}; e.g. {list(matmul_sizes(device))}")
+        raise ValueError(f"matrix sizes must be ints >= 1 and <= {MAX_MATMUL_N}, got {_args.shown(bad)}; "
+                         f"e.g. {list(matmul_sizes(device))}")
+    sizes = tuple(int(_args.scalar(n)) for n in sizes)
+    min_run_time = _args.real(min_run_time, "min_run_time", positive=True, what="a finite number of seconds > 0")
+    budget_s = _args.real(budget_s, "budget_s", nonnegative=True, what="a finite number of seconds >= 0")
+    repeats, seed = _args.integer(repeats, "repeats", low=1), _args.seed(seed)
     gen = torch.Generator().manual_seed(seed)
     rows, active = [], list(dtypes)
     for i, n in enumerate(sizes):
@@ -207,6 +245,32 @@ def matmul_tflops(device: str | torch.device = "cpu", dtypes: Sequence[str] | No
     return sorted(rows, key=lambda r: (dtypes.index(r["dtype"]), r["n"]))
 
 
+def _is_size(n) -> bool:
+    """n is an int (Python, numpy or a 0-d tensor) from 1 to MAX_MATMUL_N."""
+    try:
+        return _args.integer(n, "n", low=1, high=MAX_MATMUL_N) > 0
+    except ValueError:
+        return False
+
+
+def _rows(rows, keys: set[str], name: str = "rows") -> Sequence[Mapping]:
+    """rows as given, if it is a list of dicts holding keys (what matmul_tflops returns); ValueError naming it otherwise."""
+    if (isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence)
+            or not all(isinstance(r, Mapping) and keys <= r.keys() for r in rows)):
+        raise ValueError(f"{name} must be a list of dicts with keys {', '.join(sorted(keys))} (as matmul_tflops returns), "
+                         f"got {_args.shown(rows)}")
+    return rows
+
+
+def _report(report) -> Mapping:
+    """report as given, if it is a dict with run()'s sections; ValueError naming what is missing otherwise."""
+    missing = {"env", "config", "matmul", "train_step", "saved_bytes", "targets"} - set(report if isinstance(report, Mapping) else ())
+    if not isinstance(report, Mapping) or missing:
+        raise ValueError(f"report must be a dict as run() returns (missing: {', '.join(sorted(missing))}), "
+                         f"got {_args.shown(report)}")
+    return report
+
+
 def fraction_of_peak(rows: Sequence[dict], dtype: str = "bf16", reference_n: int = PEAK_REFERENCE_N,
                      device_name: str = "") -> dict:
     """TFLOP/s of the reference size as a fraction of a peak measured separately: the best of the larger sizes.
@@ -216,6 +280,9 @@ def fraction_of_peak(rows: Sequence[dict], dtype: str = "bf16", reference_n: int
     nothing), so a fraction above 1 is possible and honest. The datasheet figure, matched by the exact
     device name and only for bf16/fp16, is context.
     """
+    dtype = _args.choice(dtype, "dtype", tuple(_DTYPES))
+    reference_n = _args.integer(reference_n, "reference_n", low=1)
+    rows = _rows(rows, {"dtype", "n", "tflops"})
     mine = {r["n"]: r["tflops"] for r in rows if r["dtype"] == dtype}
     if reference_n not in mine:
         raise ValueError(f"no {dtype} row for n={reference_n}; measured sizes: {sorted(mine)}")
@@ -232,6 +299,7 @@ def fraction_of_peak(rows: Sequence[dict], dtype: str = "bf16", reference_n: int
 
 def speedup_sentence(rows: Sequence[dict], dtype: str, baseline: str = "fp32") -> str:
     """'bf16 is 3.1x faster than fp32 here (n=512)': read from the largest size both dtypes measured (+-10%: 'about as fast')."""
+    rows = _rows(rows, {"dtype", "n", "seconds"})
     by = {(r["dtype"], r["n"]): r["seconds"] for r in rows}
     common = [n for (d, n) in by if d == dtype and (baseline, n) in by]
     if not common:
@@ -271,6 +339,9 @@ def train_step_times(model_names: Sequence[str] = models.MODELS, device: str | t
     On CUDA the fp32 side is true fp32: TF32 is off for matmuls and cuDNN convolutions (cuDNN allows
     TF32 by default), for both sides, so the AMP speedup is measured against fp32, not against TF32.
     """
+    model_names = _model_names(model_names)
+    batch, steps, repeats = (_args.integer(v, k, low=1) for k, v in (("batch", batch), ("steps", steps), ("repeats", repeats)))
+    warmup, seed = _args.integer(warmup, "warmup", low=0), _args.seed(seed)
     amp = pick(device, precision)
     with fp32_math(tf32=False, device=amp.device):
         rows = _train_step_times(model_names, amp, size, batch, steps, repeats, warmup, seed)
@@ -312,11 +383,30 @@ def _train_step_times(model_names: Sequence[str], amp: AmpSetup, size: str, batc
     return rows
 
 
+def _check_loop_args(model, data, amp, loss_fn) -> None:
+    """ValueError naming the argument unless model, data (a TensorDataset), amp and loss_fn are what BareLoop takes."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {_args.shown(model)}")
+    tensors = getattr(data, "tensors", None)
+    if not (isinstance(tensors, tuple) and len(tensors) == 2 and all(isinstance(t, torch.Tensor) for t in tensors)
+            and len(tensors[0]) == len(tensors[1]) > 0):
+        raise ValueError(f"data must be a TensorDataset of (inputs, targets) with at least one sample, "
+                         f"got {_args.shown(data)}")
+    if not isinstance(amp, AmpSetup):
+        raise ValueError(f"amp must be an AmpSetup (ampcourse.device.pick(device, precision)), got {_args.shown(amp)}")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (logits, targets) -> loss, got {_args.shown(loss_fn)}")
+
+
 class BareLoop:
     """A hand-written AMP loop (chapter 3's recipe, AdamW, shuffled batches, loss logged), one iteration per call."""
 
     def __init__(self, model: torch.nn.Module, data, amp: AmpSetup, lr: float = 1e-3, batch: int = 32, seed: int = 0,
                  loss_fn=models.loss_fn):
+        _check_loop_args(model, data, amp, loss_fn)
+        lr, seed = _args.real(lr, "lr", positive=True), _args.seed(seed)
+        batch = _args.integer(batch, "batch", low=1, high=len(data.tensors[0]),
+                              what=f"an int from 1 to the dataset's {len(data.tensors[0])} samples")
         self.model, self.amp, self.batch, self.loss_fn = model, amp, batch, loss_fn
         # On a GPU a careful hand-written loop keeps a small dataset on the device and uses fused AdamW
         # (no host sync in scaler.step): what ampcourse.train does there too, so the comparison is fair.
@@ -344,6 +434,7 @@ class BareLoop:
 def bare_amp_loop(model: torch.nn.Module, data, amp: AmpSetup, steps: int, lr: float = 1e-3, batch: int = 32,
                   seed: int = 0, loss_fn=models.loss_fn) -> list[float]:
     """`steps` iterations of :class:`BareLoop`: seconds per step."""
+    steps = _args.integer(steps, "steps", low=0)
     loop = BareLoop(model, data, amp, lr, batch, seed, loss_fn)
     times = []
     for _ in range(steps):
@@ -359,6 +450,7 @@ def overhead_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
     On a CPU with one torch thread every kernel runs in the calling thread, so its CPU time is the
     work done, and time the scheduler gives to other programs on a shared machine does not count.
     """
+    device = _parse_device(device)
     if device.type == "cpu" and torch.get_num_threads() == 1:
         return "thread_time", time.thread_time
     return "perf_counter", time.perf_counter
@@ -379,6 +471,9 @@ def trainer_overhead(model_names: Sequence[str] = ("mlp", "transformer"), device
     """
     from . import train as train_module
 
+    model_names = _model_names(model_names)
+    batch, steps, repeats = (_args.integer(v, k, low=1) for k, v in (("batch", batch), ("steps", steps), ("repeats", repeats)))
+    warmup, lr, seed = _args.integer(warmup, "warmup", low=0), _args.real(lr, "lr", positive=True), _args.seed(seed)
     amp = pick(device, precision)
     if warmup >= steps - 1:
         raise ValueError(f"warmup ({warmup}) must be smaller than steps - 1 ({steps - 1})")
@@ -409,6 +504,9 @@ def paired_step_times(train_module, name: str, data, amp: AmpSetup, steps: int, 
     """
     from unittest import mock
 
+    steps, warmup = _args.integer(steps, "steps", low=2), _args.integer(warmup, "warmup", low=0)
+    if warmup >= steps - 1:
+        raise ValueError(f"warmup ({warmup}) must be smaller than steps - 1 ({steps - 1})")
     _, clock = overhead_clock(amp.device)
     bare = BareLoop(models.make_model(name, size=size, seed=seed).to(amp.device), data, amp, lr, batch, seed)
     marks: list[tuple[float, float]] = []
@@ -433,6 +531,8 @@ def saved_bytes(model_names: Sequence[str] = models.MODELS, sizes: Sequence[str]
                 device: str | torch.device = "cpu", precision: str | None = None, batch: int = 32,
                 seed: int = 0) -> list[dict]:
     """Bytes saved for backward by one forward pass, fp32 vs autocast, per model and size."""
+    model_names, sizes = _model_names(model_names), _sizes(sizes)
+    batch, seed = _args.integer(batch, "batch", low=1), _args.seed(seed)
     amp = pick(device, precision)
     if not amp.enabled:
         raise ValueError("compare fp32 with an AMP precision: pass precision='fp16' or 'bf16'")
@@ -483,6 +583,7 @@ def _targets(report: dict) -> list[dict]:
 def run(device: str | torch.device | None = None, precision: str | None = None, quick: bool = False,
         seed: int = 0) -> dict:
     """Run every measurement and return the report (see the module docstring for its schema)."""
+    quick, seed = _args.flag(quick, "quick"), _args.seed(seed)
     amp = pick(device, precision)
     if not amp.enabled:
         raise ValueError("the benchmark compares fp32 with AMP: pass precision='fp16' or 'bf16'")
@@ -520,14 +621,24 @@ def load_gpu_report(path: str | Path | None = None) -> dict | None:
     """The recorded `make gpu-test` report (default: the repository's benchmarks/gpu/report.json), or None."""
     if path is None:
         path = Path(__file__).resolve().parents[1] / GPU_REPORT  # the checkout this package was installed from
+    if isinstance(path, bool) or not isinstance(path, (str, Path)):
+        raise ValueError(f"path must be a file path (str or pathlib.Path) or None, got {_args.shown(path)}")
     path = Path(path)
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        report = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{str(path)!r} is not a GPU report (JSON): {err}") from None
+    if not isinstance(report, dict):
+        raise ValueError(f"{str(path)!r} is not a GPU report: it holds a {type(report).__name__}, not a JSON object")
+    return report
 
 
 def gpu_report_lines(report: dict) -> list[str]:
     """A recorded GPU report as lines for a notebook: machine, torch, date, then each goal's figure."""
+    if not isinstance(report, Mapping) or not isinstance(report.get("machine", {}), Mapping):
+        raise ValueError(f"report must be a dict as load_gpu_report returns, got {_args.shown(report)}")
     m = report.get("machine", {})
     lines = [f"recorded GPU run: {m.get('device', 'unknown GPU')} ({m.get('capability', '?')}), torch {m.get('torch')} "
              f"(CUDA {m.get('cuda')}), {str(report.get('started', ''))[:10]}, status {report.get('status')}"]
@@ -540,6 +651,7 @@ def gpu_report_lines(report: dict) -> list[str]:
 
 def plot_matmul(rows: Sequence[dict], ax=None):
     """TFLOP/s against matrix size, one line per dtype."""
+    rows = _rows(rows, {"dtype", "n", "tflops"})
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -563,6 +675,8 @@ _SAVER_GROUPS = (("NativeLayerNorm", "layer norm"), ("NativeBatchNorm", "batch n
 
 def saver_group(saver: str) -> str:
     """A readable group for an autograd node name: 'NativeLayerNormBackward0' -> 'layer norm'."""
+    if not isinstance(saver, str):
+        raise ValueError(f"saver must be an autograd node name (str) such as 'AddmmBackward0', got {_args.shown(saver)}")
     for prefix, group in _SAVER_GROUPS:
         if saver.startswith(prefix):
             return group
@@ -571,6 +685,9 @@ def saver_group(saver: str) -> str:
 
 def plot_saved(runs: dict[str, memory.SavedBytes], ax=None):
     """Stacked bars of bytes saved for backward, one bar per run, split by the layer type that saved them."""
+    if not isinstance(runs, Mapping) or not runs or not all(isinstance(v, memory.SavedBytes) for v in runs.values()):
+        raise ValueError(f"runs must be a non-empty dict {{label: SavedBytes}} (memory.forward_saved_bytes results), "
+                         f"got {_args.shown(runs)}")
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -606,6 +723,7 @@ def _bars(ax, labels: Sequence[str], series: dict[str, Sequence[float]], ylabel:
 
 def plot(report: dict):
     """Three panels: matmul TFLOP/s, ms per train step, saved-for-backward bytes as a fraction of fp32."""
+    report = _report(report)
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), dpi=80)
@@ -628,6 +746,7 @@ def plot(report: dict):
 
 def summary(report: dict) -> str:
     """The report as a few human-readable lines."""
+    report = _report(report)
     prec = report["config"]["precision"]
     lines = [f"device: {report['env']['device_name']}  torch {report['env']['torch']}  "
              f"cpu flags: {' '.join(report['env']['cpu_flags']) or '-'}", "", "matmul TFLOP/s:"]
@@ -654,10 +773,27 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _check_out_folder(out: Path) -> None:
+    """--out can be created and written, checked by making (and removing) a folder in its nearest existing parent."""
+    import tempfile
+
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is a file, not a folder")
+    try:
+        with tempfile.TemporaryDirectory(dir=parent):
+            pass
+    except OSError as err:
+        raise ValueError(f"--out {str(out)!r} is not writable ({err.strerror or err}); "
+                         "choose a folder you can write to") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: run the benchmark, write bench.json and bench.png into --out, print a summary."""
-    ap = argparse.ArgumentParser(prog="python -m ampcourse.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _args.OneLineParser(prog="python -m ampcourse.bench", description=__doc__, error_prefix="ampcourse.bench",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for bench.json and bench.png")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: best available)")
     ap.add_argument("--precision", default=None, help="fp16 or bf16 (default: the device's AMP dtype)")
@@ -668,14 +804,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():  # say so now, not after a minute of measuring
         ap.error(f"--out {str(args.out)!r} is a file; give a folder for bench.json and bench.png")
+    try:
+        _check_out_folder(args.out)
+    except ValueError as err:
+        ap.error(str(err))
     if args.threads is not None:
         if args.threads < 1:
             ap.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     try:
         report = run(args.device, args.precision, quick=args.quick, seed=args.seed)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         ap.error(str(err))
+    except RuntimeError as err:  # out of memory, a driver error: one line, not a traceback
+        ap.error(f"the benchmark failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(report).savefig(args.out / "bench.png")

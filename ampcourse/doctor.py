@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from . import formats
+from . import _args, formats
 from .device import AmpSetup, parse_precision, pick
 from .models import data_errors
 from .policy import apply_policy, policy_of, remove_policy
@@ -112,6 +112,8 @@ class Log2Hist:
     def add(self, t: torch.Tensor, cap: int | None = None) -> None:
         """Count the values of a floating-point tensor (ignored otherwise); cap: histogram at most about this many
         evenly spaced values, each standing for its share of the tensor (max and infs/NaNs come from every value)."""
+        if cap is not None:
+            cap = _args.integer(cap, "cap", low=1)
         counter = _Counter()
         counter.add(t, [self], cap)
         counter.flush()
@@ -158,6 +160,8 @@ class Log2Hist:
 
     def merge(self, other: Log2Hist) -> Log2Hist:
         """A new histogram holding the counts of both."""
+        if not isinstance(other, Log2Hist):
+            raise ValueError(f"other must be a Log2Hist, got {_args.shown(other)}")
         return Log2Hist.merged([self, other])
 
     @staticmethod
@@ -237,7 +241,8 @@ class Log2Hist:
 
     def counts(self, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
         """range_counts(values, scale, fmt), from the histogram; scale must be a power of two (as GradScaler's are)."""
-        scale = float(scale)
+        scale = _args.real(scale, "scale", positive=True, what="a positive power of two (such as 2.0**16)")
+        fmt = formats.spec(fmt).name  # an unknown name fails here, listing the format names
         key = (scale, fmt)
         if self._frozen is not None and key in self._counts:
             return dict(self._counts[key])
@@ -253,7 +258,7 @@ class Log2Hist:
 
     def share(self, category: str, scale: float = 1.0, fmt: str = "fp16") -> float:
         """The share of the nonzero values that land in a range_counts category."""
-        if category not in RANGE_CATEGORIES:
+        if not isinstance(category, str) or category not in RANGE_CATEGORIES:
             raise ValueError(f"category must be one of {RANGE_CATEGORIES}, got {category!r}")
         n = self.nonzero + self.nonfinite
         return self.counts(scale, fmt)[category] / n if n else 0.0
@@ -455,12 +460,14 @@ class Report:
 
     def find(self, kind: str, precision: str | None = None) -> list[Finding]:
         """The findings of one kind (and precision, if given)."""
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         return [f for f in self.findings if f.kind == kind and (precision is None or f.precision == precision)]
 
     def policy_snippet(self, precision: str | None = None) -> str:
         """Code that applies the fp32 islands for precision (default: the recommended one); empty when there are none."""
+        if precision is not None:
+            precision = parse_precision(precision)  # 'bf16', torch.bfloat16, ... or ValueError listing the names
         names = self.fp32_modules if precision is None else self.verdicts.get(precision, {}).get("fp32_modules", [])
         if not names:
             return ""
@@ -478,6 +485,8 @@ class Report:
 
     def to_json(self, path: str | None = None) -> str:
         """The report as JSON text; also written to path when given."""
+        if path is not None:
+            path = _args.writable_file(path, "path")  # before the work, and naming what is wrong with it
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
             with open(path, "w", encoding="utf-8") as fh:
@@ -579,10 +588,13 @@ def _check_precisions(precisions) -> tuple[str, ...]:
     if isinstance(precisions, (str, torch.dtype)):
         precisions = (precisions,)
     if not isinstance(precisions, Sequence) or not precisions:
-        raise ValueError(f"precisions must be a non-empty sequence of 'fp16' and/or 'bf16', got {precisions!r}")
+        raise ValueError(f"precisions must be a non-empty sequence of 'fp16' and/or 'bf16', got {_args.shown(precisions)}")
     out = []
     for p in precisions:
-        name = parse_precision(p)
+        try:
+            name = parse_precision(p)
+        except ValueError:
+            raise ValueError(f"precisions: unknown precision {_args.shown(p)}; choose from fp16, bf16") from None
         if name == "fp32":
             raise ValueError("precisions lists the low-precision formats to examine ('fp16', 'bf16'); "
                              "fp32 is always run as the reference")
@@ -1386,8 +1398,8 @@ def _factory_setup(spec: str):
 def _parser() -> argparse.ArgumentParser:
     """The command line of python -m ampcourse.doctor."""
     from .models import MODELS
-    ap = argparse.ArgumentParser(prog="python -m ampcourse.doctor", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _args.OneLineParser(prog="python -m ampcourse.doctor", description=__doc__.split("\n\n")[0],
+                             error_prefix="ampcourse.doctor", formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True,
                     help=f"a reference model ({', '.join(MODELS)}) or 'package.module:factory', a callable returning "
                          "(model, inputs, targets, loss_fn) or (..., optimizer)")
@@ -1403,12 +1415,22 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the doctor from the command line; 0 on success, 2 with one line on stderr for bad input."""
     from .models import MODELS
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return done.code if isinstance(done.code, int) else 2
+    try:
+        for flag, path in (("--out", args.out), ("--html", args.html)):  # before the work, not after it
+            if path is not None:
+                _args.writable_file(path, flag)
         if args.model in MODELS:
             if args.batch < 1:
                 raise CliError(f"--batch must be >= 1, got {args.batch}")
-            model, inputs, targets, loss_fn, opt = _reference_setup(args.model, args.batch, args.seed)
+            _args.seed(args.seed, "--seed")
+            try:
+                model, inputs, targets, loss_fn, opt = _reference_setup(args.model, args.batch, args.seed)
+            except ValueError as err:  # too large a batch for the synthetic data: name the flag
+                raise CliError(f"--batch {args.batch}: {err}") from None
         else:
             model, inputs, targets, loss_fn, opt = _factory_setup(args.model)
         if not isinstance(model, nn.Module):
@@ -1426,6 +1448,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"<body>{report._repr_html_()}</body></html>\n")
     except (CliError, ValueError, TypeError, OSError) as err:
         print(f"ampcourse.doctor: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 (the learner's model can raise anything: one line, not a traceback)
+        first = (str(err).splitlines() or [""])[0]
+        print(f"ampcourse.doctor: error: examining {args.model!r} failed with {type(err).__name__}: {first} "
+              "(call ampcourse.doctor.examine in Python to see the traceback)", file=sys.stderr)
         return 2
     return 0
 

@@ -33,13 +33,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from . import formats
+from . import _args, formats
 
 __all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "median_relative_error", "sqnr_db", "compare_granularities",
            "ScalingStep", "simulate_scaling", "spike_sequence", "Component", "TrainingScheme", "SCHEMES",
@@ -72,7 +71,7 @@ class Quantized:
 def _as_matrix(x, name: str = "x") -> torch.Tensor:
     """x as a 2-D float64 tensor (1-D becomes one row); ValueError for anything else."""
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(np.asarray(x, dtype=np.float64))
+        x = torch.as_tensor(formats._real_array(x, name))
     if x.is_complex() or not (x.is_floating_point() or x.dtype in (torch.int32, torch.int64)):
         raise ValueError(f"{name} must be a real tensor, got dtype {x.dtype}")
     if x.dim() == 1:
@@ -86,15 +85,13 @@ def _as_matrix(x, name: str = "x") -> torch.Tensor:
 
 def _group_shape(x: torch.Tensor, granularity: str, block_size: int | None) -> tuple[tuple[int, int], str]:
     """The (rows, cols) of one group and the scale format, checked against x's shape."""
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
+    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {_args.shown(granularity)}; choose one of {', '.join(GRANULARITIES)}")
     (r, c), scale_fmt = GRANULARITIES[granularity]
     if block_size is not None:
         if granularity not in ("mx", "nvfp4", "1x128"):
             raise ValueError(f"block_size applies to 'mx', 'nvfp4' and '1x128' only, not {granularity!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        c = block_size
+        c = _args.integer(block_size, "block_size", low=1, what="a positive int")
     rows, cols = x.shape
     r = rows if r is None else r
     c = cols if c is None else c
@@ -128,6 +125,18 @@ def _scales(amax: torch.Tensor, element: formats.FormatSpec, scale_fmt: str, rou
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 
+def _element(element) -> formats.FormatSpec:
+    """The element format: a narrow signed one (fp32 needs no scale; e8m0 has no sign); ValueError listing them otherwise."""
+    allowed = "fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1"
+    try:
+        f = formats.spec(element)
+    except ValueError:
+        raise ValueError(f"element must be a narrow signed format ({allowed}), got {_args.shown(element)}") from None
+    if f.name in ("fp32", "fp8_e8m0"):
+        raise ValueError(f"element must be a narrow signed format ({allowed}), got {f.name!r}")
+    return f
+
+
 def _count_saturated(scaled: torch.Tensor, f: formats.FormatSpec) -> int:
     """Elements that saturation changed: they would have rounded above max (an fp32 scale's last-bit error does not count)."""
     half_ulp_at_max = math.ldexp(0.5, f.emax - f.mantissa_bits)
@@ -138,12 +147,9 @@ def quantize_scaled(x, element: str = "fp8_e4m3", granularity: str = "tensor", *
                     block_size: int | None = None, mx_rounding: str = "floor") -> Quantized:
     """Scale x per group, round to the element format (saturating), and multiply back; see the module table."""
     m = _as_matrix(x)
-    f = formats.spec(element)
-    if f.name in ("fp32", "fp8_e8m0"):
-        raise ValueError(f"element must be a narrow signed format (fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_*, fp4_e2m1), "
-                         f"got {f.name!r}")
-    if mx_rounding not in ("floor", "rceil"):
-        raise ValueError(f"mx_rounding must be 'floor' (OCP MX spec) or 'rceil' (round up), got {mx_rounding!r}")
+    f = _element(element)
+    if not isinstance(mx_rounding, str) or mx_rounding not in ("floor", "rceil"):
+        raise ValueError(f"mx_rounding must be 'floor' (OCP MX spec) or 'rceil' (round up), got {_args.shown(mx_rounding)}")
     if granularity == "nvfp4" and f.name != "fp4_e2m1":
         raise ValueError(f"granularity 'nvfp4' has fp4_e2m1 elements (its e4m3 scale is amax / 6), got {f.name!r}")
     (r, c), scale_fmt = _group_shape(m, granularity, block_size)
@@ -161,9 +167,17 @@ def quantize_scaled(x, element: str = "fp8_e4m3", granularity: str = "tensor", *
     return Quantized(values, s, granularity, f.name, (r, c), saturated, underflowed)
 
 
+def _pair(x, approx) -> tuple[torch.Tensor, torch.Tensor]:
+    """x and approx as float64 matrices of one shape; ValueError when approx has another number of elements."""
+    a, b = _as_matrix(x), _as_matrix(approx, "approx")
+    if a.numel() != b.numel():
+        raise ValueError(f"approx must have x's {a.numel()} elements (x {tuple(a.shape)}), got shape {tuple(b.shape)}")
+    return a, b.reshape(a.shape)
+
+
 def relative_error(x, approx) -> float:
     """||x - approx|| / ||x|| (Frobenius norms); 0 when both are zero."""
-    a, b = _as_matrix(x), _as_matrix(approx, "approx").reshape(_as_matrix(x).shape)
+    a, b = _pair(x, approx)
     den = float(a.norm())
     num = float((a - b).norm())
     return 0.0 if num == 0 else (math.inf if den == 0 else num / den)
@@ -177,7 +191,7 @@ def sqnr_db(x, approx) -> float:
 
 def median_relative_error(x, approx) -> float:
     """The median over non-zero elements of |x - approx| / |x|: how a typical element fares (1.0 = flushed to zero)."""
-    a, b = _as_matrix(x), _as_matrix(approx, "approx").reshape(_as_matrix(x).shape)
+    a, b = _pair(x, approx)
     nz = a != 0
     if not nz.any():
         return 0.0
@@ -187,9 +201,11 @@ def median_relative_error(x, approx) -> float:
 def compare_granularities(x, element: str = "fp8_e4m3", granularities: Sequence[str] = tuple(GRANULARITIES),
                           **kwargs) -> dict[str, dict[str, float]]:
     """For each granularity that fits x's shape and element: relative error (overall and of a typical element), SQNR, counts."""
+    granularities = _args.names(granularities, "granularities", tuple(GRANULARITIES))
+    element_name = _element(element).name
     out = {}
     for g in granularities:
-        if g == "nvfp4" and formats.spec(element).name != "fp4_e2m1":
+        if g == "nvfp4" and element_name != "fp4_e2m1":
             continue  # NVFP4 is defined for fp4 elements only
         try:
             r = quantize_scaled(x, element, g, **kwargs)
@@ -226,13 +242,14 @@ def simulate_scaling(tensors: Sequence, element: str = "fp8_e4m3", mode: str = "
     seen (TE's DelayedScaling with amax_compute_algo="max"): scale = amax_history_max * 2**margin / max.
     The first step has no history and uses scale 1 (TE's initial value).
     """
-    f = formats.spec(element)
-    if mode not in ("delayed", "current"):
-        raise ValueError(f"mode must be 'delayed' or 'current', got {mode!r}")
-    if isinstance(history, bool) or not isinstance(history, int) or history < 1:
-        raise ValueError(f"history must be an int >= 1, got {history!r}")
-    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-        raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+    f = _element(element)
+    if not isinstance(mode, str) or mode not in ("delayed", "current"):
+        raise ValueError(f"mode must be 'delayed' or 'current', got {_args.shown(mode)}")
+    history = _args.integer(history, "history", low=1)
+    # 2**margin multiplies a float64 scale: past 2**127 (float32's largest power) a scale helps nobody
+    margin = _args.integer(margin, "margin", low=0, high=127)
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+        raise ValueError(f"tensors must be a sequence of tensors (one per step), got {_args.shown(tensors)}")
     seen: list[float] = []
     scale = 1.0
     out = []
@@ -251,11 +268,19 @@ def simulate_scaling(tensors: Sequence, element: str = "fp8_e4m3", mode: str = "
     return out
 
 
+#: spike_sequence's output at most (float64 bytes): a typo in steps or size must not fill the memory.
+MAX_SEQUENCE_BYTES = 2**31
+
+
 def spike_sequence(steps: int = 40, spike_at: int = 20, spike: float = 100.0, size: int = 256,
                    seed: int = 0) -> list[torch.Tensor]:
     """Gaussian tensors with a slowly drifting std and one step whose values are ``spike`` times larger."""
-    if not 0 <= spike_at < steps:
-        raise ValueError(f"spike_at must be in 0..{steps - 1}, got {spike_at!r}")
+    steps, size = _args.integer(steps, "steps", low=1), _args.integer(size, "size", low=1)
+    if steps * size * 8 > MAX_SEQUENCE_BYTES:  # float64 values: refuse before allocating, not in the allocator
+        raise ValueError(f"steps * size must be at most {MAX_SEQUENCE_BYTES // 8} values "
+                         f"({MAX_SEQUENCE_BYTES // 2**30} GiB of float64), got steps={steps}, size={size}")
+    spike_at = _args.integer(spike_at, "spike_at", low=0, high=steps - 1)
+    spike, seed = _args.real(spike, "spike"), _args.seed(seed)
     gen = torch.Generator().manual_seed(seed)
     seq = []
     for i in range(steps):
@@ -274,6 +299,10 @@ class Component:
     fmt: str
     per: int = 1  # 1: one value per parameter; 16384: one scale per 128x128 tile
 
+    def __post_init__(self) -> None:
+        formats.spec(self.fmt)  # an unknown name fails here, listing the format names, not when bytes is read
+        object.__setattr__(self, "per", _args.integer(self.per, "per", low=1))
+
     @property
     def bytes(self) -> float:
         """Bytes per parameter this component costs."""
@@ -287,6 +316,11 @@ class TrainingScheme:
     name: str
     components: tuple[Component, ...]
     source: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.components, (tuple, list)) or not all(isinstance(c, Component) for c in self.components):
+            raise ValueError(f"components must be a tuple of Component, got {_args.shown(self.components)}")
+        object.__setattr__(self, "components", tuple(self.components))
 
     @property
     def bytes(self) -> float:
@@ -328,8 +362,8 @@ def bytes_per_parameter(scheme: str | None = None) -> dict[str, float] | float:
     table = {s.name: s.bytes for s in SCHEMES}
     if scheme is None:
         return table
-    if scheme not in table:
-        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(table)}")
+    if not isinstance(scheme, str) or scheme not in table:
+        raise ValueError(f"unknown scheme {_args.shown(scheme)}; choose one of {', '.join(table)}")
     return table[scheme]
 
 
@@ -338,8 +372,17 @@ def bytes_per_parameter(scheme: str | None = None) -> dict[str, float] | float:
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
                   out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """a @ b through ``torch._scaled_mm`` in e4m3 (per-tensor or rowwise scales), and the dequantize-then-matmul reference."""
-    if granularity not in ("tensor", "row"):
-        raise ValueError(f"granularity must be 'tensor' or 'row' (what _scaled_mm takes), got {granularity!r}")
+    if not isinstance(granularity, str) or granularity not in ("tensor", "row"):
+        raise ValueError(f"granularity must be 'tensor' or 'row' (what _scaled_mm takes), got {_args.shown(granularity)}")
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {_args.shown(t)}")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} holds inf or NaN; scaled quantization needs finite values")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {_args.shown(out_dtype)}")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"a and b must be 2-D with a.shape[1] == b.shape[0], got {tuple(a.shape)} and {tuple(b.shape)}")
     e4m3 = torch.float8_e4m3fn
@@ -385,6 +428,12 @@ def quiet_torchao() -> Iterator[None]:
 RECIPES = ("fp32", "bf16", "float8", "mxfp8")
 
 
+def _check_recipe(recipe) -> None:
+    """ValueError listing RECIPES unless recipe is one of them."""
+    if not isinstance(recipe, str) or recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {_args.shown(recipe)}; choose one of {', '.join(RECIPES)}")
+
+
 def to_recipe(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
     """Convert model's nn.Linear layers in place for a recipe ('float8': torchao tensorwise, 'mxfp8': torchao MX), emulated.
 
@@ -394,8 +443,9 @@ def to_recipe(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
     e8m0 scales (RCEIL) for all three matmuls of each Linear; every Linear dim must be a multiple of 32.
     'fp32' and 'bf16' leave the model as it is ('bf16' runs under autocast in train_recipe).
     """
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    _check_recipe(recipe)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {_args.shown(model)}")
     with quiet_torchao():
         if recipe == "float8":
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -413,12 +463,17 @@ def train_recipe(recipe: str, steps: int = 30, batch: int = 32, lr: float = 3e-3
     """Train the tiny reference transformer with one recipe on CPU; the loss after each step (deterministic)."""
     from .models import make_task  # models imports nothing from here: no cycle
 
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 2 or batch % 2:
-        raise ValueError(f"batch must be an even int >= 2 (MX blocks of 32 tokens need batch * 16 % 32 == 0), "
-                         f"got {batch!r}")
-    task = make_task("transformer", n=steps * batch, seed=seed)
+    _check_recipe(recipe)
+    steps = _args.integer(steps, "steps", low=1)
+    what = "an even int >= 2 (MX blocks of 32 tokens need batch * 16 % 32 == 0)"
+    batch = _args.integer(batch, "batch", low=2, what=what)
+    if batch % 2:
+        raise ValueError(f"batch must be {what}, got {batch!r}")
+    lr, seed = _args.real(lr, "lr", positive=True), _args.seed(seed)
+    try:
+        task = make_task("transformer", n=steps * batch, seed=seed)
+    except ValueError as err:  # too many samples: say which arguments made them
+        raise ValueError(f"steps * batch = {steps} * {batch} samples is too many: {err}") from None
     model = to_recipe(task.model, recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     x, y = task.data.tensors

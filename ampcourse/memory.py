@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _args
 from .models import data_errors
 
 __all__ = ["SavedTensor", "SavedBytes", "saved_for_backward", "forward_saved_bytes",
@@ -31,6 +32,8 @@ KINDS = ("activation", "weight copy", "parameter")
 
 def dtype_name(dtype: torch.dtype) -> str:
     """'float32', 'bfloat16', 'int64', ...: a dtype without the 'torch.' prefix."""
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, got {_args.shown(dtype)}")
     return str(dtype).removeprefix("torch.")
 
 
@@ -45,6 +48,12 @@ class SavedTensor:
     saved_by: str = "?"  # the autograd node and slot that saved it, e.g. 'NativeLayerNormBackward0.input'
 
 
+def _check_kind(kind) -> None:
+    """ValueError listing KINDS unless kind is one of them or None (a typo would silently count 0 bytes)."""
+    if kind is not None and (not isinstance(kind, str) or kind not in KINDS):
+        raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))} or None, got {_args.shown(kind)}")
+
+
 @dataclass(frozen=True)
 class SavedBytes:
     """The storages saved for backward during one forward pass, each counted once."""
@@ -53,6 +62,7 @@ class SavedBytes:
 
     def bytes(self, kind: str | None = None) -> int:
         """Total bytes of one kind ('activation', 'weight copy', 'parameter'), or of all kinds."""
+        _check_kind(kind)
         return sum(t.nbytes for t in self.tensors if kind is None or t.kind == kind)
 
     @property
@@ -72,6 +82,7 @@ class SavedBytes:
 
     def by_dtype(self, kind: str | None = "activation") -> dict[str, int]:
         """Bytes per dtype for one kind (default: activations), largest first."""
+        _check_kind(kind)
         counts = Counter()
         for t in self.tensors:
             if kind is None or t.kind == kind:
@@ -80,6 +91,9 @@ class SavedBytes:
 
     def by_saver(self, dtype: str | None = None, kind: str | None = "activation") -> dict[str, int]:
         """Bytes per saving autograd node ('NativeLayerNormBackward0', ...), optionally for one dtype."""
+        _check_kind(kind)
+        if dtype is not None and not isinstance(dtype, str):
+            raise ValueError(f"dtype must be a dtype name such as 'float32' or None, got {_args.shown(dtype)}")
         counts = Counter()
         for t in self.tensors:
             if (kind is None or t.kind == kind) and (dtype is None or t.dtype == dtype):
@@ -132,7 +146,16 @@ def _saved_by(out: object) -> dict[tuple, str]:
 
 def saved_for_backward(forward: Callable[[], object], params: Iterable[torch.Tensor] = ()) -> SavedBytes:
     """Run forward() and return the storages autograd saved for backward, classified and counted once."""
-    params = [p for p in params]
+    if not callable(forward):
+        raise ValueError(f"forward must be a callable taking no arguments (it runs the forward pass), got {_args.shown(forward)}")
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    try:
+        params = list(params)
+    except TypeError:
+        raise ValueError(f"params must be an iterable of tensors (model.parameters()), got {_args.shown(params)}") from None
+    if not all(isinstance(p, torch.Tensor) for p in params):
+        raise ValueError(f"params must be an iterable of tensors (model.parameters()), got {_args.shown(params)}")
     param_keys = {_storage_key(p) for p in params}
     saved: list[torch.Tensor] = []
 
@@ -159,6 +182,12 @@ def saved_for_backward(forward: Callable[[], object], params: Iterable[torch.Ten
 def forward_saved_bytes(model: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
                         autocast=None) -> SavedBytes:
     """Saved-for-backward storages of loss_fn(model(x), y), inside an autocast context if given."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {_args.shown(model)}")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (logits, targets) -> loss, got {_args.shown(loss_fn)}")
+    if autocast is not None and not (hasattr(autocast, "__enter__") and hasattr(autocast, "__exit__")):
+        raise ValueError(f"autocast must be a context manager (amp.autocast()) or None, got {_args.shown(autocast)}")
 
     def forward() -> torch.Tensor:
         with autocast if autocast is not None else contextlib.nullcontext():  # noqa: SIM117
@@ -170,6 +199,10 @@ def forward_saved_bytes(model: torch.nn.Module, loss_fn: Callable, x: torch.Tens
 
 def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes of weights, gradients and each optimizer state entry (e.g. Adam's exp_avg, exp_avg_sq, step)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {_args.shown(model)}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {_args.shown(optimizer)}")
     params = list(model.parameters())
     out = {
         "weights": sum(p.numel() * p.element_size() for p in params),

@@ -20,10 +20,11 @@ The update itself is computed in fp32 from bf16 gradients and bf16 moments; only
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
+
+from . import _args
 
 __all__ = ["ROUNDINGS", "stochastic_round", "BF16AdamW"]
 
@@ -35,6 +36,8 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
     """Round an fp32 tensor to bf16, up with probability equal to the fraction of the gap (unbiased)."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         raise TypeError(f"stochastic_round takes a float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {_args.shown(generator)}")
     # bf16 is the top 16 bits of fp32: adding a uniform 16-bit integer to the bit pattern and cutting
     # the low 16 bits off rounds up exactly when the random number exceeds the distance to the next value.
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
@@ -43,19 +46,45 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
     return torch.where(torch.isfinite(x), out, x.to(torch.bfloat16))  # inf/nan pass through unchanged
 
 
+def _betas(betas) -> tuple[float, float]:
+    """betas as two Python floats in [0, 1); ValueError naming them otherwise."""
+    what = "two numbers in [0, 1), such as (0.9, 0.999)"
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be {what}, got {_args.shown(betas)}")
+    out = tuple(_args.real(b, "betas", nonnegative=True, what=what) for b in betas)
+    if not all(b < 1.0 for b in out):
+        raise ValueError(f"betas must be {what}, got {_args.shown(betas)}")
+    return out
+
+
+_CHECKS = {
+    "lr": lambda v: _args.real(v, "lr", positive=True, what="a positive finite number"),
+    "betas": lambda v: _betas(v),
+    "eps": lambda v: _args.real(v, "eps", positive=True, what="> 0 (a finite number)"),
+    "weight_decay": lambda v: _args.real(v, "weight_decay", nonnegative=True, what=">= 0 (a finite number)"),
+}
+
+
+def _settings(values: dict) -> dict:
+    """The given optimizer settings as plain Python numbers, each checked (ValueError naming the first bad one)."""
+    return {k: _CHECKS[k](v) for k, v in values.items()}
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW for bf16 parameters: bf16 weights and moments, update in fp32, rounding chosen by `rounding`."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, rounding: str = "kahan", seed: int = 0):
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}; got {rounding!r}")
-        if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be a positive finite number, got {lr!r}")
-        if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        if not (eps > 0 and weight_decay >= 0):
-            raise ValueError(f"eps must be > 0 and weight_decay >= 0, got eps={eps!r}, weight_decay={weight_decay!r}")
+        # Plain Python numbers from here on (numpy scalars and 0-d tensors too), each checked before any work.
+        rounding = _args.choice(rounding, "rounding", ROUNDINGS)
+        lr, betas, eps, weight_decay = _settings(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)).values()
+        seed = _args.seed(seed)
+        what = "params must be an iterable of parameters or of parameter-group dicts"
+        if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):  # torch's own words would follow
+            raise ValueError(f"{what} (such as model.parameters()), got {_args.shown(params)}")
+        params = list(params)
+        if not params:
+            raise ValueError(f"{what}, got an empty parameter list")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             for p in group["params"]:
@@ -64,6 +93,12 @@ class BF16AdamW(torch.optim.Optimizer):
                                     f"{tuple(p.shape)} (call model.to(torch.bfloat16) first)")
         self.rounding = rounding
         self.generator = torch.Generator().manual_seed(seed)  # CPU generator: reproducible on any device
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, with a group's own settings (lr, betas, eps, weight_decay) checked like the defaults."""
+        if isinstance(param_group, dict):
+            param_group = {**param_group, **_settings({k: v for k, v in param_group.items() if k in _CHECKS})}
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):

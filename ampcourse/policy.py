@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
+from . import _args
 from .device import AmpSetup, PRECISIONS, parse_precision
 from .models import data_errors
 
@@ -29,6 +30,9 @@ __all__ = ["apply_policy", "remove_policy", "policy_of", "precision_report", "ca
 
 def cast_floats(obj, dtype: torch.dtype):
     """Cast every floating-point tensor in a (nested) tuple, list or dict to dtype; leave the rest alone."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, ...), "
+                         f"got {_args.shown(dtype)}")
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, (list, tuple)):
@@ -58,6 +62,12 @@ def _policy_forward(self: nn.Module, *args, **kwargs):
         return self._ampcourse_forward(*args, **kwargs)
 
 
+def _check_model(model) -> None:
+    """ValueError unless model is a torch.nn.Module (a policy wraps its submodules' forward)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {_args.shown(model)}")
+
+
 def _matches(name: str, module: nn.Module, rule) -> bool:
     """A rule is a module class (isinstance) or a glob over the qualified name ('blocks.*.ln1')."""
     if isinstance(rule, type):
@@ -67,6 +77,10 @@ def _matches(name: str, module: nn.Module, rule) -> bool:
 
 def apply_policy(model: nn.Module, rules: Mapping[type | str, str | torch.dtype]) -> dict[str, str]:
     """Wrap the forward of each submodule a rule matches (later rules win); return {name: precision}."""
+    _check_model(model)
+    if not isinstance(rules, Mapping):
+        raise ValueError(f"rules must be a mapping {{module class or name pattern: precision}}, such as "
+                         f"{{nn.LayerNorm: 'fp32'}}, got {_args.shown(rules)}")
     parsed = []
     for rule, precision in rules.items():
         if not isinstance(rule, (type, str)):
@@ -95,6 +109,7 @@ def apply_policy(model: nn.Module, rules: Mapping[type | str, str | torch.dtype]
 
 def remove_policy(model: nn.Module) -> None:
     """Undo apply_policy: every module runs its own forward again."""
+    _check_model(model)
     for m in model.modules():
         if "_ampcourse_forward" in m.__dict__:
             del m.forward, m._ampcourse_forward, m._ampcourse_precision
@@ -102,11 +117,15 @@ def remove_policy(model: nn.Module) -> None:
 
 def policy_of(model: nn.Module) -> dict[str, str]:
     """The precision each wrapped submodule runs in: {name: 'fp32' | 'fp16' | 'bf16'}."""
+    _check_model(model)
     return {n: m._ampcourse_precision for n, m in model.named_modules() if "_ampcourse_forward" in m.__dict__}
 
 
 def precision_report(model: nn.Module, *inputs, amp: AmpSetup | None = None) -> dict[str, torch.dtype]:
     """Run the model once (under amp.autocast() if given) and return the output dtype of every leaf module."""
+    _check_model(model)
+    if amp is not None and not isinstance(amp, AmpSetup):
+        raise ValueError(f"amp must be an AmpSetup (ampcourse.device.pick(device, precision)) or None, got {_args.shown(amp)}")
     seen: dict[str, torch.dtype] = {}
 
     def record(name: str):

@@ -41,6 +41,7 @@ gradients of one forward/backward pass).
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -55,7 +56,7 @@ from .models import data_errors
 
 __all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
            "zone_thresholds", "RangeCounter",
-           "GradientRecord", "record_gradients"]
+           "GradientRecord", "record_gradients", "EXACT_NOISE"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within one iteration
 
@@ -605,15 +606,29 @@ class GradientRecord:
 
 def record_gradients(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                     activations: bool = True) -> GradientRecord:
-    """Run one forward and backward pass in fp32 and keep every gradient (no optimizer step)."""
+                     activations: bool = True, exact: bool = False) -> GradientRecord:
+    """Run one forward and backward pass in fp32 and keep every gradient (no optimizer step).
+
+    With ``exact=True`` the pass runs in float64 on a copy of the model (the model is not touched) and each
+    gradient is rounded once to float32, after values below ``EXACT_NOISE`` times their tensor's largest
+    magnitude are set to 0. Why: an fp32 pass differs in its last bits from one machine's kernels to another's
+    (AVX2 vs AVX512, cuBLAS versions: measured, most values differ), so counts of values near a format's
+    limits move with the machine. In float64 only one kind of value still does: gradients that are exactly
+    zero in exact arithmetic (a key bias: softmax ignores a shift of all its inputs) come out as rounding
+    noise around 1e-16 of the tensor's scale, with a kernel-dependent exponent. Real gradients do not sit
+    there, so they are kept; the noise becomes the 0 it stands for. The result is the same on every machine.
+    """
+    if exact:
+        model = copy.deepcopy(model).double()
+        inputs, targets = (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                           for t in (inputs, targets))
     acts: dict[str, torch.Tensor] = {}
 
     def keep_output_grad(name: str):
         """A forward hook that asks autograd for the gradient of this module's output."""
         def hook(module, args, out):
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda g: acts.__setitem__(name, g.detach().float().flatten().cpu()))
+                out.register_hook(lambda g: acts.__setitem__(name, _recorded(g, exact)))
         return hook
 
     handles = []
@@ -628,5 +643,18 @@ def record_gradients(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
     finally:
         for h in handles:
             h.remove()
-    params = {n: p.grad.detach().float().flatten().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    params = {n: _recorded(p.grad, exact) for n, p in model.named_parameters() if p.grad is not None}
     return GradientRecord(float(loss.detach()), params, acts)
+
+
+#: In record_gradients(exact=True): float64 values below this share of their tensor's largest magnitude are
+#: cancellation noise (float64 rounding is 2**-53; measured noise ~1e-16 of the scale), stored as 0.
+EXACT_NOISE = 2.0**-40
+
+
+def _recorded(grad: torch.Tensor, exact: bool) -> torch.Tensor:
+    """A gradient as the flat fp32 CPU tensor a GradientRecord keeps (exact: float64 noise flushed first)."""
+    g = grad.detach()
+    if exact and g.numel():
+        g = torch.where(g.abs() < g.abs().max() * EXACT_NOISE, torch.zeros_like(g), g)
+    return g.float().flatten().cpu()

@@ -808,34 +808,13 @@ def _fail(message: str, local_rank: int) -> None:
     raise SystemExit(1)
 
 
-def _check_writable(flag: str, path: str | None) -> None:
-    """Fail before training if an output file cannot be written: by creating it (and removing it again if it was new).
-
-    Looking at the folder is not enough: /proc/x has a folder, a read-only mount or a full quota says no
-    only when a file is opened. An existing file is opened for appending, which changes nothing in it.
-    """
-    if path is None:
-        return
-    target = Path(path)
-    if target.is_dir() or not target.resolve().parent.is_dir():
-        raise ValueError(f"cannot write {flag} {path!r}: "
-                         f"{'it is a directory' if target.is_dir() else 'its folder does not exist'}")
-    existed = target.exists()
-    try:
-        with open(target, "a"):
-            pass
-    except OSError as err:
-        raise ValueError(f"cannot write {flag} {path!r}: {err.strerror or err}; choose a file you can write to") from None
-    if not existed:
-        target.unlink(missing_ok=True)
-
-
 def _plan(args: argparse.Namespace, env) -> _Plan:
     """All the checks that need no process group: strategy vs launcher, devices, batch split, checkpoints."""
     from . import distributed
 
-    _check_writable("--out", args.out)
-    _check_writable("--history-out", args.history_out)
+    for flag, path in (("--out", args.out), ("--history-out", args.history_out)):
+        if path is not None:  # fail before training, not after it
+            _args.writable_file(path, flag)
     if args.strategy == "single":
         if env.world_size > 1:
             raise ValueError(f"--strategy single runs one process, but torchrun started WORLD_SIZE={env.world_size}; "

@@ -36,7 +36,7 @@ import PIL.Image
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from . import formats, plots, scaling
+from . import _args, formats, plots, scaling
 
 __all__ = ["format_explorer", "range_explorer", "scaler_simulator", "parse_number", "parse_scale", "parse_steps",
            "RangeExplorer", "ScalerSimulator", "benchmark"]
@@ -136,8 +136,11 @@ class FormatExplorer(_Guarded, W.VBox):
     """Type or slide a value; see its bits, rounded value and error in every format."""
 
     def __init__(self, value: float = 1.0001, fmts: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")):
+        fmts = (fmts,) if isinstance(fmts, str) else fmts  # one name alone, not its letters
+        if not isinstance(fmts, (tuple, list)) or not fmts:
+            raise ValueError(f"fmts must be a non-empty tuple of format names ({', '.join(formats.FORMATS)}), got {fmts!r}")
         self.fmts = tuple(formats.spec(f).name for f in fmts)
-        value = parse_number(value)
+        value = parse_number(_args.scalar(value))  # a numpy scalar or 0-d tensor: the number it holds
         self.text = W.Text(value=repr(value), description="value", continuous_update=False)
         self.slider = W.FloatSlider(value=_log10_or(value, 0.0), min=-9.0, max=6.0, step=0.05,
                                     description="log10 |x|", readout_format=".2f", continuous_update=True)
@@ -477,6 +480,7 @@ class ScalerSimulator(_Guarded, W.VBox):
     """GradScaler's four settings and an overflow pattern in, the scale over steps (skipped steps marked) out."""
 
     def __init__(self, steps: int = 6000, probability: float = 5e-4, burst: str = "3000-3005", seed: int = 0):
+        steps, probability, seed = _args.scalar(steps), _args.scalar(probability), _args.scalar(seed)  # numpy, 0-d tensors
         _check_simulator_args(steps, probability, seed)
         label = dict(style=_LABEL, layout=_WIDE)
         self.init_log2 = W.IntSlider(value=16, min=-24, max=40, description="log2 init_scale", **label)
@@ -619,8 +623,7 @@ def scaler_simulator(steps: int = 6000, probability: float = 5e-4, burst: str = 
 
 def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
     """Milliseconds per slider move (median, p90) while dragging each control, cached axes vs full redraws, interleaved."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    repeats = _args.integer(repeats, "repeats", low=1)  # numpy ints and 0-d tensors too
     drag = lambda lo, hi, step: [round(lo + i * step, 10) for i in range(int(round((hi - lo) / step)) + 1)]
     cases = {"format_explorer: log10 abs(x) slider": (format_explorer(), "slider", drag(-9, 6, 0.25)),
              "range_explorer: log2 scale slider": (range_explorer(), "slider", drag(-24, 40, 1)),
@@ -695,8 +698,13 @@ class OutlierExplorer(_Guarded, W.VBox):
                  seed: int = 0):
         import torch
 
+        magnitude = _args.integer(magnitude, "magnitude", low=0, high=16, what="an int from 0 to 16 (the slider's range)")
+        position, block_size = _args.integer(position, "position", low=0), _args.integer(block_size, "block_size", low=1)
         if x is None:
-            x = torch.randn(4, 256, generator=torch.Generator().manual_seed(seed))
+            x = torch.randn(4, 256, generator=torch.Generator().manual_seed(_args.seed(seed)))
+        x = formats._real_array(x, "x")  # numbers as float64, or ValueError naming x
+        if x.ndim == 0 or x.size == 0:
+            raise ValueError(f"x must be a non-empty array of numbers (rows of values), got shape {x.shape}")
         self.base = torch.as_tensor(x, dtype=torch.float64).reshape(-1, torch.as_tensor(x).shape[-1]).clone()
         cols = self.base.shape[1]
         blocks = [b for b in (8, 16, 32, 64, 128) if cols % b == 0]

@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/busy_machine.py                      # chapters 02 and 03, 1 repeat
     .venv/bin/python benchmarks/busy_machine.py 02 04 --repeats 2
+    .venv/bin/python benchmarks/busy_machine.py 00 01 02 03 04 05 06 07 08 09 --lab-only   # every chapter
 
 "Busy" = two CPU-bound processes (`while True: pass`) running beside the notebook, as on a learner's
 laptop with a build or another notebook going. Each run executes the whole chapter in a fresh kernel
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("chapters", nargs="*", default=["02", "03"])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--burners", type=int, default=2)
+    ap.add_argument("--lab-only", action="store_true", help="only the OMP_NUM_THREADS=1 setting (make lab/test)")
     args = ap.parse_args(argv)
+    settings = dict(list(SETTINGS.items())[:1]) if args.lab_only else SETTINGS
     if args.repeats < 1 or args.burners < 0:
         ap.error("--repeats must be >= 1 and --burners >= 0")
     paths = [chapter(c) for c in args.chapters]
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[tuple[str, str, str], list[float]] = {}
     for _ in range(args.repeats):
         for path in paths:
-            for label, omp in SETTINGS.items():
+            for label, omp in settings.items():
                 for busy in (False, True):
                     procs = burners(args.burners) if busy else []
                     try:
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n| chapter | kernel setting | idle s | busy s ({args.burners} CPU-bound processes) | busy / idle |")
     print("|---|---|---|---|---|")
     for path in paths:
-        for label in SETTINGS:
+        for label in settings:
             idle = statistics.median(times[path.name, label, "idle"])
             busy = statistics.median(times[path.name, label, "busy"])
             print(f"| {path.stem} | {label} | {idle:.1f} | {busy:.1f} | {busy / idle:.2f} |")

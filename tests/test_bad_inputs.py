@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from ampcourse import autocast_ops, bench, checkpoint, device, distributed, formats, memory, models, policy, scaling, widgets
+from ampcourse import autocast_ops, bench, checkpoint, device, distributed, doctor, formats, fp8, memory, models, optim, policy, scaling, widgets
 from ampcourse import train as train_mod
 from ampcourse.scaling import LossScaler
 
@@ -80,6 +80,18 @@ def meta_mlp() -> torch.nn.Module:
 
 
 HUGE = 10**400  # an int no float holds
+
+
+def bf16_params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]
+
+
+def bare_loop(**kw) -> bench.BareLoop:
+    return bench.BareLoop(models.make_model("mlp"), models.make_dataset("mlp", n=64), device.pick("cpu", "bf16"), **kw)
+
+
+def doctor_examine(**kw):
+    return doctor.examine(models.make_model("mlp"), torch.randn(4, 32), torch.zeros(4, dtype=torch.long), models.loss_fn, **kw)
 
 
 def scaler_after_one_scale() -> LossScaler:
@@ -283,6 +295,134 @@ API = {
     "scaler_simulator probability nan": Row(lambda t: widgets.scaler_simulator(probability=NAN), "nan", "1e-05 to 1"),
     "scaler_simulator burst text": Row(lambda t: widgets.scaler_simulator(burst="abc"), "'abc'", "1000-1020, 4000"),
     "widget benchmark 0 repeats": Row(lambda t: widgets.benchmark(repeats=0), "0", "int >= 1"),
+    # bench (issue 12): every number, name and device checked before anything is timed
+    "matmul seed 2**64": Row(lambda t: bench.matmul_tflops("cpu", ["fp32"], [8], seed=2**64), str(2**64),
+                             r"seed must be an int >= 0 and < 2\*\*64"),
+    "matmul min_run_time nan": Row(lambda t: bench.matmul_tflops("cpu", ["fp32"], [8], min_run_time=NAN), "nan",
+                                   "min_run_time must be a finite number of seconds > 0"),
+    "matmul repeats 0": Row(lambda t: bench.matmul_tflops("cpu", ["fp32"], [8], repeats=0), "got 0", "repeats must be an int >= 1"),
+    "matmul size 10**400": Row(lambda t: bench.matmul_tflops("cpu", ["fp32"], [HUGE]), "[1000", r"ints >= 1 and <= 65536"),
+    "matmul sizes not a sequence": Row(lambda t: bench.matmul_tflops("cpu", ["fp32"], 8), "got 8", "non-empty sequence of ints"),
+    "matmul device tpu": Row(lambda t: bench.matmul_tflops("tpu"), "'tpu'", "'cpu', 'cuda'"),
+    "matmul_dtypes device tpu": Row(lambda t: bench.matmul_dtypes("tpu"), "'tpu'", "'cpu', 'cuda', 'cuda:N', 'mps'"),
+    "train_step_times steps 0": Row(lambda t: bench.train_step_times(["mlp"], "cpu", "bf16", steps=0), "got 0",
+                                    "steps must be an int >= 1"),
+    "train_step_times unknown model": Row(lambda t: bench.train_step_times(["resnet"], "cpu", "bf16"), "['resnet']",
+                                          "mlp, cnn, transformer"),
+    "saved_bytes seed 2**64": Row(lambda t: bench.saved_bytes(["mlp"], seed=2**64), str(2**64), "seed must be"),
+    "saved_bytes unknown size": Row(lambda t: bench.saved_bytes(["mlp"], sizes=["huge"]), "['huge']", "tiny, small, large"),
+    "trainer_overhead lr nan": Row(lambda t: bench.trainer_overhead(["mlp"], "cpu", lr=NAN), "nan", "lr must be a finite number > 0"),
+    "trainer_overhead repeats 0": Row(lambda t: bench.trainer_overhead(["mlp"], "cpu", repeats=0), "got 0", "repeats must be"),
+    "BareLoop batch beyond the data": Row(lambda t: bare_loop(batch=1000), "1000", "from 1 to the dataset's 64 samples"),
+    "BareLoop lr 10**400": Row(lambda t: bare_loop(lr=HUGE), "too large for a float", "lr must be a finite number > 0"),
+    "BareLoop amp a name": Row(lambda t: bench.BareLoop(models.make_model("mlp"), models.make_dataset("mlp", n=64), "bf16"),
+                               "'bf16'", r"AmpSetup \(ampcourse.device.pick"),
+    "bench.run seed 2**64": Row(lambda t: bench.run("cpu", "bf16", quick=True, seed=2**64), str(2**64), "seed must be"),
+    "fraction_of_peak dtype int8": Row(lambda t: bench.fraction_of_peak([], "int8"), "'int8'", "fp32, tf32, bf16, fp16"),
+    "fp32_math tf32 'yes'": Row(lambda t: bench.fp32_math("yes").__enter__(), "'yes'", "tf32 must be True or False"),
+    "fraction_of_peak rows of text": Row(lambda t: bench.fraction_of_peak("rows"), "'rows'", "list of dicts with keys dtype, n, tflops"),
+    "speedup_sentence rows missing seconds": Row(lambda t: bench.speedup_sentence([{"dtype": "fp32", "n": 8}], "bf16"),
+                                                 "[{'dtype': 'fp32', 'n': 8}]", "keys dtype, n, seconds"),
+    "summary of an empty dict": Row(lambda t: bench.summary({}), "got {}", "report must be a dict as run\\(\\) returns"),
+    "plot_saved of a list": Row(lambda t: bench.plot_saved([1]), "[1]", r"dict \{label: SavedBytes\}"),
+    "TrainingScheme of text": Row(lambda t: fp8.TrainingScheme("x", "fp32", "me"), "'fp32'", "tuple of Component"),
+    "TrainingScheme of a number": Row(lambda t: fp8.TrainingScheme("x", 3, "me"), "got 3", "tuple of Component"),
+    "Log2Hist.merge a tensor": Row(lambda t: doctor.Log2Hist().merge(torch.ones(2)), "tensor", "other must be a Log2Hist"),
+    "load_gpu_report of a text file": Row(lambda t: bench.load_gpu_report(a_file(t)), "a_file", "is not a GPU report"),
+    # optim.BF16AdamW: the settings torch.optim.AdamW takes, checked the same way
+    "BF16AdamW lr 10**400": Row(lambda t: optim.BF16AdamW(bf16_params(), lr=HUGE), "too large for a float", "lr must be a positive"),
+    "BF16AdamW betas nan": Row(lambda t: optim.BF16AdamW(bf16_params(), betas=(NAN, 0.9)), "nan", r"two numbers in \[0, 1\)"),
+    "BF16AdamW betas one number": Row(lambda t: optim.BF16AdamW(bf16_params(), betas=0.9), "0.9", r"betas must be two numbers"),
+    "BF16AdamW eps inf": Row(lambda t: optim.BF16AdamW(bf16_params(), eps=INF), "inf", r"eps must be > 0 \(a finite number\)"),
+    "BF16AdamW eps text": Row(lambda t: optim.BF16AdamW(bf16_params(), eps="1e-8"), "'1e-8'", "eps must be > 0"),
+    "BF16AdamW weight_decay -1": Row(lambda t: optim.BF16AdamW(bf16_params(), weight_decay=-1), "-1", "weight_decay must be >= 0"),
+    "BF16AdamW rounding 'up'": Row(lambda t: optim.BF16AdamW(bf16_params(), rounding="up"), "'up'", "nearest, stochastic, kahan"),
+    "BF16AdamW seed 2**64": Row(lambda t: optim.BF16AdamW(bf16_params(), seed=2**64), str(2**64), r"< 2\*\*64"),
+    "BF16AdamW a group's lr nan": Row(lambda t: optim.BF16AdamW([{"params": bf16_params(), "lr": NAN}]), "nan",
+                                      "lr must be a positive finite number"),
+    "BF16AdamW a lone tensor": Row(lambda t: optim.BF16AdamW(bf16_params()[0]), "Parameter containing", "params must be an iterable"),
+    "BF16AdamW no parameters": Row(lambda t: optim.BF16AdamW([]), "empty parameter list", "params must be an iterable"),
+    "stochastic_round generator 3": Row(lambda t: optim.stochastic_round(torch.ones(2), generator=3), "got 3",
+                                        "torch.Generator or None"),
+    # fp8: names list the choices, numbers are ints/floats of the right range, tensors are finite and real
+    "quantize_scaled unknown granularity": Row(lambda t: fp8.quantize_scaled(torch.ones(4, 32), "fp8_e4m3", "col"), "'col'",
+                                               "tensor, row, 1x128, 128x128, mx, nvfp4"),
+    "quantize_scaled granularity a list": Row(lambda t: fp8.quantize_scaled(torch.ones(4, 32), "fp8_e4m3", ["mx"]), "['mx']",
+                                              "tensor, row, 1x128"),
+    "quantize_scaled element int8": Row(lambda t: fp8.quantize_scaled(torch.ones(4, 32), "int8"), "'int8'",
+                                        "fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1"),
+    "quantize_scaled element fp32": Row(lambda t: fp8.quantize_scaled(torch.ones(4, 32), "fp32"), "'fp32'", "narrow signed format"),
+    "quantize_scaled block_size 10**400": Row(lambda t: fp8.quantize_scaled(torch.ones(4, 32), "fp8_e4m3", "mx", block_size=HUGE),
+                                              "1000", "block_size must be a positive int"),
+    "quantize_scaled text": Row(lambda t: fp8.quantize_scaled("abc"), "'abc'", "x must be real numbers"),
+    "quantize_scaled 10**400": Row(lambda t: fp8.quantize_scaled([HUGE, 1.0]), "[1000", "x must be real numbers"),
+    "quantize_scaled nan": Row(lambda t: fp8.quantize_scaled([1.0, NAN]), "inf or NaN", "needs finite values"),
+    "relative_error of another size": Row(lambda t: fp8.relative_error(torch.ones(4, 8), torch.ones(3)), "(1, 3)",
+                                          "approx must have x's 32 elements"),
+    "simulate_scaling margin 10**5": Row(lambda t: fp8.simulate_scaling([torch.ones(4)], margin=10**5), "100000",
+                                         r"margin must be an int in 0\.\.127"),
+    "simulate_scaling history 2.5": Row(lambda t: fp8.simulate_scaling([torch.ones(4)], history=np.float64(2.5)), "2.5",
+                                        "history must be an int >= 1"),
+    "simulate_scaling tensors None": Row(lambda t: fp8.simulate_scaling(None), "None", "sequence of tensors"),
+    "simulate_scaling mode 'jit'": Row(lambda t: fp8.simulate_scaling([torch.ones(4)], mode="jit"), "'jit'", "'delayed' or 'current'"),
+    "spike_sequence seed 2**64": Row(lambda t: fp8.spike_sequence(seed=2**64), str(2**64), "seed must be"),
+    "spike_sequence size 10**13": Row(lambda t: fp8.spike_sequence(size=10**13), "size=10000000000000", "must be at most"),
+    "spike_sequence steps 10**400": Row(lambda t: fp8.spike_sequence(steps=HUGE), "1000", "steps must be an int >= 1"),
+    "spike_sequence spike nan": Row(lambda t: fp8.spike_sequence(spike=NAN), "nan", "spike must be a finite number"),
+    "spike_sequence spike_at beyond the steps": Row(lambda t: fp8.spike_sequence(steps=5), "got 20", r"spike_at must be an int in 0\.\.4"),
+    "bytes_per_parameter a list": Row(lambda t: fp8.bytes_per_parameter(["x"]), "['x']", "bf16 mixed precision, TE fp8"),
+    "Component unknown format": Row(lambda t: fp8.Component("weights", "fp12"), "'fp12'", FORMAT_NAMES),
+    "Component per 0": Row(lambda t: fp8.Component("weights", "fp32", 0), "got 0", "per must be an int >= 1"),
+    "scaled_matmul lists": Row(lambda t: fp8.scaled_matmul([[1.0]], [[1.0]]), "[[1.0]]", "a must be a floating-point tensor"),
+    "scaled_matmul out_dtype a name": Row(lambda t: fp8.scaled_matmul(torch.ones(16, 16), torch.ones(16, 16), out_dtype="fp32"),
+                                          "'fp32'", "torch.float32, torch.bfloat16 or torch.float16"),
+    "scaled_matmul inf": Row(lambda t: fp8.scaled_matmul(torch.ones(16, 16), torch.full((16, 16), INF)), "inf or NaN",
+                             "b holds"),
+    "to_recipe not a model": Row(lambda t: fp8.to_recipe("model", "float8"), "'model'", "torch.nn.Module"),
+    "train_recipe unknown recipe": Row(lambda t: fp8.train_recipe("fp4"), "'fp4'", "fp32, bf16, float8, mxfp8"),
+    "train_recipe lr nan": Row(lambda t: fp8.train_recipe("fp32", lr=NAN), "nan", "lr must be a finite number > 0"),
+    "train_recipe seed 2**64": Row(lambda t: fp8.train_recipe("fp32", seed=2**64), str(2**64), "seed must be"),
+    "train_recipe odd batch": Row(lambda t: fp8.train_recipe("fp32", batch=np.int64(3)), "3", "batch must be an even int >= 2"),
+    "train_recipe steps 10**9": Row(lambda t: fp8.train_recipe("fp32", steps=10**9), "1000000000 * 32", "too many"),
+    "compare_granularities unknown": Row(lambda t: fp8.compare_granularities(torch.ones(4, 32), granularities=["col"]), "['col']",
+                                         "tensor, row, 1x128"),
+    # doctor: precisions and histogram arguments
+    "examine precisions fp64": Row(lambda t: doctor_examine(precisions=["fp64"]), "'fp64'", "choose from fp16, bf16"),
+    "examine precisions empty": Row(lambda t: doctor_examine(precisions=[]), "[]", "non-empty sequence of 'fp16' and/or 'bf16'"),
+    "Log2Hist.counts scale 10**400": Row(lambda t: doctor.Log2Hist().counts(HUGE), "too large for a float",
+                                         "scale must be a positive power of two"),
+    "Log2Hist.counts scale 3": Row(lambda t: doctor.Log2Hist().counts(3), "3.0", "positive power of two"),
+    "Log2Hist.counts format fp12": Row(lambda t: doctor.Log2Hist().counts(1.0, "fp12"), "'fp12'", FORMAT_NAMES),
+    "Log2Hist.share category": Row(lambda t: doctor.Log2Hist().share("big"), "'big'", "overflow"),
+    "Log2Hist.add cap 0": Row(lambda t: doctor.Log2Hist().add(torch.ones(4), cap=0), "got 0", "cap must be an int >= 1"),
+    # policy, memory, autocast_ops: wrong types named, not AttributeErrors from deep inside
+    "apply_policy rules a list": Row(lambda t: policy.apply_policy(models.make_model("mlp"), [("net.0", "fp32")]),
+                                     "[('net.0', 'fp32')]", "rules must be a mapping"),
+    "apply_policy model a name": Row(lambda t: policy.apply_policy("mlp", {"net.0": "fp32"}), "'mlp'", "torch.nn.Module"),
+    "policy_of model a name": Row(lambda t: policy.policy_of("mlp"), "'mlp'", "torch.nn.Module"),
+    "precision_report amp a name": Row(lambda t: policy.precision_report(models.make_model("mlp"), torch.zeros(2, 32), amp="bf16"),
+                                       "'bf16'", "AmpSetup"),
+    "cast_floats integer dtype": Row(lambda t: policy.cast_floats(torch.ones(2), torch.int32), "torch.int32",
+                                     "floating-point torch.dtype"),
+    "SavedBytes.bytes unknown kind": Row(lambda t: memory.SavedBytes(()).bytes("weights"), "'weights'",
+                                         "'activation', 'weight copy', 'parameter'"),
+    "saved_for_backward not callable": Row(lambda t: memory.saved_for_backward(5), "got 5", "forward must be a callable"),
+    "saved_for_backward params a number": Row(lambda t: memory.saved_for_backward(lambda: None, params=3), "got 3",
+                                              "params must be an iterable of tensors"),
+    "forward_saved_bytes autocast a name": Row(lambda t: memory.forward_saved_bytes(
+        models.make_model("mlp"), models.loss_fn, torch.zeros(2, 32), torch.zeros(2).long(), "bf16"), "'bf16'", "context manager"),
+    "training_state_bytes model a name": Row(lambda t: memory.training_state_bytes("mlp"), "'mlp'", "torch.nn.Module"),
+    "dtype_name a name": Row(lambda t: memory.dtype_name("float32"), "'float32'", "torch.dtype"),
+    "op_table dtype a name": Row(lambda t: autocast_ops.op_table("cpu", "bf16"), "'bf16'", "torch.float16 or torch.bfloat16"),
+    "op_table ops a name": Row(lambda t: autocast_ops.op_table("cpu", torch.bfloat16, ops="linear"), "'linear'",
+                               "sequence of OpSpec"),
+    "format_table text": Row(lambda t: autocast_ops.format_table("abc"), "'abc'", "list of OpRow"),
+    # widgets: constructors
+    "outlier_explorer magnitude 100": Row(lambda t: widgets.outlier_explorer(magnitude=100), "100", "from 0 to 16"),
+    "outlier_explorer block_size 2.5": Row(lambda t: widgets.outlier_explorer(block_size=2.5), "2.5", "block_size must be an int"),
+    "OutlierExplorer seed 2**64": Row(lambda t: widgets.OutlierExplorer(seed=2**64), str(2**64), "seed must be"),
+    "outlier_explorer x text": Row(lambda t: widgets.outlier_explorer("abc"), "'abc'", "x must be real numbers"),
+    "format_explorer fmts None": Row(lambda t: widgets.format_explorer(1.0, fmts=None), "None", "non-empty tuple of format names"),
 }
 
 
@@ -303,7 +443,7 @@ def test_api_rejects_bad_input_clearly(row, tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_mod, "train_step", no_training)
     before = snapshot(tmp_path)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises((ValueError, TypeError)) as info:
         row.call(tmp_path)
     msg = str(info.value)
     assert row.value in msg, f"the message does not name the bad value {row.value!r}: {msg}"
@@ -359,6 +499,13 @@ CLI = {
     "bench --precision fp32": (bench.main, ["--out", "{tmp}/b", "--precision", "fp32"], "fp32", "'fp16' or 'bf16'"),
     "bench --out is a file": (bench.main, ["--out", "{tmp}/a_file", "--quick"], "a_file", "give a folder"),
     "widgets --repeats 0": (widgets._main, ["--bench", "--repeats", "0"], "got 0", ">= 1"),
+    "bench --seed 2**64": (bench.main, ["--out", "{tmp}/b", "--quick", "--seed", str(2**64)], str(2**64), r"< 2\*\*64"),
+    "bench --device tpu": (bench.main, ["--out", "{tmp}/b", "--quick", "--device", "tpu"], "'tpu'", "'cpu', 'cuda'"),
+    "bench --precision fp64": (bench.main, ["--out", "{tmp}/b", "--quick", "--precision", "fp64"], "'fp64'", "fp32, fp16, bf16"),
+    "bench --threads x": (bench.main, ["--out", "{tmp}/b", "--threads", "x"], "'x'", "invalid int value"),
+    "bench --out under /proc": (bench.main, ["--out", "/proc/ampcourse-bench", "--quick"], "/proc/ampcourse-bench",
+                                "choose a folder you can write to"),
+    "bench --out below a file": (bench.main, ["--out", "{tmp}/a_file/b", "--quick"], "a_file", "is a file, not a folder"),
 }
 
 
@@ -492,3 +639,96 @@ def test_scaler_simulator_burst_box():
 def test_the_table_is_large_enough():
     """The issue asks for at least 50 bad inputs; the widget tests above add 14 typed values."""
     assert len(API) + len(CLI) + len(WORKER_CLI) >= 50
+
+
+# --- numbers held as numpy scalars or 0-d tensors: accepted, with the result the Python number gives (issue 12) -----
+
+def _same(a, b) -> bool:
+    """Equal results, tensors compared exactly (torch.equal), containers element by element."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(_same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    return a == b and type(a) is type(b)
+
+
+def _adamw_step(**kw) -> torch.Tensor:
+    """One BF16AdamW step on a fixed bf16 weight with a fixed gradient: the new weight."""
+    w = torch.nn.Parameter(torch.linspace(-1, 1, 64).to(torch.bfloat16))
+    opt = optim.BF16AdamW([w], **kw)
+    w.grad = torch.linspace(1, -1, 64).to(torch.bfloat16)
+    opt.step()
+    return w.detach().clone()
+
+
+X = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+NUMPY_AND_TENSOR_NUMBERS = {
+    "quantize_scaled block_size": lambda n: fp8.quantize_scaled(X, "fp8_e4m3", "mx", block_size=n(16)),
+    "simulate_scaling history, margin": lambda n: fp8.simulate_scaling(fp8.spike_sequence(6, 3, size=8), history=n(2), margin=n(1)),
+    "spike_sequence steps, spike_at, spike, size, seed": lambda n: fp8.spike_sequence(n(5), n(2), n(10.0), n(8), n(3)),
+    "train_recipe steps, batch, seed": lambda n: fp8.train_recipe("fp32", steps=n(2), batch=n(2), seed=n(1)),
+    "Component per": lambda n: fp8.Component("scale", "fp32", n(128)).bytes,
+    "BF16AdamW lr, betas, eps, weight_decay, seed": lambda n: _adamw_step(lr=n(0.5), betas=(n(0.5), n(0.75)), eps=n(0.25),
+                                                                           weight_decay=n(0.125), rounding="stochastic", seed=n(7)),
+    "saved_bytes batch, seed": lambda n: bench.saved_bytes(["mlp"], batch=n(4), seed=n(0)),
+    "matmul sizes, repeats, seed (sizes come back as ints)": lambda n: [
+        (r["dtype"], r["n"]) for r in bench.matmul_tflops("cpu", ["fp32"], [n(8)], min_run_time=n(0.001), repeats=n(1), seed=n(0))],
+    "fraction_of_peak reference_n": lambda n: bench.fraction_of_peak(
+        [{"dtype": "bf16", "n": 8, "tflops": 1.0}, {"dtype": "bf16", "n": 16, "tflops": 2.0}], "bf16", n(8))["fraction_of_peak"],
+    "Log2Hist.counts scale": lambda n: doctor.Log2Hist.merge(doctor.Log2Hist(), _hist()).counts(n(2.0**10)),
+    "outlier_explorer magnitude, position, block_size": lambda n: widgets.outlier_explorer(
+        magnitude=n(3), position=n(7), block_size=n(16)).results,
+    "scaler_simulator steps, probability, seed": lambda n: widgets.scaler_simulator(steps=n(200), probability=n(0.0625),
+                                                                                      seed=n(3)).scales,
+    "format_explorer value": lambda n: widgets.format_explorer(n(1.5)).rows,
+}
+
+
+def _hist() -> doctor.Log2Hist:
+    h = doctor.Log2Hist()
+    h.add(torch.logspace(-30, 4, 200))
+    return h
+
+
+@pytest.mark.parametrize("holder", ["numpy", "0-d tensor"])
+@pytest.mark.parametrize("name", NUMPY_AND_TENSOR_NUMBERS)
+def test_numpy_scalars_and_0d_tensors_give_the_python_numbers_result(name, holder):
+    def held(v):
+        if holder == "numpy":
+            return np.int64(v) if isinstance(v, int) else np.float64(v)
+        return torch.tensor(v, dtype=torch.int64 if isinstance(v, int) else torch.float64)
+
+    call = NUMPY_AND_TENSOR_NUMBERS[name]
+    assert _same(call(lambda v: v), call(held)), name
+
+
+def test_autocast_op_table_takes_a_torch_device_like_its_name():
+    by_name = autocast_ops.op_table("cpu", torch.bfloat16, autocast_ops.OPS[:3])
+    assert by_name == autocast_ops.op_table(torch.device("cpu"), torch.bfloat16, autocast_ops.OPS[:3])
+
+
+# --- the bench and doctor command lines from a shell: one line on stderr, exit status 2, no traceback ----------------
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("ampcourse.bench", ["--out", "{tmp}/b", "--quick", "--seed", str(2**64)], "seed must be an int >= 0 and < 2**64"),
+    ("ampcourse.bench", ["--out", "{tmp}/b", "--threads", "x"], "argument --threads: invalid int value: 'x'"),
+    ("ampcourse.bench", ["--quick"], "the following arguments are required: --out"),
+    ("ampcourse.doctor", ["--model", "mlp", "--seed", str(2**64)], "--seed must be an int >= 0 and < 2**64"),
+    ("ampcourse.doctor", ["--model", "mlp", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_cli_bad_flags_from_a_shell(module, argv, message, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", module, *[a.replace("{tmp}", str(tmp_path)) for a in argv]],
+                         capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent, env=env)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{module}: error:") and message in lines[0], run.stderr
+    assert list(tmp_path.iterdir()) == [], "the refused run left files behind"

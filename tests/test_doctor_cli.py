@@ -34,6 +34,13 @@ FACTORIES = textwrap.dedent('''
         raise RuntimeError("no data here")
 
     not_callable = 3
+
+    class Lookup(nn.Module):
+        def forward(self, x):
+            return {"logits": x}["labels"]  # a KeyError from the learner's own forward
+
+    def key_error():
+        return Lookup(), torch.randn(4, 8), None, None
 ''')
 
 
@@ -80,6 +87,16 @@ BAD = [
     (["--model", "transformr"], "reference model name or 'package.module:factory'"),
     (["--model", "mlp", "--precisions", "fp32"], "fp32 is always run"),
     (["--model", "mlp", "--device", "tpu"], "device"),
+    # issue 12: flags argparse refuses, numbers beyond range, files that cannot be written, any error of the model
+    (["--model", "mlp", "--batch", "x"], "argument --batch: invalid int value: 'x'"),
+    (["--model", "mlp", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--model", "mlp", "--seed", str(2**64)], "--seed must be an int >= 0 and < 2**64"),
+    (["--model", "mlp", "--batch", "10000000000000"], "--batch 10000000000000: dataset size (n_samples) must be"),
+    (["--model", "mlp", "--precisions", "fp64"], "unknown precision 'fp64'; choose from fp16, bf16"),
+    (["--model", "mlp", "--precisions", ","], "non-empty sequence of 'fp16' and/or 'bf16'"),
+    (["--model", "mlp", "--out", "/proc/ampcourse-doctor.json"], "cannot write --out '/proc/ampcourse-doctor.json'"),
+    (["--model", "mlp", "--html", "/no-such-folder/r.html"], "its folder does not exist"),
+    (["--model", "my_models:key_error"], "failed with KeyError: 'labels'"),
 ]
 
 
@@ -98,7 +115,7 @@ def test_bad_input_in_process(factories, monkeypatch, capsys, args, message):
     one_error_line(capsys.readouterr().err, message)
 
 
-@pytest.mark.parametrize("case", [0, 3, 4])  # import fails, wrong shape, inputs that do not fit
+@pytest.mark.parametrize("case", [0, 3, 4, 9, 17])  # import fails, wrong shape, inputs that do not fit, argparse, KeyError
 def test_bad_input_from_the_shell(factories, case):
     args, message = BAD[case]
     run = doctor(*args, path=factories)

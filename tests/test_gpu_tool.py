@@ -167,9 +167,16 @@ def test_fraction_of_peak_on_cpu_rows():
         bench.fraction_of_peak(rows, "fp32", 4096)
 
 
+def _make_n(*args: str) -> subprocess.CompletedProcess:
+    """`make -n ARGS` as a shell would run it, also when pytest itself runs under make (`make test`), whose
+    MAKEFLAGS/MAKELEVEL would otherwise turn on "Entering directory" lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+
+
 def _make_dry(*targets: str) -> list[str]:
     """The command lines `make -n` would run for these targets (nothing runs)."""
-    out = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = _make_n(*targets)
     assert out.returncode == 0, out.stderr
     return [line for line in out.stdout.splitlines() if "pytest" in line or "nbtool.py" in line or "gpu_test.py" in line]
 
@@ -210,8 +217,7 @@ def test_the_cpu_workflow_runs_the_readme_test_command_with_chromium():
 
 def test_gpu_test_can_use_a_preinstalled_python_without_building_the_venv():
     """On a GPU machine without network (torch preinstalled), GPU_PYTHON skips `setup` and runs that Python."""
-    out = subprocess.run(["make", "-n", "gpu-test", "GPU_PYTHON=python3", "VENV=/nonexistent-venv"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = _make_n("gpu-test", "GPU_PYTHON=python3", "VENV=/nonexistent-venv")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "python3 tools/gpu_test.py", out.stdout  # no venv, no pip
 

@@ -11,7 +11,7 @@ import torch
 
 from ampcourse import formats
 from ampcourse.models import make_task
-from ampcourse.scaling import (LossScaler, RangeCounter, check_scaler_args, range_counts, record_gradients,
+from ampcourse.scaling import (EXACT_NOISE, LossScaler, RangeCounter, check_scaler_args, range_counts, record_gradients,
                                simulate_scale, simulate_training, zone_thresholds, _unscale_and_check_,
                                _update_scale_)
 
@@ -629,3 +629,54 @@ def scaler_after_one_scale() -> LossScaler:
     s = LossScaler("cpu")
     s.scale(torch.tensor(1.0))
     return s
+
+
+def test_exact_gradients_are_float64_rounded_once_and_leave_the_model_alone():
+    task = make_task("transformer", n=32, seed=0)
+    x, y = task.data[:32]
+    before = {n: p.detach().clone() for n, p in task.model.named_parameters()}
+    rec = record_gradients(task.model, x, y, task.loss_fn, exact=True)
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in task.model.named_parameters())
+    ref = copy.deepcopy(task.model).double()
+    task.loss_fn(ref(x), y).backward()
+    flushed = 0
+    for n, p in ref.named_parameters():
+        g = p.grad.flatten()
+        noise = g.abs() < g.abs().max() * EXACT_NOISE
+        want = torch.where(noise, torch.zeros_like(g), g).float()
+        assert rec.params[n].dtype == torch.float32 and torch.equal(rec.params[n], want)
+        flushed += int((noise & (g != 0)).sum())
+        if n.endswith("qkv.bias"):  # the key bias: softmax ignores a common shift, so its gradient is exactly 0
+            assert torch.all(rec.params[n][32:64] == 0) and torch.all(rec.params[n][:32] != 0)
+    assert flushed > 0
+
+
+_ZONES_SCRIPT = """
+import json
+from ampcourse.models import make_task
+from ampcourse.scaling import range_counts, record_gradients
+task = make_task("transformer", n=64, seed=0)
+x, y = task.data[:64]
+counts = {}
+for exact in (False, True):
+    g = record_gradients(task.model, x, y, task.loss_fn, exact=exact).values("all")
+    counts[str(exact)] = [range_counts(g, 2.0**k) for k in (0, 8, 16)]
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.slow
+def test_exact_gradient_counts_do_not_depend_on_the_cpus_vector_kernels():
+    """Chapters 5 and 6 store zone counts of recorded gradients: with exact=True they are the same whether
+    torch and oneDNN run their AVX2 or their best kernels (the fp32 pass is not: 87% of its values differ)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    runs = []
+    for isa in ({}, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **isa}
+        out = subprocess.run([sys.executable, "-c", _ZONES_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert runs[0]["True"] == runs[1]["True"]

@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 names=(nbval nbformat nbclient fastjsonschema jsonschema jsonschema-specifications referencing rpds-py
        ipykernel ipython ipython_pygments_lexers jupyter_client jupyter_core traitlets pyzmq tornado comm debugpy
        matplotlib-inline nest-asyncio2 platformdirs jedi parso pexpect ptyprocess prompt_toolkit wcwidth
-       stack-data asttokens executing pure_eval ipywidgets widgetsnbextension jupyterlab_widgets)
+       stack-data asttokens executing pure_eval ipywidgets widgetsnbextension jupyterlab_widgets
+       torchao)  # chapter 9; the device image has transformers, ml-dtypes and torchvision, not torchao
 pins=()
 for name in "${names[@]}"; do
     pin=$(grep -i "^${name}==" requirements.lock || true)
@@ -23,7 +24,7 @@ for name in "${names[@]}"; do
 done
 mkdir -p "$out"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$out" "${pins[@]}"
 ls "$out" | wc -l
 du -sh "$out"

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["ExerciseError", "passed", "failed", "call_learner", "same_float", "checker", "raising", "summary"]
+__all__ = ["ExerciseError", "passed", "failed", "call_learner", "same_float", "number_list", "checker", "raising", "summary"]
 
 
 class ExerciseError(AssertionError):
@@ -63,6 +63,17 @@ def call_learner(title: str, fn: Callable, *args) -> Any:
 def same_float(a: float, b: float) -> bool:
     """Equal, or both NaN."""
     return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def number_list(title: str, values: Any, n: int, type_hint: str, length_hint: str) -> list[float]:
+    """The learner's sequence as n floats (one scale per step), or the verdict that says what it should be."""
+    try:
+        got = [float(v) for v in values]
+    except (TypeError, ValueError):
+        failed(title, f"a list of {n} numbers", repr(values)[:80], type_hint)
+    if len(got) != n:
+        failed(title, f"{n} scales (one per step)", f"{len(got)} values", length_hint)
+    return got
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..scaling import range_counts, simulate_scale, zone_thresholds
-from ._core import call_learner, failed, passed
+from ._core import call_learner, failed, number_list, passed
 
 __all__ = ["check_no_flush_scale", "check_scale_prediction", "check_update_rule"]
 
@@ -42,12 +42,7 @@ def check_scale_prediction(predicted: Sequence[float], overflows: Sequence[bool]
     """Exercise 6.2: the scale after each update() for a given overflow pattern and settings."""
     title = "Exercise 6.2 (predict the scale trajectory)"
     want = simulate_scale(overflows, init_scale, growth_factor, backoff_factor, growth_interval)
-    try:
-        got = [float(v) for v in predicted]
-    except (TypeError, ValueError):
-        failed(title, f"a list of {len(want)} numbers", repr(predicted)[:80], "one scale per step, after its update()")
-    if len(got) != len(want):
-        failed(title, f"{len(want)} scales (one per step)", f"{len(got)} values", "one entry per step of the pattern")
+    got = number_list(title, predicted, len(want), "one scale per step, after its update()", "one entry per step of the pattern")
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
             hint = ("an overflow multiplies by backoff_factor and restarts the count of clean steps" if overflows[i] else

@@ -11,7 +11,7 @@ import torch
 
 from .. import formats
 from ..fp8 import simulate_scaling
-from ._core import call_learner, failed, passed
+from ._core import call_learner, failed, number_list, passed
 
 __all__ = ["check_mx_scale", "check_delayed_scales"]
 
@@ -67,12 +67,7 @@ def check_delayed_scales(scales: Any, amaxes: Sequence[float], history: int, mar
     title = "Exercise 9.2 (delayed scaling's scales)"
     tensors = [torch.tensor([float(a)], dtype=torch.float64) for a in amaxes]
     want = [s.scale for s in simulate_scaling(tensors, element, "delayed", history=history, margin=margin)]
-    try:
-        got = [float(v) for v in scales]
-    except (TypeError, ValueError):
-        failed(title, f"a list of {len(want)} numbers", repr(scales)[:80], "one scale per step")
-    if len(got) != len(want):
-        failed(title, f"{len(want)} scales (one per step)", f"{len(got)} values", "one entry per amax in the sequence")
+    got = number_list(title, scales, len(want), "one scale per step", "one entry per amax in the sequence")
     fmax = formats.spec(element).max
     current = [(a / fmax, a * 2.0**margin / fmax) for a in amaxes]  # without and with the margin
     for i, (g, w) in enumerate(zip(got, want)):
