@@ -243,9 +243,13 @@ class Log2Hist:
         """range_counts(values, scale, fmt), from the histogram; scale must be a power of two (as GradScaler's are)."""
         scale = _args.real(scale, "scale", positive=True, what="a positive power of two (such as 2.0**16)")
         fmt = formats.spec(fmt).name  # an unknown name fails here, listing the format names
+        return dict(self._counts_at(scale, fmt))
+
+    def _counts_at(self, scale: float, fmt: str) -> dict[str, int]:
+        """counts() for a checked float scale and format name, cached (the doctor asks hundreds of times)."""
         key = (scale, fmt)
         if self._frozen is not None and key in self._counts:
-            return dict(self._counts[key])
+            return self._counts[key]
         fm, fe = math.frexp(scale) if scale > 0 and math.isfinite(scale) else (0.0, 0)
         if fm != 0.5:
             raise ValueError(f"scale must be a positive power of two (such as 2.0**16), got {scale!r}")
@@ -254,7 +258,7 @@ class Log2Hist:
         out = {"overflow": self.nonzero - over + nonfinite, "fine": over - sub, "subnormal": sub - flush,
                "underflow": flush, "zero": zero}
         self._counts[key] = out
-        return dict(out)
+        return out
 
     def share(self, category: str, scale: float = 1.0, fmt: str = "fp16") -> float:
         """The share of the nonzero values that land in a range_counts category."""
@@ -262,6 +266,11 @@ class Log2Hist:
             raise ValueError(f"category must be one of {RANGE_CATEGORIES}, got {category!r}")
         n = self.nonzero + self.nonfinite
         return self.counts(scale, fmt)[category] / n if n else 0.0
+
+    def _share(self, category: str, scale: float = 1.0, fmt: str = "fp16") -> float:
+        """share() for the doctor's own, known-good arguments (no argument checks)."""
+        n = self.nonzero + self.nonfinite
+        return self._counts_at(float(scale), fmt)[category] / n if n else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Occupied binades as {log2 lower edge: count}, plus the totals."""
@@ -1005,7 +1014,7 @@ def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleReco
     if over:
         n = over[0]
         r = ctx.records[n]
-        share = r.act.share("overflow", 1.0, p)
+        share = r.act._share("overflow", 1.0, p)
         more = f" ({len(over) - 1} module(s) after it too)" if len(over) > 1 else ""
         # Clean without an island here: the big values stayed fp32 on this device; an fp16 op reading them overflows.
         stayed = status != "refused" and n not in islands
@@ -1069,16 +1078,16 @@ def _gradient_findings(ctx: _Context, examined: Sequence[str]) -> tuple[list[Fin
     backoffs, s = 0, DEFAULT_SCALE
     while gmax * s >= over:  # what GradScaler(init_scale=2**16) does: skip the step, halve, try again
         s, backoffs = s / 2, backoffs + 1
-    flush1, flush_rec = total.share("underflow", 1.0), total.share("underflow", scale)
-    flush_default = total.share("underflow", s)  # where the default scaler settles after its backoffs
+    flush1, flush_rec = total._share("underflow", 1.0), total._share("underflow", scale)
+    flush_default = total._share("underflow", s)  # where the default scaler settles after its backoffs
     info.update(flush_at_1=flush1, recommended_scale=scale, flush_at_recommended=flush_rec,
                 flush_at_default=flush_default, default_backoff_steps=backoffs,
                 largest_scale_without_overflow=2.0 ** math.floor(math.log2(fmax / gmax)),
-                bf16_flush_at_1=total.share("underflow", 1.0, "bf16"),
-                params={n: {"max": h.max, "flush_at_1": h.share("underflow", 1.0),
-                            "flush_at_recommended": h.share("underflow", scale)} for n, h in ctx.param_grads.items()})
-    worst = max(ctx.param_grads.items(), key=lambda kv: kv[1].share("underflow"), default=None)
-    worst_txt = f" (worst parameter: {worst[0]}, {worst[1].share('underflow'):.0%})" if worst else ""
+                bf16_flush_at_1=total._share("underflow", 1.0, "bf16"),
+                params={n: {"max": h.max, "flush_at_1": h._share("underflow", 1.0),
+                            "flush_at_recommended": h._share("underflow", scale)} for n, h in ctx.param_grads.items()})
+    worst = max(ctx.param_grads.items(), key=lambda kv: kv[1]._share("underflow"), default=None)
+    worst_txt = f" (worst parameter: {worst[0]}, {worst[1]._share('underflow'):.0%})" if worst else ""
     k = int(math.log2(scale))
     out = []
     if total.nonfinite or gmax * 1.0 >= over:
@@ -1296,12 +1305,12 @@ def _module_table(ctx: _Context, scale: float) -> list[dict[str, Any]]:
     for n in ctx.order:
         r = ctx.records[n]
         rows.append({"name": n, "leaf": r.leaf, "act_min": r.act.min, "act_max": r.act.max,
-                     "act_fp16_overflow": r.act.share("overflow", 1.0, "fp16"),
-                     "act_fp16_subnormal": r.act.share("subnormal", 1.0, "fp16"),
-                     "act_fp16_underflow": r.act.share("underflow", 1.0, "fp16"),
+                     "act_fp16_overflow": r.act._share("overflow", 1.0, "fp16"),
+                     "act_fp16_subnormal": r.act._share("subnormal", 1.0, "fp16"),
+                     "act_fp16_underflow": r.act._share("underflow", 1.0, "fp16"),
                      "grad_min": r.grad.min, "grad_max": r.grad.max,
-                     "grad_fp16_underflow": r.grad.share("underflow", 1.0, "fp16"),
-                     "grad_fp16_underflow_at_recommended": r.grad.share("underflow", scale, "fp16"),
+                     "grad_fp16_underflow": r.grad._share("underflow", 1.0, "fp16"),
+                     "grad_fp16_underflow_at_recommended": r.grad._share("underflow", scale, "fp16"),
                      "dtype": dict(r.dtype), "local_error": {k: v for k, v in r.local_error.items() if v is not None},
                      "output_error": {k: v for k, v in r.output_error.items() if v is not None}})
     return rows
