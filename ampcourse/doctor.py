@@ -17,7 +17,8 @@ What it runs (the model's parameters, buffers, ``.grad``, training flags, the op
 streams are restored afterwards, bit for bit):
 
 1. one forward + backward pass as the model is (fp32): per module, a log2 histogram of its outputs and
-   of their gradients, and of every parameter gradient (histograms, never copies of the tensors);
+   of their gradients, and of every parameter gradient (histograms, never copies of the tensors: at most
+   2**17 values wait, copied, to be counted together);
 2. per requested precision, one forward pass under ``torch.autocast``: output dtypes, inf/NaN, and each
    leaf module's *own* error (its autocast output against the same module rerun in fp32 on the same
    inputs), so a problem is pinned on the module that causes it, not on everything after it;
@@ -305,7 +306,7 @@ class _Entry:
 class _Counter:
     """Histogram counting, batched: per tensor only its max (and inf/NaN count) is taken when it is queued, and its
     values (or COUNT_CAP of them) are copied into one reusable buffer; flush() bins the buffer in a few in-place integer
-    ops, one bincount and one read-back.
+    ops and one bincount, read back with the queued maxima (on CUDA: two host syncs per flush, not one per tensor).
 
     Per-tensor small ops, host reads (a sync on CUDA) and fresh allocations (page faults on a CPU), not the counting
     itself, dominated the doctor's time on small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT
@@ -371,7 +372,7 @@ class _Counter:
         return entry
 
     def flush(self) -> None:
-        """Bin every queued tensor and add the counts to their histograms: one bincount, one read-back."""
+        """Bin every queued tensor and add the counts to their histograms: one bincount, read back once."""
         if not self.entries:
             return
         nb, nq, n = Log2Hist._NB, Log2Hist.QMAX + 1, self.pending
