@@ -17,7 +17,8 @@ What it runs (the model's parameters, buffers, ``.grad``, training flags, the op
 streams are restored afterwards, bit for bit):
 
 1. one forward + backward pass as the model is (fp32): per module, a log2 histogram of its outputs and
-   of their gradients, and of every parameter gradient (histograms, never copies of the tensors);
+   of their gradients, and of every parameter gradient (histograms, never copies of the tensors: at most
+   2**17 values wait, copied, to be counted together);
 2. per requested precision, one forward pass under ``torch.autocast``: output dtypes, inf/NaN, and each
    leaf module's *own* error (its autocast output against the same module rerun in fp32 on the same
    inputs), so a problem is pinned on the module that causes it, not on everything after it;
@@ -69,6 +70,9 @@ LOST_WARN = 0.10  # warn when more than 10% of the update elements round to no c
 MAX_ISLANDS = 4  # more fp32 modules than this, and fp16 is not worth it: use bf16 or fp32
 DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale
 _SAMPLE = 1024  # output values per module kept to compare a precision's final outputs with fp32
+#: Modules whose output only selects or rearranges input values: rerun in fp32 on the same inputs (converted exactly),
+#: they return the same values, so their own error is 0 (or inf with an inf/NaN) without running them again.
+_EXACT = frozenset({nn.Identity, nn.Flatten, nn.Unflatten, nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d})
 #: Values histogrammed per tensor at most (evenly spaced; max and inf/NaN counts use every value): the
 #: counting, not the model, dominated examine()'s time on large activations (benchmarks/README.md).
 COUNT_CAP = 2**16
@@ -92,11 +96,14 @@ class Log2Hist:
     QMAX = 13  # Q classes 0 (a power of two) .. 13 (within 2**-12 of the binade's top): enough for fp16 and bf16
     _ROW0 = 32  # table row of binade b is b + 127 + _ROW0; row 0 holds zeros, the last row infs and NaNs
     _ROWS = 255 + _ROW0 + 1
+    _NB = _ROWS * (QMAX + 1)  # table size
 
     def __init__(self) -> None:
-        self._bins: torch.Tensor | None = None  # accumulated on the tensors' device: no host sync per tensor
-        self._scalars: torch.Tensor | None = None  # numel, max, nonfinite
+        self._table: np.ndarray | None = None  # host counts, _ROWS x (QMAX + 1); filled by _Counter.flush()
+        self._n = self._nonfinite = 0
+        self._max = 0.0
         self._frozen: tuple[np.ndarray, int, int, int, float] | None = None
+        self._cum: np.ndarray | None = None  # counts below each (binade, Q), in table order: counts() in O(1)
         self._counts: dict[tuple[float, str], dict[str, int]] = {}  # counts() per (scale, fmt) since the last add
 
     @property
@@ -104,36 +111,34 @@ class Log2Hist:
         return self.QMAX + 1
 
     def add(self, t: torch.Tensor, cap: int | None = None) -> None:
-        """Count the values of a floating-point tensor (ignored otherwise); cap as in count()."""
-        counted = self.count(t, cap)
-        if counted is not None:
-            self.accumulate(*counted)
-
-    @classmethod
-    def count(cls, t: torch.Tensor, cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(table of counts, [numel, max, nonfinite]) of one tensor, on its device; None if it is not floating point.
-
-        cap: histogram at most about this many evenly spaced values, each standing for `step` values (the
-        max and the count of infs/NaNs always come from every value). None: every value.
-        """
+        """Count the values of a floating-point tensor (ignored otherwise); cap: histogram at most about this many
+        evenly spaced values, each standing for its share of the tensor (max and infs/NaNs come from every value)."""
         if cap is not None:
             cap = _args.integer(cap, "cap", low=1)
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            return None
-        a = t.detach().reshape(-1)
-        if a.dtype != torch.float32:
-            a = a.float()  # exact for fp16/bf16
-        n = a.numel()
-        full = a.contiguous().view(torch.int32) & 0x7FFFFFFF  # |x| as bits: integer order is float order
-        top = full.max() if n else torch.zeros((), dtype=torch.int32, device=a.device)
-        if a.device.type == "cpu" and int(top) < 0x7F800000:  # all finite (reading it back is free on a CPU)
-            nonfinite = torch.zeros((), dtype=torch.float64)
-        else:  # an inf/NaN may be there: the largest finite value and the count need a second look
-            finite = full < 0x7F800000
-            top = torch.where(finite, full, 0).max() if n else top
-            nonfinite = (~finite).sum().double()
-        step = max(1, -(-n // cap)) if cap else 1
-        bits = full[::step] if step > 1 else full
+        counter = _Counter()
+        counter.add(t, [self], cap)
+        counter.flush()
+
+    @classmethod
+    def _fast_index(cls, values: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+        """_bin_index for normal numbers, zeros, infs and NaNs, from float32 values seen as int32, in cheap integer
+        ops written into the four rows of work (no compares, no where, no allocation); returns one of those rows.
+
+        Zeros and fp32 subnormals (exponent field 0) land in the row of binade -127: zeros at Q 0, subnormals at Q >= 1,
+        which _Counter.flush() checks on the host (an fp32 subnormal is rare: it then recounts with _bin_index).
+        """
+        bits, frac, nz, q = work
+        torch.bitwise_and(values, 0x7FFFFFFF, out=bits)
+        torch.bitwise_and(bits, 0x7FFFFF, out=frac)
+        torch.add(frac, 0x7FFFFF, out=nz).bitwise_right_shift_(23)  # 0 iff frac == 0 (a power of two: Q 0), else 1
+        # Q = 1 + leading ones of the fraction = 24 - bit length of its complement (read off a float's exponent).
+        q.view(torch.float32).copy_(frac.bitwise_xor_(0x7FFFFF))
+        q.bitwise_right_shift_(23).neg_().add_(150).clamp_(max=cls.QMAX).mul_(nz)
+        return q.add_(bits.bitwise_right_shift_(23).add_(cls._ROW0).mul_(cls.QMAX + 1))
+
+    @classmethod
+    def _bin_index(cls, bits: torch.Tensor) -> torch.Tensor:
+        """The table index of each value from its |x| float32 bits (int32): row (binade) x (QMAX + 1) + Q."""
         sub = bits < 0x00800000  # zero or an fp32 subnormal: read its bits from float(bits) instead, 149 binades up
         eff = torch.where(sub, bits.float().view(torch.int32) - (149 << 23), bits)
         frac = eff & 0x7FFFFF
@@ -141,47 +146,52 @@ class Log2Hist:
         q = (150 - ((frac ^ 0x7FFFFF).float().view(torch.int32) >> 23)).clamp_(max=cls.QMAX)
         q = torch.where(frac == 0, 0, q)
         rows = ((eff >> 23) + cls._ROW0).clamp_(0, cls._ROWS - 1)  # zero lands below every binade: row 0
-        bins = torch.bincount(rows * (cls.QMAX + 1) + q, minlength=cls._ROWS * (cls.QMAX + 1))
-        if step > 1:
-            bins = bins * step
-        scalars = torch.stack([torch.tensor(float(n), dtype=torch.float64, device=a.device),
-                               top.view(1).view(torch.float32).double()[0], nonfinite])
-        return bins, scalars
+        return rows * (cls.QMAX + 1) + q
 
-    def accumulate(self, bins: torch.Tensor, scalars: torch.Tensor) -> None:
-        """Add the counts count() returned."""
-        if self._bins is None:
-            self._bins, self._scalars = bins, scalars
+    def _add_counts(self, table: np.ndarray, n: int, top: float, nonfinite: int) -> None:
+        """Add one tensor's counts (a host table row, numel, max |finite x|, infs/NaNs)."""
+        if self._table is None:
+            self._table = table.astype(np.int64).reshape(self._ROWS, self._nq)
         else:
-            self._bins = self._bins + bins.to(self._bins.device)
-            s = scalars.to(self._scalars.device)
-            self._scalars = torch.stack([self._scalars[0] + s[0], torch.maximum(self._scalars[1], s[1]),
-                                         self._scalars[2] + s[2]])
-        self._frozen = None
-        self._counts = {}
+            self._table = self._table + table.reshape(self._ROWS, self._nq)
+        self._n += n
+        self._max = max(self._max, top)
+        self._nonfinite += nonfinite
+        self._frozen, self._cum, self._counts = None, None, {}
 
     def merge(self, other: Log2Hist) -> Log2Hist:
         """A new histogram holding the counts of both."""
         if not isinstance(other, Log2Hist):
             raise ValueError(f"other must be a Log2Hist, got {_args.shown(other)}")
+        return Log2Hist.merged([self, other])
+
+    @staticmethod
+    def merged(hists: Sequence[Log2Hist]) -> Log2Hist:
+        """A new histogram holding the counts of all of them (one sum, not a chain of merges)."""
         out = Log2Hist()
-        for h in (self, other):
-            if h._bins is not None:
-                out.accumulate(h._bins.cpu(), h._scalars.cpu())
+        full = [h for h in hists if h._table is not None]
+        if full:
+            out._add_counts(np.sum([h._table for h in full], axis=0), sum(h._n for h in full),
+                            max(h._max for h in full), sum(h._nonfinite for h in full))
         return out
 
     def _values(self) -> tuple[np.ndarray, int, int, int, float]:
-        """(positive finite counts as binade x Q, numel, zeros, nonfinite, max) as host values, read back once."""
+        """(positive finite counts as binade x Q, numel, zeros, nonfinite, max) as host values."""
         if self._frozen is None:
             nq = self._nq
-            if self._bins is None:
+            if self._table is None:
                 self._frozen = (np.zeros((self.HI - self.LO + 1, nq), np.int64), 0, 0, 0, 0.0)
             else:
-                n, m, nonfinite = self._scalars.cpu().tolist()
-                table = self._bins.cpu().numpy().astype(np.int64).reshape(self._ROWS, nq)
                 first = self.LO + 127 + self._ROW0
-                self._frozen = (table[first:self._ROWS - 1], int(n), int(table[0].sum()), int(nonfinite), float(m))
+                self._frozen = (self._table[first:self._ROWS - 1], self._n, int(self._table[0].sum()),
+                                self._nonfinite, float(self._max))
         return self._frozen
+
+    def _cumulative(self) -> np.ndarray:
+        """Counts of the values below each (binade, Q), in table order, then the total: counts() in O(1)."""
+        if self._cum is None:
+            self._cum = np.concatenate([[0], np.cumsum(self._values()[0])])
+        return self._cum
 
     @property
     def numel(self) -> int:
@@ -201,7 +211,7 @@ class Log2Hist:
     @property
     def nonzero(self) -> int:
         """Finite nonzero values: those a format can flush or overflow."""
-        return int(self._values()[0].sum())
+        return int(self._cumulative()[-1])
 
     @property
     def max(self) -> float:
@@ -216,28 +226,31 @@ class Log2Hist:
 
     def _below(self, t: float, goes_up: bool, shift: int) -> int:
         """How many values x have x * 2**shift below t (x * 2**shift == t included when t rounds down)."""
-        bins = self._values()[0]
+        below, nq = self._cumulative(), self._nq
         fm, fe = math.frexp(t)  # t = fm * 2**fe lies in binade fe - 1
         b = fe - 1 - shift - self.LO  # that binade's row, for the unscaled values
         if b < 0:
             return 0
-        if b >= bins.shape[0]:
-            return int(bins.sum())
-        full = int(bins[:b].sum())
+        if b * nq >= below.size - 1:
+            return int(below[-1])
         if fm == 0.5:  # t is a power of two: the binade starts at t; values exactly t are class 0
-            return full + (0 if goes_up else int(bins[b, 0]))
+            return int(below[b * nq + (0 if goes_up else 1)])
         d = -math.log2(1 - fm)
         if not d.is_integer():
             raise ValueError(f"threshold {t!r} is not 2**E * (1 - 2**-d): Log2Hist cannot place it exactly")
-        return full + int(bins[b, :int(d)].sum())  # Q < d: m < 1 - 2**-d, so x < t
+        return int(below[b * nq + min(int(d), nq)])  # Q < d: m < 1 - 2**-d, so x < t
 
     def counts(self, scale: float = 1.0, fmt: str = "fp16") -> dict[str, int]:
         """range_counts(values, scale, fmt), from the histogram; scale must be a power of two (as GradScaler's are)."""
         scale = _args.real(scale, "scale", positive=True, what="a positive power of two (such as 2.0**16)")
         fmt = formats.spec(fmt).name  # an unknown name fails here, listing the format names
+        return dict(self._counts_at(scale, fmt))
+
+    def _counts_at(self, scale: float, fmt: str) -> dict[str, int]:
+        """counts() for a checked float scale and format name, cached (the doctor asks hundreds of times)."""
         key = (scale, fmt)
         if self._frozen is not None and key in self._counts:
-            return dict(self._counts[key])
+            return self._counts[key]
         fm, fe = math.frexp(scale) if scale > 0 and math.isfinite(scale) else (0.0, 0)
         if fm != 0.5:
             raise ValueError(f"scale must be a positive power of two (such as 2.0**16), got {scale!r}")
@@ -246,7 +259,7 @@ class Log2Hist:
         out = {"overflow": self.nonzero - over + nonfinite, "fine": over - sub, "subnormal": sub - flush,
                "underflow": flush, "zero": zero}
         self._counts[key] = out
-        return dict(out)
+        return out
 
     def share(self, category: str, scale: float = 1.0, fmt: str = "fp16") -> float:
         """The share of the nonzero values that land in a range_counts category."""
@@ -255,11 +268,140 @@ class Log2Hist:
         n = self.nonzero + self.nonfinite
         return self.counts(scale, fmt)[category] / n if n else 0.0
 
+    def _share(self, category: str, scale: float = 1.0, fmt: str = "fp16") -> float:
+        """share() for the doctor's own, known-good arguments (no argument checks)."""
+        n = self.nonzero + self.nonfinite
+        return self._counts_at(float(scale), fmt)[category] / n if n else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         """Occupied binades as {log2 lower edge: count}, plus the totals."""
         bins, n, z, nf, m = self._values()
         return {"numel": n, "zeros": z, "nonfinite": nf, "max": m,
                 "log2_bins": {int(i) + self.LO: int(c) for i, c in enumerate(bins.sum(1)) if c}}
+
+
+def _abs_max(t: torch.Tensor) -> torch.Tensor:
+    """max |x| of a non-empty tensor (NaN if one is NaN), in one pass without an |x| copy (fresh pages cost more)."""
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(hi, -lo).abs()  # abs: max(-0.0, 0.0) may be -0.0
+
+
+class _Entry:
+    """One queued tensor: the histograms it goes into, and its counts once flushed."""
+
+    __slots__ = ("targets", "result")
+
+    def __init__(self, targets: list[Log2Hist]) -> None:
+        self.targets = targets  # may still grow (a container's output is its last child's) until flushed
+        self.result: tuple[np.ndarray, int, float, int] | None = None
+
+    def feed(self, h: Log2Hist) -> None:
+        """Count this tensor into one more histogram (now if flushed, else at the flush)."""
+        if self.result is not None:
+            h._add_counts(*self.result)
+        else:
+            self.targets.append(h)
+
+
+class _Counter:
+    """Histogram counting, batched: per tensor only its max (and inf/NaN count) is taken when it is queued, and its
+    values (or COUNT_CAP of them) are copied into one reusable buffer; flush() bins the buffer in a few in-place integer
+    ops and one bincount, read back with the queued maxima (on CUDA: two host syncs per flush, not one per tensor).
+
+    Per-tensor small ops, host reads (a sync on CUDA) and fresh allocations (page faults on a CPU), not the counting
+    itself, dominated the doctor's time on small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT
+    values wait: memory stays bounded (five buffers of LIMIT int32, about 2.5 MiB).
+    """
+
+    LIMIT = 2**17
+
+    def __init__(self) -> None:
+        self._work: torch.Tensor | None = None  # 5 x size int32: the values, then four scratch rows for flush()
+        self._reset()
+
+    def _reset(self) -> None:
+        """Nothing queued."""
+        self.spans: list[tuple[int, int]] = []  # (offset, length) of each entry's values in the buffer
+        self.steps: list[int] = []  # each binned value stands for this many
+        self.numels: list[int] = []
+        self.tops: list[float | torch.Tensor] = []  # max |finite x|: a float where already read, else a 0-dim tensor
+        self.nonfinite: list[int | torch.Tensor] = []
+        self.entries: list[_Entry] = []
+        self.pending = 0
+
+    def _buffer(self, size: int, dev: torch.device) -> torch.Tensor:
+        """The work buffer, at least size values per row, on dev (kept between flushes: no fresh pages each time)."""
+        if self._work is None or self._work.shape[1] < size or self._work.device != dev:
+            self._work = torch.empty(5, max(size, self.LIMIT), dtype=torch.int32, device=dev)
+        return self._work
+
+    def add(self, t: torch.Tensor, targets: list[Log2Hist], cap: int | None = None) -> _Entry | None:
+        """Queue a floating-point tensor (None for anything else) for the histograms in targets."""
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return None
+        a = t.detach().reshape(-1)
+        if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            a = a.float()  # float64 is counted as float32 (out-of-range values become inf); fp16/bf16 widen exactly
+        n = a.numel()
+        if n == 0:
+            top, nonfinite = 0.0, 0
+        else:
+            top = _abs_max(a)  # inf or NaN if any value is
+            if a.device.type == "cpu" and math.isfinite(top := float(top)):  # all finite (a read-back is free on a CPU)
+                nonfinite = 0
+            else:  # an inf/NaN may be there: the largest finite value and the count need a second look
+                finite = torch.isfinite(a)
+                top = torch.where(finite, a.abs(), 0).max().float()
+                nonfinite = n - finite.sum()
+        step = max(1, -(-n // cap)) if cap else 1
+        m = -(-n // step)
+        if self.entries and (self.pending + m > self.LIMIT or self._work.device != a.device):
+            self.flush()
+        # Copied now (as float32): the model may still change the tensor in place (a residual's +=) before the flush.
+        self._buffer(self.pending + m, a.device)[0, self.pending:self.pending + m].view(torch.float32).copy_(a[::step])
+        entry = _Entry(targets)
+        self.spans.append((self.pending, m))
+        self.steps.append(step)
+        self.numels.append(n)
+        self.tops.append(top)
+        self.nonfinite.append(nonfinite)
+        self.entries.append(entry)
+        self.pending += m
+        if self.pending >= self.LIMIT:
+            self.flush()
+        return entry
+
+    def flush(self) -> None:
+        """Bin every queued tensor and add the counts to their histograms: one bincount, read back once."""
+        if not self.entries:
+            return
+        nb, nq, n = Log2Hist._NB, Log2Hist.QMAX + 1, self.pending
+        w = self._work[:, :n]
+        idx = Log2Hist._fast_index(w[0], w[1:])
+        for i, (start, length) in enumerate(self.spans[1:], 1):  # entry i counts into table i
+            idx[start:start + length].add_(i * nb)
+        bins = torch.bincount(idx, minlength=len(self.entries) * nb).view(len(self.entries), nb)
+        lazy = [i for i, v in enumerate(self.tops) if isinstance(v, torch.Tensor)]
+        tops, nonfinite = list(self.tops), list(self.nonfinite)
+        if lazy:
+            read = torch.stack([torch.stack([self.tops[i].double(), torch.as_tensor(self.nonfinite[i]).double()])
+                                for i in lazy]).cpu().tolist()
+            for i, (m, nf) in zip(lazy, read):
+                tops[i], nonfinite[i] = m, int(nf)
+        table = bins.cpu().numpy()
+        sub_row = Log2Hist._ROW0 * nq  # the row of binade -127, where the fast index puts exponent field 0
+        for i, (start, length) in enumerate(self.spans):
+            if table[i, sub_row + 1:sub_row + nq].any():  # fp32 subnormals: count this tensor exactly
+                bits = w[0, start:start + length] & 0x7FFFFFFF
+                table[i] = torch.bincount(Log2Hist._bin_index(bits), minlength=nb).cpu().numpy()
+            else:  # what the fast index put at (binade -127, Q 0) are the zeros: row 0
+                table[i, 0], table[i, sub_row] = table[i, sub_row], 0
+        table *= np.asarray(self.steps, dtype=table.dtype)[:, None]
+        for i, entry in enumerate(self.entries):
+            entry.result = (table[i], self.numels[i], float(tops[i]), int(nonfinite[i]))
+            for h in entry.targets:
+                h._add_counts(*entry.result)
+        self._reset()
 
 
 @functools.cache
@@ -562,14 +704,25 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     return flat[::step][:_SAMPLE].float()
 
 
+def _count_nonfinite(t: torch.Tensor) -> int:
+    """How many values of t are inf or NaN (the max |x| first: a bool mask only when one is there)."""
+    if t.numel() == 0 or math.isfinite(float(_abs_max(t.detach()))):
+        return 0
+    return int((~torch.isfinite(t)).sum())
+
+
 def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64 (0 when both are 0, inf when got is not finite or ref is 0)."""
-    got, ref = got.detach().double().reshape(-1), ref.detach().double().reshape(-1)
+    got, ref = (t.detach().reshape(-1) for t in (got, ref))
+    got, ref = (t.float() if t.dtype == torch.float64 else t for t in (got, ref))  # compared as float32 values
     if got.shape != ref.shape:
         return math.inf
-    if not bool(torch.isfinite(got).all()):
+    # In float64 without a float64 copy of ref (the same sums as converting both first, one allocation fewer).
+    num = float(torch.linalg.vector_norm(got.double().sub_(ref)))
+    den = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
+    # An inf/NaN in got makes num inf/NaN, so a finite num means a finite got; only a non-finite ref needs a look.
+    if not math.isfinite(num) and (math.isfinite(den) or not bool(torch.isfinite(got).all())):
         return math.inf
-    num, den = float(torch.linalg.vector_norm(got - ref)), float(torch.linalg.vector_norm(ref))
     if den == 0:
         return 0.0 if num == 0 else math.inf
     return num / den
@@ -650,7 +803,8 @@ class _Hooks:
         self.model, self.records, self.order, self.precision, self.dev = model, records, order, precision, dev
         self.grads = grads
         self.calls: dict[str, int] = {}
-        self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its counts, gradient histograms)
+        self.counter = _Counter()  # histograms are filled in batches, at the latest when the pass ends
+        self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its queued counts, gradient histograms)
         self.rng_before: dict[int, Any] = {}  # id(module) -> RNG state when it started (nothing stored on the model)
         self.seen: set[str] = set()
         self.busy = False  # True while a module is being rerun in fp32: its own hooks must stay quiet
@@ -658,7 +812,8 @@ class _Hooks:
 
     def __enter__(self) -> _Hooks:
         for name, module in self.model.named_modules():
-            self.records.setdefault(name, _ModuleRecord(name, _is_leaf(module)))
+            if name not in self.records:
+                self.records[name] = _ModuleRecord(name, _is_leaf(module))
             if self.precision != "fp32" and self._reruns(module):
                 self.handles.append(module.register_forward_pre_hook(self._pre))
             self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
@@ -667,6 +822,11 @@ class _Hooks:
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
+        self.counter.flush()
+
+    def _count_grad(self, hists: list[Log2Hist], grad: torch.Tensor) -> None:
+        """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
+        self.counter.add(grad, hists, COUNT_CAP)
 
     def _reruns(self, module: nn.Module) -> bool:
         """Leaf modules whose own error is measured; not dropout (random by design) nor in-place ones."""
@@ -714,11 +874,11 @@ class _Hooks:
             # A container often returns its last child's output tensor: count it (and its gradient) once.
             seen = self.counted.get(id(t))
             if seen is None or seen[0]() is not t:
-                seen = (weakref.ref(t), Log2Hist.count(t, COUNT_CAP), [])
+                seen = (weakref.ref(t), self.counter.add(t, [], COUNT_CAP), [])
                 self.counted[id(t)] = seen
                 if self.grads and t.requires_grad:
-                    t.register_hook(functools.partial(_count_grad, seen[2]))
-            rec.act.accumulate(*seen[1])
+                    t.register_hook(functools.partial(self._count_grad, seen[2]))
+            seen[1].feed(rec.act)
             seen[2].append(rec.grad)
         if tensors:
             rec.samples.append(_sample(tensors[0]))
@@ -727,7 +887,7 @@ class _Hooks:
         """Autocast pass: output dtype, inf/NaN, error of the final output, and the leaf's own error."""
         p = self.precision
         rec.dtype[p] = str(tensors[0].dtype).removeprefix("torch.")
-        bad = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+        bad = sum(_count_nonfinite(t) for t in tensors)
         rec.nonfinite[p] = rec.nonfinite.get(p, 0) + bad
         if call < len(rec.samples):
             err = _rel_error(_sample(tensors[0]), rec.samples[call])
@@ -735,6 +895,9 @@ class _Hooks:
         before = self.rng_before.pop(id(module), None)
         if before is None or "_ampcourse_forward" in module.__dict__:
             return  # not a rerun module, or a policy already decides its precision
+        if type(module) in _EXACT:
+            rec.local_error[p] = max(rec.local_error.get(p, 0.0), 0.0 if bad == 0 else math.inf)
+            return
         after = self._rng_state()
         self._set_rng_state(before)
         # Without autocast, in the dtype of the module's own parameters (fp32 normally; bf16 for a pure-bf16 model).
@@ -750,16 +913,8 @@ class _Hooks:
             self._set_rng_state(after)
         ref_t = list(_float_tensors(ref))
         if ref_t:
-            err = _rel_error(tensors[0].float(), ref_t[0].float()) if bad == 0 else math.inf
+            err = _rel_error(tensors[0], ref_t[0]) if bad == 0 else math.inf
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), err)
-
-
-def _count_grad(hists: list[Log2Hist], grad: torch.Tensor) -> None:
-    """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
-    counted = Log2Hist.count(grad, COUNT_CAP)
-    if counted is not None:
-        for h in hists:
-            h.accumulate(*counted)
 
 
 def _copy_as(obj, dtype: torch.dtype):
@@ -807,11 +962,12 @@ def _reference_pass(ctx: _Context) -> tuple[float, dict[int, torch.Tensor]]:
             loss.backward()
     names = {id(p): n for n, p in ctx.model.named_parameters()}
     fresh = {}
+    counter = _Counter()
     for p in params:
         if p.grad is not None:
-            h = ctx.param_grads.setdefault(names[id(p)], Log2Hist())
-            h.accumulate(*Log2Hist.count(p.grad, COUNT_CAP))
+            counter.add(p.grad, [ctx.param_grads.setdefault(names[id(p)], Log2Hist())], COUNT_CAP)
             fresh[id(p)] = p.grad
+    counter.flush()
     return float(loss.detach()), fresh
 
 
@@ -859,7 +1015,7 @@ def _precision_findings(ctx: _Context, p: str, records: Mapping[str, _ModuleReco
     if over:
         n = over[0]
         r = ctx.records[n]
-        share = r.act.share("overflow", 1.0, p)
+        share = r.act._share("overflow", 1.0, p)
         more = f" ({len(over) - 1} module(s) after it too)" if len(over) > 1 else ""
         # Clean without an island here: the big values stayed fp32 on this device; an fp16 op reading them overflows.
         stayed = status != "refused" and n not in islands
@@ -912,12 +1068,7 @@ def _islands_for(ctx: _Context, amp: AmpSetup, records: Mapping[str, _ModuleReco
 
 def _gradient_findings(ctx: _Context, examined: Sequence[str]) -> tuple[list[Finding], dict[str, Any], float]:
     """Loss-scale advice from the fp32 gradients: findings, the numbers behind them, the recommended init_scale."""
-    total = Log2Hist()
-    for h in ctx.param_grads.values():
-        total = total.merge(h)
-    for n in ctx.order:
-        if ctx.records[n].leaf:
-            total = total.merge(ctx.records[n].grad)
+    total = Log2Hist.merged([*ctx.param_grads.values(), *(ctx.records[n].grad for n in ctx.order if ctx.records[n].leaf)])
     gmax, nonzero = total.max, total.nonzero
     info: dict[str, Any] = {"max": gmax, "nonzero": nonzero, "nonfinite": total.nonfinite, "margin": GRAD_MARGIN}
     if nonzero == 0:
@@ -928,16 +1079,16 @@ def _gradient_findings(ctx: _Context, examined: Sequence[str]) -> tuple[list[Fin
     backoffs, s = 0, DEFAULT_SCALE
     while gmax * s >= over:  # what GradScaler(init_scale=2**16) does: skip the step, halve, try again
         s, backoffs = s / 2, backoffs + 1
-    flush1, flush_rec = total.share("underflow", 1.0), total.share("underflow", scale)
-    flush_default = total.share("underflow", s)  # where the default scaler settles after its backoffs
+    flush1, flush_rec = total._share("underflow", 1.0), total._share("underflow", scale)
+    flush_default = total._share("underflow", s)  # where the default scaler settles after its backoffs
     info.update(flush_at_1=flush1, recommended_scale=scale, flush_at_recommended=flush_rec,
                 flush_at_default=flush_default, default_backoff_steps=backoffs,
                 largest_scale_without_overflow=2.0 ** math.floor(math.log2(fmax / gmax)),
-                bf16_flush_at_1=total.share("underflow", 1.0, "bf16"),
-                params={n: {"max": h.max, "flush_at_1": h.share("underflow", 1.0),
-                            "flush_at_recommended": h.share("underflow", scale)} for n, h in ctx.param_grads.items()})
-    worst = max(ctx.param_grads.items(), key=lambda kv: kv[1].share("underflow"), default=None)
-    worst_txt = f" (worst parameter: {worst[0]}, {worst[1].share('underflow'):.0%})" if worst else ""
+                bf16_flush_at_1=total._share("underflow", 1.0, "bf16"),
+                params={n: {"max": h.max, "flush_at_1": h._share("underflow", 1.0),
+                            "flush_at_recommended": h._share("underflow", scale)} for n, h in ctx.param_grads.items()})
+    worst = max(ctx.param_grads.items(), key=lambda kv: kv[1]._share("underflow"), default=None)
+    worst_txt = f" (worst parameter: {worst[0]}, {worst[1]._share('underflow'):.0%})" if worst else ""
     k = int(math.log2(scale))
     out = []
     if total.nonfinite or gmax * 1.0 >= over:
@@ -1155,12 +1306,12 @@ def _module_table(ctx: _Context, scale: float) -> list[dict[str, Any]]:
     for n in ctx.order:
         r = ctx.records[n]
         rows.append({"name": n, "leaf": r.leaf, "act_min": r.act.min, "act_max": r.act.max,
-                     "act_fp16_overflow": r.act.share("overflow", 1.0, "fp16"),
-                     "act_fp16_subnormal": r.act.share("subnormal", 1.0, "fp16"),
-                     "act_fp16_underflow": r.act.share("underflow", 1.0, "fp16"),
+                     "act_fp16_overflow": r.act._share("overflow", 1.0, "fp16"),
+                     "act_fp16_subnormal": r.act._share("subnormal", 1.0, "fp16"),
+                     "act_fp16_underflow": r.act._share("underflow", 1.0, "fp16"),
                      "grad_min": r.grad.min, "grad_max": r.grad.max,
-                     "grad_fp16_underflow": r.grad.share("underflow", 1.0, "fp16"),
-                     "grad_fp16_underflow_at_recommended": r.grad.share("underflow", scale, "fp16"),
+                     "grad_fp16_underflow": r.grad._share("underflow", 1.0, "fp16"),
+                     "grad_fp16_underflow_at_recommended": r.grad._share("underflow", scale, "fp16"),
                      "dtype": dict(r.dtype), "local_error": {k: v for k, v in r.local_error.items() if v is not None},
                      "output_error": {k: v for k, v in r.output_error.items() if v is not None}})
     return rows

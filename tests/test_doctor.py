@@ -364,3 +364,70 @@ def test_gradient_details_per_parameter_and_module():
     leaves = [m for m in r.modules if m["leaf"]]
     assert all(m["grad_fp16_underflow_at_recommended"] <= m["grad_fp16_underflow"] for m in leaves)
     assert r.gradients["largest_scale_without_overflow"] >= r.recommended_init_scale * doctor.GRAD_MARGIN / 2
+
+
+# -- batched counting counts what was there when each tensor was seen -----------------------------------------
+
+class AddsInPlace(nn.Module):
+    """A linear layer whose output the parent then changes in place (as a residual block's += does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h += 1000.0  # after lin's forward hook ran: lin's histogram must not see it
+        return h
+
+
+def test_outputs_changed_in_place_later_are_counted_as_they_were():
+    model = AddsInPlace()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    r = examine(model, x, precisions=("bf16",), loss_fn=lambda out: out.float().mean())
+    row = next(m for m in r.modules if m["name"] == "lin")
+    alone = Log2Hist()
+    with torch.no_grad():
+        alone.add(model.lin(x))
+    assert alone.min < 1.0 and row["act_min"] == alone.min and row["act_max"] == alone.max
+
+
+def test_batched_counter_matches_one_histogram_per_tensor():
+    """Tensors queued together (one with fp32 subnormals, one capped, one empty) count as each one alone would."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(5000, generator=g) * 2.0 ** -130, torch.randn(300000, generator=g),
+               torch.randn(0), torch.randn(70, generator=g).half(), torch.tensor([0.0, math.inf, -2.0**-149, 65520.0]),
+               torch.tensor([-0.0, -0.0])]
+    counter = doctor._Counter()
+    together = [Log2Hist() for _ in tensors]
+    for t, h in zip(tensors, together):
+        counter.add(t, [h], doctor.COUNT_CAP)
+    counter.flush()
+    for t, h in zip(tensors, together):
+        alone = Log2Hist()
+        alone.add(t, doctor.COUNT_CAP)
+        assert h.to_dict() == alone.to_dict() and h.counts(2.0**16) == alone.counts(2.0**16)
+        finite = t[torch.isfinite(t)].float()
+        assert math.copysign(1.0, h.max) == 1.0 and h.max == (float(finite.abs().max()) if finite.numel() else 0.0)
+        if t.numel() <= doctor.COUNT_CAP:
+            assert h.counts(1.0, "fp16") == range_counts(t.float().numpy(), 1.0, "fp16")
+
+
+def test_value_selecting_modules_report_the_error_a_rerun_measures():
+    """Identity, ReLU, MaxPool, Flatten are not rerun in fp32: what they report is what a rerun would measure."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Identity(), nn.Flatten(), nn.Linear(36, 2))
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    r = examine(model, x, torch.tensor([0, 1, 0, 1]), loss_fn=F.cross_entropy, precisions=("bf16",))
+    rows = {m["name"]: m for m in r.modules}
+    checked = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x
+        for i, m in enumerate(model):
+            out = m(h)
+            if type(m) in doctor._EXACT:
+                with torch.autocast("cpu", enabled=False):
+                    ref = m(h.detach().float())
+                assert rows[str(i)]["local_error"]["bf16"] == doctor._rel_error(out, ref) == 0.0
+                checked += 1
+            h = out
+    assert checked == 4
