@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
+import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed", "choice", "names",
+__all__ = ["INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
            "flag", "writable_file", "OneLineParser"]
 
 INT64_MAX = 2**63 - 1
@@ -151,6 +153,30 @@ def writable_file(path: Any, name: str) -> Path:
     if not existed:
         target.unlink(missing_ok=True)
     return target
+
+
+def creatable_dir(path: Path, name: str) -> None:
+    """Refuse (ValueError naming it) a folder path that cannot be created or written, probing the nearest existing parent.
+
+    Looking is not enough: a link to nothing says "does not exist" yet blocks mkdir, and /proc or a
+    read-only mount say no only when a file is made, so a temporary file is made (and removed) there.
+    """
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name} {str(path)!r} exists and is not a directory; pass a directory path")
+    probe = path
+    while not probe.exists():  # the nearest existing ancestor must let us create the directory
+        if probe.is_symlink():  # a link to nothing: exists() says no, yet mkdir() would meet the name
+            raise ValueError(f"{name} {str(path)!r} cannot be created: {str(probe)!r} is a symbolic link "
+                             f"to {os.readlink(probe)!r}, which does not exist; remove the link or create its target")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{name} {str(path)!r} cannot be created: {str(probe)!r} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise ValueError(f"{name} {str(path)!r} is not writable ({err.strerror or err}); "
+                         "choose a directory you can write to") from None
 
 
 class OneLineParser(argparse.ArgumentParser):

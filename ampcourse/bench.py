@@ -773,23 +773,6 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _check_out_folder(out: Path) -> None:
-    """--out can be created and written, checked by making (and removing) a folder in its nearest existing parent."""
-    import tempfile
-
-    parent = out
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is a file, not a folder")
-    try:
-        with tempfile.TemporaryDirectory(dir=parent):
-            pass
-    except OSError as err:
-        raise ValueError(f"--out {str(out)!r} is not writable ({err.strerror or err}); "
-                         "choose a folder you can write to") from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: run the benchmark, write bench.json and bench.png into --out, print a summary."""
     ap = _args.OneLineParser(prog="python -m ampcourse.bench", description=__doc__, error_prefix="ampcourse.bench",
@@ -805,7 +788,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out.exists() and not args.out.is_dir():  # say so now, not after a minute of measuring
         ap.error(f"--out {str(args.out)!r} is a file; give a folder for bench.json and bench.png")
     try:
-        _check_out_folder(args.out)
+        _args.creatable_dir(args.out, "--out")
     except ValueError as err:
         ap.error(str(err))
     if args.threads is not None:

@@ -56,7 +56,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -471,22 +470,7 @@ def _amp_works(device_type: str, precision: str) -> str | None:
 
 def _check_checkpoint_dir(directory: Path, resume: bool, ckpt: Path) -> None:
     """The directory can be written to, and holds a checkpoint exactly when we resume."""
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"checkpoint_dir {str(directory)!r} exists and is not a directory; pass a directory path")
-    probe = directory
-    while not probe.exists():  # the nearest existing ancestor must let us create the directory
-        if probe.is_symlink():  # a link to nothing: exists() says no, yet mkdir() would meet the name
-            raise ValueError(f"checkpoint_dir {str(directory)!r} cannot be created: {str(probe)!r} is a symbolic link "
-                             f"to {os.readlink(probe)!r}, which does not exist; remove the link or create its target")
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ValueError(f"checkpoint_dir {str(directory)!r} cannot be created: {str(probe)!r} is a file")
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as err:
-        raise ValueError(f"checkpoint_dir {str(directory)!r} is not writable ({err.strerror}); "
-                         "choose a directory you can write to") from err
+    _args.creatable_dir(directory, "checkpoint_dir")
     if resume and not ckpt.exists():
         raise ValueError(f"resume=True but there is no checkpoint at {str(ckpt)!r}; "
                          "run once without resume (with this checkpoint_dir) to create one")

@@ -504,7 +504,7 @@ CLI = {
     "bench --precision fp64": (bench.main, ["--out", "{tmp}/b", "--quick", "--precision", "fp64"], "'fp64'", "fp32, fp16, bf16"),
     "bench --threads x": (bench.main, ["--out", "{tmp}/b", "--threads", "x"], "'x'", "invalid int value"),
     "bench --out under /proc": (bench.main, ["--out", "/proc/ampcourse-bench", "--quick"], "/proc/ampcourse-bench",
-                                "choose a folder you can write to"),
+                                "choose a directory you can write to"),
     "bench --out below a file": (bench.main, ["--out", "{tmp}/a_file/b", "--quick"], "a_file", "is a file, not a folder"),
 }
 
