@@ -75,3 +75,30 @@ def test_clean_scrubs_machine_paths_from_tracebacks(tmp_path):
     assert nbtool.problems(path) == []
     tb = nbformat.read(path, as_version=4).cells[0].outputs[0].traceback
     assert "<site-packages>/torch/amp/grad_scaler.py:342" in tb[0] and "\x1b[32mampcourse/scaling.py:10" in tb[1]
+
+
+def _format_limits() -> set[str]:
+    """The ways prose would type a format's max, smallest normal or smallest subnormal (65504, 6.1e-05, ...)."""
+    from ampcourse import formats
+    typed = set()
+    for name in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
+        s = formats.spec(name)
+        for v in (s.max, s.min_normal, s.min_subnormal):
+            typed |= {f"{v:g}", f"{v:.1e}", f"{v:.2g}", f"{v:.2e}", f"{v:.3g}"}
+    return {t for t in typed if len(t.replace(".", "").replace("e", "").replace("-", "").replace("+", "")) >= 3}
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_prose_does_not_type_format_limits_that_code_prints(path):
+    """Never type into prose a number code can show: fp16's 65504 or 6.1e-05 come from torch.finfo / formats.spec
+    in a cell. Numbers in `code spans` (an input to try, a call) and in code cells are fine."""
+    limits = _format_limits()
+    found = []
+    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        if cell.cell_type != "markdown":
+            continue
+        prose = re.sub(r"`[^`]*`", " ", cell.source)  # code spans are code
+        for token in re.findall(r"(?<![\w.])\d[\d.,]*(?:e[-+]?\d+)?(?![\w])", prose):
+            if token.replace(",", "") in limits:
+                found.append(f"cell {i}: {token}")
+    assert not found, f"{path.name} types format limits in prose (print them from code instead): {found}"
