@@ -15,23 +15,13 @@ from ampcourse.doctor import KINDS, Log2Hist, Report, examine
 from ampcourse.models import loss_fn, make_model, make_task
 from ampcourse.policy import apply_policy, policy_of
 from ampcourse.scaling import range_counts, record_gradients
+from planted import NaiveRMSNorm  # noqa: E402
 
 
 def batch(name: str, n: int = 64):
     """A batch of a reference model's synthetic data."""
     x, y = make_task(name, n=n).data.tensors
     return x, y
-
-
-class NaiveRMSNorm(nn.Module):
-    """RMSNorm written the obvious way: x*x overflows fp16 once |x| passes 256."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 class WithRMSNorm(nn.Module):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ampcourse import exercises
 from ampcourse.exercises import ExerciseError
+from planted import NaiveRMSNorm  # noqa: E402
 
 
 def test_init_scale(capsys):
@@ -21,15 +22,6 @@ def test_init_scale_is_the_largest_power_of_two_within_the_margin(capsys):
     for wrong in [2.0**14, 2.0**12, 2.0**16, 3000.0, 0.0, -8192.0, float("inf"), "big", None]:
         with pytest.raises(ExerciseError):
             exercises.check_init_scale(wrong, g)
-
-
-class NaiveRMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 class TwoProblems(nn.Module):

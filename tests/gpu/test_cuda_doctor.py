@@ -2,6 +2,7 @@
 and its report (recorded under benchmarks/gpu/ by `make gpu-test`'s working copy) says CUDA autocast."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,19 +12,12 @@ import torch.nn.functional as F
 
 from ampcourse.doctor import examine
 from ampcourse.models import loss_fn, make_model, make_task
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/planted.py
+from planted import NaiveRMSNorm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
-
-
-class NaiveRMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 def test_reference_transformer_on_cuda_is_healthy_and_untouched(amp):

@@ -1,0 +1,15 @@
+"""Problems planted in models for the doctor's tests (shared by tests/ and tests/gpu/)."""
+
+import torch
+import torch.nn as nn
+
+
+class NaiveRMSNorm(nn.Module):
+    """RMSNorm written the obvious way: x*x overflows fp16 once |x| passes the square root of fp16's max."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
