@@ -290,8 +290,15 @@ def drive_format_explorer(page, shoot: Shoot) -> None:
     drag_slider(page, out)
     expect(heading).not_to_have_text("x = 70000")
     expect(fp16_stored).not_to_have_text("inf")
-    typed = text_box.input_value()
-    assert heading.inner_text() == f"x = {float(typed):.10g}", "the text box and the table disagree after the drag"
+    # A drag sends several slider values; the kernel answers each in turn, so the table may still show an
+    # intermediate value for a moment. Wait until the text box and the table settle on the same number.
+    deadline = time.monotonic() + 20
+    while True:
+        typed, shown = text_box.input_value(), heading.inner_text()
+        if shown == f"x = {float(typed):.10g}":
+            break
+        assert time.monotonic() < deadline, f"the text box ({typed}) and the table ({shown}) disagree after the drag"
+        page.wait_for_timeout(200)
     shoot("dragged")
 
 
