@@ -78,6 +78,20 @@ def poison(model, i, skip_iter, scaler):
         model[1].weight.grad.data.fill_(float("inf"))
 
 
+def backward_and_step(loss, model, optimizer, scaler, i, skip_iter, try_scaling_api):
+    """Upstream's common tail: the scaler's backward/step/update (poisoned at skip_iter), or the control run that
+    skips skip_iter itself."""
+    if try_scaling_api:
+        scaler.scale(loss).backward()
+        poison(model, i, skip_iter, scaler)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        if not scaler.is_enabled() or i != skip_iter:
+            optimizer.step()
+
+
 # --- test_torch.py --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lazy_init_scale", [True, False])
@@ -115,15 +129,7 @@ def autocast_run(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling
         optimizer.zero_grad()
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = loss_fn(model(x), y)
-        if try_scaling_api:
-            scaler.scale(loss).backward()
-            poison(model, i, skip_iter, scaler)
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            if not scaler.is_enabled() or i != skip_iter:
-                optimizer.step()
+        backward_and_step(loss, model, optimizer, scaler, i, skip_iter, try_scaling_api)
 
 
 AUTOCAST_CASES = [(torch.optim.SGD, {"foreach": False}), (torch.optim.SGD, {"foreach": True}),
@@ -197,15 +203,7 @@ def test_grad_scaling_penalty(Scaler):
                 grads = torch.autograd.grad(loss, model.parameters(), create_graph=True)
             penalty = sum(g.pow(2).sum() for g in grads).sqrt()
             loss = loss + penalty
-            if try_scaling_api:
-                scaler.scale(loss).backward()
-                poison(model, i, skip_iter, scaler)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                if not scaler.is_enabled() or i != skip_iter:
-                    optimizer.step()
+            backward_and_step(loss, model, optimizer, scaler, i, skip_iter, try_scaling_api)
 
     run_scaling_case(Scaler, run, unskipped=3, skipped=1)
 
