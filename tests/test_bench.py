@@ -138,26 +138,82 @@ def test_a_slow_first_call_is_a_warm_up_not_a_measurement(monkeypatch):
     assert all(r["seconds"] < 0.25 for r in rows)
 
 
-def test_fp32_math_uses_the_new_tf32_api_and_restores_it():
-    """On CUDA: TF32 off (ieee) for matmuls and cuDNN convs, or on; the previous values come back; no legacy mix."""
+@pytest.fixture
+def tf32_state():
+    """The process's TF32 flags, put back after the test (through the legacy setters: a consistent state)."""
     import torch
 
-    before = bench.tf32_settings()
-    assert before["api"] == "fp32_precision"  # torch >= 2.9
-    with bench.fp32_math(tf32=False, device="cuda"):
-        assert bench.tf32_settings() == {"api": "fp32_precision", "matmul": "ieee", "cudnn_conv": "ieee"}
-    with bench.fp32_math(tf32=True, device="cuda"):
-        assert bench.tf32_settings()["matmul"] == "tf32" and bench.tf32_settings()["cudnn_conv"] == "tf32"
-    assert bench.tf32_settings() == before
+    start = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = start
+
+
+def _tf32_reads() -> dict:
+    """Every way code reads the TF32 state (legacy flags, the matmul precision, the new fields), or 'raises'."""
+    import torch
+
+    reads = {"matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+             "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+             "float32_matmul_precision": torch.get_float32_matmul_precision}
+    for path in ("cuda.matmul", "cudnn.conv", "cudnn.rnn"):
+        obj = torch.backends
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        reads[path] = lambda obj=obj: obj.fp32_precision
+    out = {}
+    for name, read in reads.items():
+        try:
+            out[name] = read()
+        except RuntimeError:
+            out[name] = "raises"
+    return out
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_fp32_math_sets_every_field_and_keeps_both_apis_readable(tf32_state, tf32):
+    """Issue 19 item 11, reproduced on a CPU: the block used to set matmul and conv through fp32_precision, leaving
+    cuDNN's RNN at tf32, so reading cudnn.allow_tf32 inside raised (a mix of the APIs)."""
+    import torch
+
+    if not hasattr(torch.backends.cudnn, "rnn"):
+        pytest.skip(f"torch {torch.__version__} has no per-field fp32_precision API (2.9+)")
+    before, reads_before = bench.tf32_settings(), _tf32_reads()
+    mode = "tf32" if tf32 else "ieee"
+    with bench.fp32_math(tf32=tf32, device="cuda"):
+        inside = _tf32_reads()
+        assert "raises" not in inside.values(), inside
+        assert inside["matmul.allow_tf32"] is tf32 and inside["cudnn.allow_tf32"] is tf32
+        assert bench.tf32_settings() == {"api": "allow_tf32", "matmul": mode, "cudnn_conv": mode, "cudnn_rnn": mode}
+    after = _tf32_reads()
+    assert bench.tf32_settings() == before and "raises" not in after.values()
+    legacy = ("matmul.allow_tf32", "cudnn.allow_tf32", "float32_matmul_precision")
+    assert {k: after[k] for k in legacy} == {k: reads_before[k] for k in legacy}
+    # (a field that read "none", inherit, may read back as the value it inherited: "ieee" for cuBLAS)
     with bench.fp32_math(tf32=True, device="cpu"):  # off CUDA it changes nothing
-        assert bench.tf32_settings() == before
-    # the legacy API was never touched, so reading it still works (it raises after a mix of the two)
-    assert torch.backends.cuda.matmul.fp32_precision == before["matmul"]
+        assert _tf32_reads() == after
+
+
+def test_fp32_math_after_the_new_api_restores_each_field_through_it(tf32_state):
+    """A caller who set the fields apart with the new API (conv ieee, RNN tf32; the legacy flags cannot say that):
+    every field is set inside, and each comes back to its own value."""
+    import torch
+
+    if not hasattr(torch.backends.cudnn, "rnn"):
+        pytest.skip(f"torch {torch.__version__} has no per-field fp32_precision API (2.9+)")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cudnn.rnn.fp32_precision = "tf32"
+    fields = lambda: {k: v for k, v in _tf32_reads().items() if "." in k and "allow" not in k}  # noqa: E731
+    before = fields()
+    with bench.fp32_math(tf32=False, device="cuda"):
+        assert set(fields().values()) == {"ieee"}
+        assert bench.tf32_settings()["cudnn_rnn"] == "ieee"
+    assert fields() == before == {"cuda.matmul": "tf32", "cudnn.conv": "ieee", "cudnn.rnn": "tf32"}
 
 
 def test_bench_json_records_the_tf32_settings(quick_run):
     report = json.loads((quick_run[0] / "bench.json").read_text())
-    assert set(report["env"]["tf32"]) == {"api", "matmul", "cudnn_conv"}
+    assert set(report["env"]["tf32"]) == {"api", "matmul", "cudnn_conv", "cudnn_rnn"}
     assert all(r["fp32_math"] == "default" for r in report["train_step"])  # a CPU has no TF32
 
 
