@@ -41,7 +41,7 @@ from .device import AmpSetup, cpu_flags, native_bf16, pick
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
            "overhead_clock", "fraction_of_peak", "fp32_math", "tf32_settings", "BareLoop", "paired_step_times",
            "trainer_overhead", "saved_bytes",
-           "run", "plot", "plot_matmul", "load_gpu_report", "gpu_report_lines", "GPU_REPORT", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
+           "run_config", "run", "plot", "plot_matmul", "load_gpu_report", "gpu_report_lines", "GPU_REPORT", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
 
 SCHEMA = "ampcourse.bench/1"
 #: Bytes saved for backward under AMP, as a fraction of fp32, that the transformer should reach.
@@ -614,6 +614,22 @@ def _targets(report: dict) -> list[dict]:
     return out
 
 
+def run_config(dev: torch.device, precision: str, quick: bool, seed: int) -> dict:
+    """What run() measures on this device: tiny models on a CPU; on CUDA the reference models at size="large"
+    (batch 64), because tiny ones are launch-bound there and would show a speedup near 1x."""
+    gpu = dev.type == "cuda"
+    return {"quick": quick, "precision": precision, "seed": seed,
+            "models": (["transformer"] if gpu else ["mlp"]) if quick else list(models.MODELS),
+            "saved_sizes": ["tiny"] if quick else ["tiny", "small"],
+            "step_size": "large" if gpu else "tiny",
+            "batch": 64 if gpu else 32, "steps": 3 if quick else 20, "repeats": 2 if quick else (5 if gpu else 7),
+            "matmul_sizes": list(matmul_sizes(dev, quick)), "matmul_min_run_time": 0.01 if quick else 0.05,
+            "matmul_repeats": 1 if quick else 3,
+            "overhead_models": (["transformer"] if gpu else ["mlp"]) if quick else ["mlp", "transformer"],
+            "overhead_steps": 6 if quick else (30 if gpu else 60), "overhead_warmup": 2 if quick else 5,
+            "overhead_repeats": 2 if quick else (5 if gpu else 15)}
+
+
 def run(device: str | torch.device | None = None, precision: str | None = None, quick: bool = False,
         seed: int = 0) -> dict:
     """Run every measurement and return the report (see the module docstring for its schema)."""
@@ -622,16 +638,7 @@ def run(device: str | torch.device | None = None, precision: str | None = None, 
     if not amp.enabled:
         raise ValueError("the benchmark compares fp32 with AMP: pass precision='fp16' or 'bf16'")
     dev = amp.device
-    config = {"quick": quick, "precision": amp.precision, "seed": seed,
-              "models": ["mlp"] if quick else list(models.MODELS),
-              "saved_sizes": ["tiny"] if quick else ["tiny", "small"],
-              "step_size": "tiny" if dev.type == "cpu" else "small",
-              "batch": 32, "steps": 3 if quick else 20, "repeats": 2 if quick else 7,
-              "matmul_sizes": list(matmul_sizes(dev, quick)), "matmul_min_run_time": 0.01 if quick else 0.05,
-              "matmul_repeats": 1 if quick else 3,
-              "overhead_models": ["mlp"] if quick else ["mlp", "transformer"],
-              "overhead_steps": 6 if quick else 60, "overhead_warmup": 2 if quick else 5,
-              "overhead_repeats": 2 if quick else 15}
+    config = run_config(dev, amp.precision, quick, seed)
     torch.manual_seed(seed)
     report = {"schema": SCHEMA, "env": _env(dev), "config": config}
     report["matmul"] = matmul_tflops(dev, sizes=config["matmul_sizes"], min_run_time=config["matmul_min_run_time"],

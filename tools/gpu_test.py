@@ -34,8 +34,9 @@ their own sessions included) and the next step runs:
      AMPCOURSE_CHECKERS_RAISE=1 so an exercise checker that rejects the chapter's own solution fails
      the cell instead of printing its verdict -> notebooks-risky.xml;
   4. notebooks, the rest (100 s) -> notebooks-rest.xml;
-  5. benchmarks (the rest of the 8 minutes): `python -m ampcourse.bench --device cuda` (GPU-sized models)
-     -> bench/bench.json.
+  5. benchmarks (the rest of the 8 minutes): `python -m ampcourse.bench --device cuda --quick` (on CUDA the
+     large transformer, a few repeats) -> bench/bench.json. The full run (`python -m ampcourse.bench --device
+     cuda --out DIR`, all three models at size="large") needs a few minutes of its own.
 Every step's command, exit code, time, budget and whether it was cut go to steps.json (rewritten after
 each step) and its output to <step>.log. report.json and report.md are built from those files only, by
 this file's stdlib-only code (the parent process imports neither torch nor ampcourse: the image's
@@ -201,7 +202,9 @@ def plan(out: Path, python: str | None = None) -> list[Step]:
              raising),
         Step("notebooks (the rest)", pytest_argv(*nbval, *rest, junit=out / "notebooks-rest.xml", python=py), 100,
              "notebooks-rest.xml", raising),
-        Step("benchmarks", [py, "-m", "ampcourse.bench", "--device", "cuda", "--out", str(out / "bench")], BUDGET_S),
+        # --quick: on CUDA the large transformer, few repeats: it fits the time left (tests/gpu measured the goals)
+        Step("benchmarks", [py, "-m", "ampcourse.bench", "--device", "cuda", "--quick", "--out", str(out / "bench")],
+             BUDGET_S),
     ]
 
 
