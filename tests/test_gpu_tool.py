@@ -370,3 +370,46 @@ def test_the_goals_come_from_ampcourse_bench_without_importing_it():
     targets = gpu_test.bench_targets()
     assert targets == {"BF16_PEAK_TARGET": bench.BF16_PEAK_TARGET, "GPU_STEP_SPEEDUP_TARGET": bench.GPU_STEP_SPEEDUP_TARGET,
                        "TRAINER_OVERHEAD_TARGET": bench.TRAINER_OVERHEAD_TARGET}
+
+
+def test_the_gpu_job_keeps_its_venv_outside_the_cleaned_checkout():
+    """Issue 19 item 15: actions/checkout runs `git clean -ffdx`, deleting an ignored .venv in the workspace, so CUDA
+    torch was downloaded again on every job. The venv lives beside the workspace and make is told where."""
+    job = yaml.safe_load((ROOT / ".github/workflows/gpu.yml").read_text())["jobs"]["gpu-test"]
+    venv = job["env"]["VENV"]
+    assert venv.startswith("${{ github.workspace }}/../"), venv
+    checkout = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/checkout"))
+    assert checkout.get("with", {}).get("clean", True), "the checkout stays clean; the venv is what moved"
+    run = next(s["run"] for s in job["steps"] if s.get("run", "").startswith("make gpu-test"))
+    assert 'VENV="$VENV"' in run
+    out = _make_n("gpu-test", "VENV=/somewhere/else")
+    assert out.returncode == 0 and "/somewhere/else/bin/python tools/gpu_test.py" in out.stdout, out.stdout
+
+
+def _wheels(tmp_path: Path, torch_minor: str | None) -> tuple[subprocess.CompletedProcess, str]:
+    """tools/gpu_wheels.sh with a stub `python3` that records its pip arguments instead of downloading."""
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "python3").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/pip-args\n')
+    (stub / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "GPU_WHEELS_TORCH"}
+    env["PATH"] = f"{stub}{os.pathsep}{env['PATH']}"
+    if torch_minor:
+        env["GPU_WHEELS_TORCH"] = torch_minor
+    run = subprocess.run(["bash", str(ROOT / "tools/gpu_wheels.sh"), str(tmp_path / "whl")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    args = (tmp_path / "pip-args").read_text() if (tmp_path / "pip-args").exists() else ""
+    return run, args
+
+
+def test_the_wheels_bring_the_torchao_built_for_the_images_torch(tmp_path):
+    """Issue 19 item 6: torchao 0.18.0 (the lock's) for the torch 2.11 image; the pin follows the image's torch."""
+    run, args = _wheels(tmp_path, None)
+    assert run.returncode == 0, run.stderr
+    assert "torchao==0.17.0" in args.split() and "torch 2.11 image -> torchao 0.17.0" in run.stdout
+    lock = dict(line.split("==") for line in (ROOT / "requirements.lock").read_text().splitlines() if "==" in line)
+    assert f"nbval=={lock['nbval']}" in args.split() and "--python-version 3.12" in args
+    run, args = _wheels(tmp_path, "2.13")
+    assert run.returncode == 0 and f"torchao=={lock['torchao']}" in args.split()
+    run, _ = _wheels(tmp_path, "2.9")
+    assert run.returncode == 2 and "no torchao pin for torch 2.9" in run.stderr
