@@ -26,14 +26,14 @@ their own sessions included) and the next step runs:
   1. smoke (30 s): versions, GPU and compute capability, TF32 defaults, what an fp32 -> fp8 cast does on
      CPU and GPU, fused vs foreach AdamW (the same steps: equal?), imports of nbval and torchao
      -> smoke.json;
-  2. gpu tests (170 s): tests/gpu (marker `gpu`): speedup, matmul fraction of peak, trainer overhead,
+  2. gpu tests (190 s): tests/gpu (marker `gpu`): speedup, matmul fraction of peak, trainer overhead,
      host syncs per step, DDP/FSDP2 under torchrun on NCCL, CUDA autocast and GradScaler, the doctor on
      CUDA -> gpu-tests.xml (JUnit), bench-tests.json (figures), doctor_*.json/txt;
   3. notebooks, riskiest first (110 s): chapters 4, 7, 9, 1 through nbval in lax mode (numbers differ
      from the stored CPU outputs, so cells must run without error; outputs are not compared), with
      AMPCOURSE_CHECKERS_RAISE=1 so an exercise checker that rejects the chapter's own solution fails
      the cell instead of printing its verdict -> notebooks-risky.xml;
-  4. notebooks, the rest (100 s) -> notebooks-rest.xml;
+  4. notebooks, the rest (90 s) -> notebooks-rest.xml;
   5. benchmarks (the rest of the 8 minutes): `python -m ampcourse.bench --device cuda --quick` (on CUDA the
      large transformer, a few repeats) -> bench/bench.json. The full run (`python -m ampcourse.bench --device
      cuda --out DIR`, all three models at size="large") needs a few minutes of its own.
@@ -195,12 +195,12 @@ def plan(out: Path, python: str | None = None) -> list[Step]:
     raising = {CHECKERS_RAISE_ENV: "1"}
     return [
         Step("smoke", [py, str(ROOT / "tools" / "gpu_test.py"), "--smoke", str(out / "smoke.json")], 30),
-        Step("gpu tests", pytest_argv("-m", "gpu", "tests/gpu", junit=out / "gpu-tests.xml", python=py), 170,
+        Step("gpu tests", pytest_argv("-m", "gpu", "tests/gpu", junit=out / "gpu-tests.xml", python=py), 190,
              "gpu-tests.xml", {"AMPCOURSE_BENCH_JSON": str(out / "bench-tests.json"), "AMPCOURSE_GPU_OUT": str(out)}),
         Step("notebooks (riskiest: " + ", ".join(Path(nb).name[:2] for nb in risky) + ")",
              pytest_argv(*nbval, *risky, junit=out / "notebooks-risky.xml", python=py), 110, "notebooks-risky.xml",
              raising),
-        Step("notebooks (the rest)", pytest_argv(*nbval, *rest, junit=out / "notebooks-rest.xml", python=py), 100,
+        Step("notebooks (the rest)", pytest_argv(*nbval, *rest, junit=out / "notebooks-rest.xml", python=py), 90,
              "notebooks-rest.xml", raising),
         # --quick: on CUDA the large transformer, few repeats: it fits the time left (tests/gpu measured the goals)
         Step("benchmarks", [py, "-m", "ampcourse.bench", "--device", "cuda", "--quick", "--out", str(out / "bench")],
