@@ -413,3 +413,32 @@ def test_the_wheels_bring_the_torchao_built_for_the_images_torch(tmp_path):
     assert run.returncode == 0 and f"torchao=={lock['torchao']}" in args.split()
     run, _ = _wheels(tmp_path, "2.9")
     assert run.returncode == 2 and "no torchao pin for torch 2.9" in run.stderr
+
+
+def test_a_device_run_brings_back_one_archive_and_the_report(tmp_path):
+    """A device session returns at most 8 files from $OUT: the evidence travels as one .tar.gz (refreshed after every
+    step, so a cut run still has the steps before the cut) with report.json/md beside it; a CPU rebuilds from it."""
+    import tarfile
+
+    plan = _stub_plan(tmp_path)
+    archive = tmp_path / "OUT" / "gpu-evidence.tar.gz"
+    subprocess.run([sys.executable, "-I", "-S", str(ROOT / "tools/gpu_test.py"), "--plan", str(plan), "--out",
+                    str(tmp_path / "out"), "--budget", "12", "--archive", str(archive)],
+                   capture_output=True, text=True, timeout=120)
+    assert sorted(p.name for p in archive.parent.iterdir()) == ["gpu-evidence.tar.gz", "report.json", "report.md"]
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"steps.json", "smoke.json", "gpu-tests.xml", "bench-tests.json", "benchmarks.log"} <= names
+    dest = tmp_path / "committed"
+    run = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "tools/gpu_test.py"), "--report-from", str(archive),
+                          "--out", str(dest)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and (dest / "report.md").read_text() == (archive.parent / "report.md").read_text()
+    assert (dest / "steps.json").exists()
+
+
+def test_make_gpu_test_installs_carried_wheels_first():
+    out = _make_n("gpu-test", "GPU_PYTHON=python3", "GPU_WHEELS=.whl", "GPU_TEST_ARGS=--require-cuda")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ('python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target '
+                                  '"/tmp/ampcourse-gpu-site" ".whl"/*.whl && PYTHONPATH="/tmp/ampcourse-gpu-site'
+                                  '${PYTHONPATH:+:$PYTHONPATH}" python3 tools/gpu_test.py --require-cuda'), out.stdout

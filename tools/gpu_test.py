@@ -12,12 +12,14 @@ Python 3.12, torch 2.11), bring the wheels from tools/gpu_wheels.sh and run with
 prepared command (under 8 minutes; each step writes its evidence into $OUT as soon as it ends, so a run
 cut short still leaves the steps before the cut):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS="--require-cuda --out $OUT"
+    make gpu-test GPU_PYTHON=python3 GPU_WHEELS=.whl \
+        GPU_TEST_ARGS="--require-cuda --out /tmp/gpu-evidence --archive $OUT/gpu-evidence.tar.gz"
 
-and afterwards, on a CPU, with $OUT's files fetched into a folder F:
+(GPU_WHEELS: `pip install --target` of those wheels first, put on PYTHONPATH; the device session carries
+`.whl` along and brings back only a few files from $OUT, hence one archive, refreshed after every step, with
+report.json and report.md beside it.) Afterwards, on a CPU, with that archive fetched:
 
-    python tools/gpu_test.py --report-from F --out benchmarks/gpu    # report.json + report.md, evidence copied
+    python tools/gpu_test.py --report-from gpu-evidence.tar.gz --out benchmarks/gpu   # evidence + report
 
 Steps, in this order (most evidence first), each in a process group of its own with its own budget; a
 step over its budget is killed with every process it started (notebook kernels, torchrun workers in
@@ -59,6 +61,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
@@ -647,6 +651,32 @@ def copy_evidence(src: Path, dst: Path) -> None:
             shutil.copyfile(p, target)
 
 
+def write_archive(evidence: Path, archive: Path) -> None:
+    """Every file of the evidence folder in one .tar.gz (replaced whole: a reader never sees half of one).
+
+    A device session brings back only a few files from $OUT (8 there), so the run keeps its evidence in a
+    folder of its own and refreshes this one file after every step.
+    """
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for p in sorted(evidence.rglob("*")):
+            if p.is_file() and p.resolve() != archive.resolve():
+                tar.add(p, arcname=str(p.relative_to(evidence)))
+    os.replace(tmp, archive)
+
+
+def unpack(archive: Path, into: Path) -> Path:
+    """A .tar.gz of evidence unpacked into `into` (plain files only, no paths outside it)."""
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts]
+        try:
+            tar.extractall(into, members=members, filter="data")  # Python >= 3.11.4: refuse links and odd modes
+        except TypeError:
+            tar.extractall(into, members=members)
+    return into
+
+
 # ------------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------------
@@ -657,8 +687,9 @@ def load_plan(path: Path) -> list[Step]:
             for d in json.loads(path.read_text())]
 
 
-def run_all(steps: list[Step], out: Path, header: dict, budget_s: float = BUDGET_S) -> list[StepResult]:
-    """Run the steps in order, each within min(its budget, what is left); steps.json after each one."""
+def run_all(steps: list[Step], out: Path, header: dict, budget_s: float = BUDGET_S,
+            archive: Path | None = None) -> list[StepResult]:
+    """Run the steps in order, each within min(its budget, what is left); steps.json (and the archive) after each."""
     start = time.monotonic()
     results: list[StepResult] = []
     for step in steps:
@@ -680,6 +711,8 @@ def run_all(steps: list[Step], out: Path, header: dict, budget_s: float = BUDGET
                   "planned": [s.name for s in steps],
                   "steps": [{**r.to_json(), "junit": s.junit} for r, s in zip(results, steps)]}
         (out / "steps.json").write_text(json.dumps(record, indent=2) + "\n")
+        if archive is not None:
+            write_archive(out, archive)
     return results
 
 
@@ -692,7 +725,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="list the steps, run nothing")
     ap.add_argument("--require-cuda", action="store_true", help="exit 1 instead of a dry run when CUDA is missing")
     ap.add_argument("--report-from", type=Path, default=None, metavar="DIR",
-                    help="build report.json/report.md from a run's evidence folder (no GPU needed)")
+                    help="build report.json/report.md from a run's evidence folder or --archive file (no GPU needed)")
+    ap.add_argument("--archive", type=Path, default=None, metavar="FILE",
+                    help="also keep the evidence in this .tar.gz, refreshed after every step, with report.json and "
+                         "report.md beside it (for a device session that brings back only a few files)")
     ap.add_argument("--budget", type=float, default=BUDGET_S,
                     help=f"seconds for the whole run, all steps together (default {BUDGET_S}: an 8-minute device call)")
     ap.add_argument("--plan", type=Path, default=None, help=argparse.SUPPRESS)  # JSON steps instead of the real plan
@@ -705,12 +741,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke is not None:
         return smoke(args.smoke)
     if args.report_from is not None:
-        out = args.out or args.report_from
+        source = args.report_from
+        if source.is_file():  # an --archive file
+            if args.out is None:
+                ap.error("--report-from FILE (an archive) needs --out DIR for the evidence and the report")
+            source = unpack(source, Path(tempfile.mkdtemp(prefix="gpu-evidence-")))
+        out = args.out or source
         try:
-            report = build_report(args.report_from)
+            report = build_report(source)
         except FileNotFoundError as err:
             ap.error(str(err))
-        copy_evidence(args.report_from, out)
+        copy_evidence(source, out)
         for p in write_report(report, out):
             print(f"wrote {p}")
         print(f"gpu-test: {report['status']}")
@@ -743,9 +784,9 @@ def main(argv: list[str] | None = None) -> int:
     stale = ["steps.json", "smoke.json", "bench-tests.json", "report.json", "report.md", "bench/bench.json"]
     for name in stale + [s.log for s in steps] + [s.junit for s in steps if s.junit]:
         (out / name).unlink(missing_ok=True)  # evidence of an earlier run must not pass for this one's
-    run_all(steps, out, header, args.budget)
+    run_all(steps, out, header, args.budget, args.archive)
     report = build_report(out)
-    for p in write_report(report, out):
+    for p in write_report(report, out) + (write_report(report, args.archive.parent) if args.archive else []):
         print(f"wrote {p}")
     print(f"gpu-test: {report['status']} in {report['seconds']} s")
     return 0 if report["status"] == "passed" else 1
