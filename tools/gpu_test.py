@@ -25,7 +25,7 @@ Steps, in this order (most evidence first), each in a process group of its own w
 step over its budget is killed with every process it started (notebook kernels, torchrun workers in
 their own sessions included) and the next step runs:
 
-  1. smoke (30 s): versions, GPU and compute capability, TF32 defaults, what an fp32 -> fp8 cast does on
+  1. smoke (45 s; about 10 s on an idle machine): versions, GPU and compute capability, TF32 defaults, what an fp32 -> fp8 cast does on
      CPU and GPU, fused vs foreach AdamW (the same steps: equal?), imports of nbval and torchao
      -> smoke.json;
   2. gpu tests (190 s): tests/gpu (marker `gpu`): speedup, matmul fraction of peak, trainer overhead,
@@ -198,7 +198,7 @@ def plan(out: Path, python: str | None = None) -> list[Step]:
     rest = [nb for nb in notebooks() if nb not in risky]
     raising = {CHECKERS_RAISE_ENV: "1"}
     return [
-        Step("smoke", [py, str(ROOT / "tools" / "gpu_test.py"), "--smoke", str(out / "smoke.json")], 30),
+        Step("smoke", [py, str(ROOT / "tools" / "gpu_test.py"), "--smoke", str(out / "smoke.json")], 45),
         Step("gpu tests", pytest_argv("-m", "gpu", "tests/gpu", junit=out / "gpu-tests.xml", python=py), 190,
              "gpu-tests.xml", {"AMPCOURSE_BENCH_JSON": str(out / "bench-tests.json"), "AMPCOURSE_GPU_OUT": str(out)}),
         Step("notebooks (riskiest: " + ", ".join(Path(nb).name[:2] for nb in risky) + ")",
@@ -404,32 +404,42 @@ def _tf32_defaults() -> dict:
     return out
 
 
-def _module_version(name: str) -> dict:
-    """Import a module (in a child process: a broken extension can abort the interpreter) and report its version."""
-    code = f"import importlib.metadata as m, {name}; print(m.version({name!r}))"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    if run.returncode == 0:
-        return {"version": run.stdout.strip().splitlines()[-1]}
-    return {"error": (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1][:300]}
+def _module_versions(names: tuple[str, ...]) -> dict[str, dict]:
+    """Import each module in a child process of its own, all at once (a broken extension can abort an interpreter;
+    torchao's import alone takes seconds): {name: {"version": ...} or {"error": last line}}."""
+    procs = {name: subprocess.Popen([sys.executable, "-c", f"import importlib.metadata as m, {name}; print(m.version({name!r}))"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in names}
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out[name] = {"error": "import took over 60 s"}
+            continue
+        out[name] = ({"version": stdout.strip().splitlines()[-1]} if proc.returncode == 0 else
+                     {"error": (stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]})
+    return out
 
 
 def smoke(path: Path) -> int:
-    """The 30-second smoke step: write what this machine is and does to path (JSON), whatever fails."""
+    """The smoke step: write what this machine is and does to path (JSON), rewritten after every probe, so a
+    probe that hangs past the step's budget still leaves the others' answers."""
     import torch
 
     start = time.monotonic()
-    results: dict = {"machine": machine_info()}
-    if torch.cuda.is_available():
-        _attempt(results, "bf16_supported_without_emulation", lambda: torch.cuda.is_bf16_supported(including_emulation=False))
-        _attempt(results, "tf32_defaults", _tf32_defaults)
-        _attempt(results, "fp8_cast_cuda", lambda: _fp8_casts("cuda"))
-        _attempt(results, "adamw_fused_vs_foreach", _fused_vs_foreach)
-    _attempt(results, "fp8_cast_cpu", lambda: _fp8_casts("cpu"))
-    for name in ("nbval", "torchao", "ipykernel", "ipywidgets"):
-        _attempt(results, f"import_{name}", lambda name=name: _module_version(name))
-    results["seconds"] = round(time.monotonic() - start, 1)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    results: dict = {"machine": machine_info()}
+    probes = [("fp8_cast_cpu", lambda: _fp8_casts("cpu")),
+              ("imports", lambda: _module_versions(("nbval", "torchao", "ipykernel", "ipywidgets")))]
+    if torch.cuda.is_available():
+        probes[:0] = [("bf16_supported_without_emulation", lambda: torch.cuda.is_bf16_supported(including_emulation=False)),
+                      ("tf32_defaults", _tf32_defaults), ("fp8_cast_cuda", lambda: _fp8_casts("cuda")),
+                      ("adamw_fused_vs_foreach", _fused_vs_foreach)]
+    for key, probe in probes:
+        _attempt(results, key, probe)
+        results["seconds"] = round(time.monotonic() - start, 1)
+        path.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 0 if results["machine"]["cuda_available"] else 1
 
