@@ -241,6 +241,7 @@ def test_gpu_test_puts_the_repository_on_every_steps_path(tmp_path, monkeypatch)
 def test_the_report_names_no_machine_path_for_the_out_folder():
     assert gpu_test.shown_args(["--require-cuda", "--out", "/tmp/xyz/out"]) == ["--require-cuda", "--out", "<dir>"]
     assert gpu_test.shown_args(["--out=/tmp/out"]) == ["--out=<dir>"]
+    assert gpu_test.shown_args(["--archive", "/x/OUT/e.tar.gz"]) == ["--archive", "<dir>"]
     inside = str(ROOT / "benchmarks" / "gpu")
     assert gpu_test.shown_args(["--out", inside]) == ["--out", inside] and gpu_test.shown_args(["--out", "rel"]) == ["--out", "rel"]
 

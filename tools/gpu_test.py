@@ -170,12 +170,12 @@ def shown_args(args: list[str]) -> list[str]:
     """The command-line arguments as the report shows them: a folder outside the repository as <dir>."""
     out, after_dir = [], False
     for a in args:
-        flag = next((f for f in ("--out=", "--report-from=") if a.startswith(f)), None)
+        flag = next((f for f in ("--out=", "--report-from=", "--archive=") if a.startswith(f)), None)
         value = a.split("=", 1)[1] if flag else (a if after_dir else None)
         if value is not None and Path(value).is_absolute() and ROOT not in Path(value).resolve().parents:
             a = f"{flag}<dir>" if flag else "<dir>"
         out.append(a)
-        after_dir = a in ("--out", "--report-from")
+        after_dir = a in ("--out", "--report-from", "--archive")
     return out
 
 
