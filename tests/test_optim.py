@@ -105,7 +105,13 @@ def test_bad_arguments_are_named(kwargs, error, match):
 def test_fp32_parameters_are_refused():
     with pytest.raises(TypeError, match=r"bf16 parameters; got a torch.float32 parameter of shape \(2,\)"):
         BF16AdamW([torch.nn.Parameter(torch.ones(2))])
-    assert ROUNDINGS == ("nearest", "stochastic", "kahan")
+    # every name in ROUNDINGS builds an optimizer whose step keeps bf16 weights (not a tuple compared with itself)
+    for rounding in ROUNDINGS:
+        w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        opt = BF16AdamW([w], rounding=rounding)
+        w.grad = torch.ones_like(w)
+        opt.step()
+        assert opt.rounding == rounding and w.dtype == torch.bfloat16
 
 
 # --- resuming, loading, groups, sparse gradients (issue 21 item 12; issue 19 item 13) ---------------------------
