@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _args, formats
+from . import _args, _scaler, formats
 from .models import data_errors
 
 __all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
@@ -61,38 +61,11 @@ __all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_ar
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within one iteration
 
 
-#: The clean-step counter is an int32 tensor (as in GradScaler), so it cannot count further than this.
-MAX_GROWTH_INTERVAL = _args.INT32_MAX
-
-
-def check_scaler_args(init_scale: float, growth_factor: float, backoff_factor: float,
-                      growth_interval: int) -> tuple[float, float, float, int]:
-    """The four scaler settings as Python numbers; ValueError naming the first one that makes no sense.
-
-    Each may be an int, a float, a numpy scalar or a 0-d tensor (see ampcourse._args).
-    """
-    init = _args.real(init_scale, "init_scale", what="a positive finite float32 number (2**-149 .. 3.4e38)")
-    if not (init > 0 and math.isfinite(_float32(init)) and _float32(init) > 0):
-        raise ValueError(f"init_scale must be a positive finite float32 number (2**-149 .. 3.4e38), "
-                         f"got {_args.shown(init_scale)}; GradScaler's default is 2**16 = 65536")
-    growth = _args.real(growth_factor, "growth_factor", what="a finite number > 1 (the scale grows by it)")
-    if not growth > 1:
-        raise ValueError(f"growth_factor must be a finite number > 1 (the scale grows by it), got {_args.shown(growth_factor)}")
-    backoff = _args.real(backoff_factor, "backoff_factor",
-                         what="a number strictly between 0 and 1 (the scale shrinks by it)")
-    if not 0 < backoff < 1:
-        raise ValueError(f"backoff_factor must lie strictly between 0 and 1 (the scale shrinks by it), "
-                         f"got {_args.shown(backoff_factor)}")
-    interval = _args.integer(growth_interval, "growth_interval", low=1, high=MAX_GROWTH_INTERVAL,
-                             what="an int >= 1 and <= 2**31 - 1 (clean steps before the scale grows; "
-                                  "the step counter is an int32)")
-    return init, growth, backoff, interval
-
-
-def _float32(x: float) -> float:
-    """Round a Python float to the nearest float32 (ties to even), as a C++ static_cast<float> does."""
-    with np.errstate(over="ignore"):  # too big for float32 becomes inf, which the caller handles
-        return float(np.float32(x))
+# GradScaler's settings have one owner, ampcourse._scaler (defaults, checks, saved states); these names stay here
+# because learners and chapter 6 import them from scaling.
+MAX_GROWTH_INTERVAL = _scaler.MAX_GROWTH_INTERVAL
+check_scaler_args = _scaler.check_args
+_float32 = _scaler._float32
 
 
 def _next_scale(scale: float, tracker: int, overflow: bool, growth_factor: float, backoff_factor: float,

@@ -133,11 +133,11 @@ API = {
     "train precision unknown": Row(lambda t: train(t, precision="fp8"), "'fp8'", PRECISIONS),
     "train n_samples nan": Row(lambda t: train(t, n_samples=NAN), "nan", "positive int"),
     # train: impossible world sizes
-    "train world_size zero": Row(lambda t: train(t, world_size=0), "0", "int >= 1"),
-    "train rank beyond world": Row(lambda t: train(t, rank=4, world_size=4), "4", r"0\.\.3"),
-    "train world_size not dividing the batch": Row(lambda t: train(t, world_size=3), "world_size * accum_steps = 3 * 1",
+    "train world_size zero": Row(lambda t: train(t, parallel=train_mod.Parallel(world_size=0)), "0", "int >= 1"),
+    "train rank beyond world": Row(lambda t: train(t, parallel=train_mod.Parallel(rank=4, world_size=4)), "4", r"0\.\.3"),
+    "train world_size not dividing the batch": Row(lambda t: train(t, parallel=train_mod.Parallel(world_size=3)), "world_size * accum_steps = 3 * 1",
                                                    "must divide"),
-    "train world_size larger than the batch": Row(lambda t: train(t, world_size=64), "64", "must divide"),
+    "train world_size larger than the batch": Row(lambda t: train(t, parallel=train_mod.Parallel(world_size=64)), "64", "must divide"),
     # train: data that does not fit
     "train empty dataset": Row(lambda t: train(t, torch.nn.Linear(32, 10), TensorDataset(torch.zeros(0, 32),
                                                                                           torch.zeros(0).long())),
@@ -441,7 +441,7 @@ def test_api_rejects_bad_input_clearly(row, tmp_path, monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("training started before the input was checked")
 
-    monkeypatch.setattr(train_mod, "train_step", no_training)
+    monkeypatch.setattr(train_mod.loop, "train_step", no_training)
     before = snapshot(tmp_path)
     with pytest.raises((ValueError, TypeError)) as info:
         row.call(tmp_path)
@@ -571,7 +571,7 @@ def prepare_files(tmp: Path) -> None:
 def test_command_line_rejects_bad_input_clearly(name, tmp_path, monkeypatch):
     main, argv, value, allowed = CLI[name]
     prepare_files(tmp_path)
-    monkeypatch.setattr(train_mod, "train_step", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
+    monkeypatch.setattr(train_mod.loop, "train_step", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
     before = snapshot(tmp_path)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as info:

@@ -10,7 +10,7 @@ import torch
 
 from ampcourse import checkpoint, models
 from ampcourse.checkpoint import CheckpointError
-from ampcourse.train import state_checksum, train
+from ampcourse.train import Parallel, state_checksum, train
 
 FAST = dict(lr=1e-2, seed=0, batch_size=32, n_samples=256, progress=False)
 # Each precision's full configuration: fp16 starts at a small scale that grows every 2 clean steps, so
@@ -109,7 +109,7 @@ def test_resume_equality_needs_the_scaler_state(tmp_path):
 def test_resume_on_more_ranks_draws_the_same_global_batch(tmp_path):
     """world_size is not pinned by the checkpoint: the global batch of a step does not depend on it."""
     train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, **FAST)
-    rest = train("mlp", None, "fp32", steps=3, checkpoint_dir=tmp_path, resume=True, rank=0, world_size=2, **FAST)
+    rest = train("mlp", None, "fp32", steps=3, checkpoint_dir=tmp_path, resume=True, parallel=Parallel(world_size=2), **FAST)
     assert rest.start_step == 2 and rest.steps_done == 3
 
 

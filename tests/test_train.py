@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 from ampcourse import models
 from ampcourse import train as train_mod
-from ampcourse.train import History, batch_indices, local_indices, state_checksum, train
+from ampcourse.train import History, Parallel, batch_indices, local_indices, state_checksum, train
 
 FAST = dict(steps=4, lr=1e-2, seed=0, batch_size=32, n_samples=256, progress=False)
 
@@ -271,7 +271,7 @@ def test_wrap_hook_and_no_sync_for_all_but_the_last_micro_batch():
         wrappers.append(CountingWrapper(module))
         return wrappers[-1]
 
-    h = train("mlp", None, "fp32", **{**FAST, "steps": 2, "accum_steps": 4}, wrap=wrap)
+    h = train("mlp", None, "fp32", **{**FAST, "steps": 2, "accum_steps": 4}, parallel=Parallel(wrap=wrap))
     assert wrappers[0].no_sync_calls == 2 * 3
     assert isinstance(h.model, models.MLP)  # the checksum and checkpoints use the unwrapped model
 
@@ -284,9 +284,9 @@ def test_rank_takes_its_slice(monkeypatch):
         seen.append(torch.cat([x for x, _ in micro]))
         return real(model, micro, *args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "train_step", spy)
+    monkeypatch.setattr(train_mod.loop, "train_step", spy)
     data = models.make_dataset("mlp", n=256)
-    train("mlp", data, "fp32", **{**FAST, "steps": 1}, rank=1, world_size=2)
+    train("mlp", data, "fp32", **{**FAST, "steps": 1}, parallel=Parallel(rank=1, world_size=2))
     assert torch.equal(seen[0], data.tensors[0][local_indices(0, 0, 256, 32, 1, 2)])
 
 
@@ -308,8 +308,13 @@ BAD = [
     (dict(batch_size=0), "batch_size must be an int >= 1"),
     (dict(batch_size=512), r"larger than the dataset \(256 samples\); use at most 256"),
     (dict(batch_size=30, accum_steps=4), "must divide by world_size \\* accum_steps"),
-    (dict(batch_size=30, world_size=4), "must divide by world_size \\* accum_steps"),
-    (dict(rank=2, world_size=2), "rank must be an int in 0..1"),
+    (dict(batch_size=30, parallel=Parallel(world_size=4)), "must divide by world_size \\* accum_steps"),
+    (dict(parallel=Parallel(rank=2, world_size=2)), "rank must be an int in 0..1"),
+    (dict(parallel={"rank": 0}), "parallel must be an ampcourse.train.Parallel or None, got dict"),
+    (dict(parallel=Parallel(autocast="no")), "parallel.autocast must be True or False"),
+    (dict(on_step="print"), "on_step must be a callable or None"),
+    (dict(checkpoint_dir="runs/a\0b"), r"checkpoint_dir 'runs/a\\x00b' contains a NUL byte"),
+    (dict(checkpoint_dir=b"runs/a"), "checkpoint_dir must be a path"),
     (dict(grad_clip=0.0), "grad_clip must be a finite number > 0"),
     (dict(weight_decay=-0.1), "weight_decay must be a finite number >= 0"),
     (dict(optimizer="lamb"), "adamw, adam, sgd"),
@@ -329,7 +334,7 @@ def test_bad_arguments(kwargs, message, monkeypatch):
     def no_work(*a, **k):
         raise AssertionError("work started before validation")
 
-    monkeypatch.setattr(train_mod, "train_step", no_work)
+    monkeypatch.setattr(train_mod.loop, "train_step", no_work)
     args = {"model": "mlp", "data": None, **{k: v for k, v in FAST.items()}, **kwargs}
     with pytest.raises(ValueError, match=message):
         train(**args)
@@ -341,7 +346,7 @@ def test_checkpoint_every_zero():
 
 
 def test_fp16_on_a_device_that_cannot_run_it(monkeypatch):
-    monkeypatch.setattr(train_mod, "_amp_works", lambda device_type, precision:
+    monkeypatch.setattr(train_mod.checks, "_amp_works", lambda device_type, precision:
                         "no fp16 kernels" if precision == "fp16" else None)
     with pytest.raises(ValueError, match="precision 'fp16' cannot run on cpu .*no fp16 kernels.*use bf16 or fp32"):
         train("mlp", None, "fp16", **FAST)
@@ -349,7 +354,7 @@ def test_fp16_on_a_device_that_cannot_run_it(monkeypatch):
 
 
 def test_amp_probe_on_this_cpu():
-    assert train_mod._amp_works("cpu", "fp16") is None and train_mod._amp_works("cpu", "bf16") is None
+    assert train_mod.checks._amp_works("cpu", "fp16") is None and train_mod.checks._amp_works("cpu", "bf16") is None
 
 
 def test_checkpoint_dir_not_writable(tmp_path):
@@ -386,15 +391,15 @@ def test_recorded_norm_equals_get_total_norm(path, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(shape, generator=gen) * s for shape, s in [((7, 5), 1e-3), ((64,), 3.0), ((3, 3, 3), 1e2)]]
     if path == "fused per-tensor":
-        monkeypatch.setattr(train_mod, "_CPU_CONCAT_NORM_MAX", 0)
+        monkeypatch.setattr(train_mod.step, "_CPU_CONCAT_NORM_MAX", 0)
     if path == "get_total_norm":
         grads[1] = grads[1].double()  # mixed dtypes take the general route
-    parts = train_mod._squared_norm_parts(grads)
+    parts = train_mod.step._squared_norm_parts(grads)
     assert len(parts) == {"cpu concat": 1, "fused per-tensor": 3, "get_total_norm": 1}[path]
     norm = math.sqrt(sum(float(p) for p in parts))
     assert norm == pytest.approx(float(torch.nn.utils.get_total_norm(grads)), rel=1e-6)
     grads[0][0, 0] = math.inf
-    assert math.isinf(math.sqrt(sum(float(p) for p in train_mod._squared_norm_parts(grads))))
+    assert math.isinf(math.sqrt(sum(float(p) for p in train_mod.step._squared_norm_parts(grads))))
 
 
 def test_batch_indices_are_a_copy():
@@ -425,7 +430,7 @@ def _count_host_reads(monkeypatch):
                 counts["reads"] += 1
             return _real(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    real_read_back = train_mod._read_back
+    real_read_back = train_mod.step._read_back
 
     def read_back(tensors):
         counts["read_back"] += 1
@@ -434,7 +439,7 @@ def _count_host_reads(monkeypatch):
             return real_read_back(tensors)
         finally:
             state["inside"] = False
-    monkeypatch.setattr(train_mod, "_read_back", read_back)
+    monkeypatch.setattr(train_mod.step, "_read_back", read_back)
     real_get_scale = torch.amp.GradScaler.get_scale
 
     def get_scale(self):
@@ -498,5 +503,5 @@ def test_make_optimizer_fuses_adam_on_cuda_only_by_default():
 
 def test_data_stays_where_it_is_off_cuda():
     xs, ys = torch.zeros(4, 2), torch.zeros(4)
-    placed = train_mod._data_on_device((xs, ys), torch.device("cpu"))
+    placed = train_mod.batches._data_on_device((xs, ys), torch.device("cpu"))
     assert placed[0] is xs and placed[1] is ys
