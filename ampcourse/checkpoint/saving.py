@@ -8,6 +8,7 @@ disk, a file-size limit, a read-only folder) raises one too, and leaves the prev
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -50,10 +51,8 @@ def path_in(directory: str | os.PathLike) -> Path:
 
 
 def _as_path(value: Any, name: str) -> Path:
-    """value as a Path (a str or os.PathLike); ValueError naming it otherwise (pathlib's TypeError names nothing)."""
-    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
-        return Path(value)
-    raise ValueError(f"{name} must be a path (str or pathlib.Path), got {_args.shown(value)}")
+    """value as a Path (a str or os.PathLike, no NUL byte); ValueError naming it otherwise (pathlib's names nothing)."""
+    return _args.as_path(value, name)
 
 
 def _plain(obj: Any) -> Any:
@@ -118,11 +117,68 @@ def _check_writable_folder(path: Path) -> None:
         raise CheckpointError(f"cannot save a checkpoint to {str(path)!r}: {str(folder)!r} is not a directory")
 
 
+class _WriteRecorder:
+    """The temp file as torch.save sees it: it keeps the first OSError a write raised.
+
+    torch's zip writer turns a failed write (ENOSPC, EFBIG, EIO) into its own RuntimeError ("[enforce fail at
+    inline_container.cc:...] unexpected pos ..."), which names neither the cause nor the file; the cause
+    recorded here lets save() say "no space left on device" and where.
+    """
+
+    def __init__(self, fh) -> None:
+        self._fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._fh.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+
+@contextlib.contextmanager
+def _crc32_on():
+    """torch.save with CRC-32s, whatever torch.serialization.set_crc32_options said: load() checks them.
+
+    With the option off torch stores CRC 0 for every member, and load() would refuse the file as damaged.
+    """
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    before = get() if get is not None else True
+    if not before:
+        set_(True)
+    try:
+        yield
+    finally:
+        if not before:
+            set_(False)
+
+
+def _write_failed(path: Path, err: OSError) -> CheckpointError:
+    """The error for a write that the disk refused: what happened (ENOSPC, EFBIG, ...), where, and what stays."""
+    what = err.strerror or str(err)
+    return CheckpointError(f"cannot save a checkpoint to {str(path)!r}: {what[:1].lower() + what[1:]} "
+                           f"(errno {err.errno}) while writing in {str(path.parent)!r}; the previous checkpoint there, "
+                           "if any, is intact. Free some space (or raise the file-size limit), or choose another "
+                           "checkpoint_dir")
+
+
 def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write atomically: a temp file in the same directory, fsync, then os.replace over the old file.
 
     A writer killed mid-write (SIGKILL, power loss) leaves the previous checkpoint intact and a temp file
     named after its host and pid; the next successful save here deletes such leftovers of dead writers.
+    A write the disk refuses (full: ENOSPC; too large: EFBIG) is a CheckpointError saying so and where; the
+    temp file is removed and the previous checkpoint stays. CRC-32s are written whatever torch's global
+    setting (``load`` checks them).
     """
     path = _as_path(path, "path")
     _check_writable_folder(path)
@@ -133,12 +189,23 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
                               f"{str(path.parent)!r} ({err.strerror}); choose a folder you can write to") from err
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save(_plain(state), fh)  # numpy scalars would make the file unreadable with weights_only=True
-            fh.flush()
-            os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
+            recorder = _WriteRecorder(fh)
+            try:
+                with _crc32_on():
+                    torch.save(_plain(state), recorder)  # numpy scalars would be unreadable with weights_only=True
+                fh.flush()
+                os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
+            except OSError as err:
+                raise _write_failed(path, err) from err
+            except RuntimeError as err:
+                if recorder.error is None:
+                    raise
+                raise _write_failed(path, recorder.error) from err  # torch's message hides the OSError
         os.replace(tmp, path)  # atomic on POSIX and Windows: readers see the old file or the new one
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)  # only our own temp file; the previous checkpoint stays
+        if isinstance(err, OSError):  # closing the file (its last flush) or the rename
+            raise _write_failed(path, err) from err
         raise
     _fsync_dir(path.parent)
     _remove_stale_temps(path)
@@ -202,7 +269,8 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
     try:
         with warnings.catch_warnings():  # a garbage file can make the unpickler warn before it fails
             warnings.simplefilter("ignore", UserWarning)
-            state = torch.load(path, map_location=map_location, weights_only=True)
+            # mmap=False: the global torch.serialization.config.load.mmap must not change how a checkpoint loads
+            state = torch.load(path, map_location=map_location, weights_only=True, mmap=False)
     except pickle.UnpicklingError as err:
         if "global" in str(err).lower():  # a pickled object of some class or function: never unpickle it
             raise _unreadable(path, "torch.load(weights_only=True) refused it: it holds Python objects other than "
