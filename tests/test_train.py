@@ -505,3 +505,21 @@ def test_data_stays_where_it_is_off_cuda():
     xs, ys = torch.zeros(4, 2), torch.zeros(4)
     placed = train_mod.batches._data_on_device((xs, ys), torch.device("cpu"))
     assert placed[0] is xs and placed[1] is ys
+
+
+@pytest.mark.parametrize("precision,refused", [("fp16", True), ("bf16", False)])
+def test_fp16_parameters_with_a_gradscaler_are_refused_before_any_work(precision, refused, monkeypatch):
+    """fp16 parameters under fp16 autocast + GradScaler failed inside step 1 ("Attempting to unscale FP16 gradients")."""
+    monkeypatch.setattr(train_mod.loop, "train_step", lambda *a, **k: pytest.fail("work started"))
+    model = models.make_model("mlp").half()
+    data = models.make_dataset("mlp", n=64)
+    call = lambda: train(model, data, precision, **{**FAST, "steps": 1})  # noqa: E731
+    if refused:
+        with pytest.raises(ValueError, match=r"model parameter '.*' is float16 .* call model.float\(\) before train\(\)"):
+            call()
+    else:
+        with pytest.raises(pytest.fail.Exception, match="work started"):  # checks passed, the loop began
+            call()
+    # an fp16 run whose scaler is switched off is the caller's choice, not refused
+    with pytest.raises(pytest.fail.Exception, match="work started"):
+        train(model, data, "fp16", **{**FAST, "steps": 1}, scaler_kwargs={"enabled": False})
