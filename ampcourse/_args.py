@@ -144,7 +144,8 @@ def as_path(value: Any, name: str) -> Path:
     if isinstance(text, bytes):
         raise ValueError(f"{name} must be a text path (str or pathlib.Path), got {shown(value)}")
     if "\0" in text:
-        raise ValueError(f"{name} {shown(text)} contains a NUL byte (\\x00), which no file name can hold; "
+        raise ValueError(f"{name} {shown(text, 300)} contains a NUL byte (\\x00, at character {text.index(chr(0))}), "
+                         "which no file name can hold; "
                          "remove it from the path")
     return Path(text)
 

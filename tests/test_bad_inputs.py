@@ -176,6 +176,12 @@ API = {
                                           r"it is a directory; give a file path"),
     "checkpoint.load of a number": Row(lambda t: checkpoint.load(5), "got 5", r"path must be a path \(str or pathlib.Path\)"),
     "checkpoint.save to None": Row(lambda t: checkpoint.save({}, None), "got None", "path must be a path"),
+    # a NUL byte ends a C string: every path argument refuses it by name (the OS said only "embedded null byte")
+    "checkpoint.save NUL in the path": Row(lambda t: checkpoint.save({}, str(t / "a\0b.pt")), "\\x00b.pt", "path .* contains a NUL byte"),
+    "checkpoint.load NUL in the path": Row(lambda t: checkpoint.load("run\0/checkpoint.pt"), "run\\x00",
+                                           "path .* contains a NUL byte"),
+    "train checkpoint_dir NUL": Row(lambda t: train(t, checkpoint_dir=str(t / "r\0un")), "r\\x00un",
+                                    "checkpoint_dir .* contains a NUL byte"),
     "checkpoint.save below a file": Row(lambda t: checkpoint.save({}, a_file(t) / "c.pt"), "a_file", "is not a directory"),
     # scaling
     "LossScaler init_scale nan": Row(lambda t: LossScaler("cpu", init_scale=NAN), "nan", "positive finite"),
@@ -461,6 +467,9 @@ CLI = {
     "train --precision fp64": (train_mod.main, [*CLI_BASE, "--precision", "fp64"], "'fp64'", "choose from 'fp32'"),
     "train --model resnet": (train_mod.main, [*CLI_BASE, "--model", "resnet"], "'resnet'", "'mlp', 'cnn', 'transformer'"),
     "train --steps x": (train_mod.main, [*CLI_BASE, "--steps", "x"], "'x'", "invalid int value"),
+    "train --checkpoint-dir NUL": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/r\0un"], "x00un",
+                                   "--checkpoint-dir .* contains a NUL byte"),
+    "train --out NUL": (train_mod.main, [*CLI_BASE, "--out", "{tmp}/s\0.json"], "x00.json", "--out .* contains a NUL byte"),
     "train --steps 0": (train_mod.main, [*CLI_BASE, "--steps", "0"], "got 0", "int >= 1"),
     "train --lr nan": (train_mod.main, [*CLI_BASE, "--lr", "nan"], "got nan", "finite number > 0"),
     "train --samples 0": (train_mod.main, [*CLI_BASE, "--samples", "0"], "got 0", "positive int"),

@@ -103,6 +103,8 @@ def _plan(args: argparse.Namespace, env) -> _Plan:
     for flag, path in (("--out", args.out), ("--history-out", args.history_out)):
         if path is not None:  # fail before training, not after it
             _args.writable_file(path, flag)
+    if args.checkpoint_dir is not None:
+        _args.as_path(args.checkpoint_dir, "--checkpoint-dir")  # a NUL byte named by its flag
     if args.strategy == "single":
         if env.world_size > 1:
             raise ValueError(f"--strategy single runs one process, but torchrun started WORLD_SIZE={env.world_size}; "
