@@ -143,6 +143,9 @@ class _WriteRecorder:
             self.error = self.error or err
             raise
 
+    def __getattr__(self, name: str):  # fileno, tell, ...: the file's own
+        return getattr(self._fh, name)
+
 
 @contextlib.contextmanager
 def _crc32_on():
