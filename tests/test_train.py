@@ -523,3 +523,82 @@ def test_fp16_parameters_with_a_gradscaler_are_refused_before_any_work(precision
     # an fp16 run whose scaler is switched off is the caller's choice, not refused
     with pytest.raises(pytest.fail.Exception, match="work started"):
         train(model, data, "fp16", **{**FAST, "steps": 1}, scaler_kwargs={"enabled": False})
+
+
+# --- chapter 4's hand-written loops equal train() on a GPU too (issue 19, part 2, item 1) -------------------------
+
+def _hand_loop(precision: str, optimizer, steps: int = 6):
+    """Chapter 4's amp_step loop (cell 'hand_built_run'), with the optimizer the caller builds."""
+    import torch.nn.functional as F
+
+    from ampcourse.device import pick
+
+    setup = pick("cpu", precision)
+    data = models.make_dataset("mlp", n=256, seed=0)
+    model = models.make_model("mlp", seed=0)
+    opt = optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=setup.use_scaler)
+    for step in range(steps):
+        idx = batch_indices(step, 0, 256, 32)
+        opt.zero_grad(set_to_none=True)
+        with torch.amp.autocast("cpu", dtype=setup.amp_dtype, enabled=setup.enabled):
+            loss = F.cross_entropy(model(data.tensors[0][idx]), data.tensors[1][idx])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return model, data
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_hand_written_loop_matches_train_when_train_picks_fused_adamw(precision, monkeypatch):
+    """On CUDA train() builds a fused AdamW; chapter 4 asserted bit-identity with a loop using plain AdamW
+    (foreach on CUDA), which failed on every GPU. Here the fused default is forced on, on the CPU (CPU fused AdamW
+    exists): the loop that builds its optimizer with make_optimizer, as chapter 4 now does, still matches."""
+    monkeypatch.setattr(train_mod.step, "default_fused", lambda params: True)  # what a CUDA device decides
+    assert train_mod.make_optimizer("adamw", [torch.nn.Parameter(torch.ones(1))], 1e-3).defaults["fused"]
+    hand, data = _hand_loop(precision, lambda params: train_mod.make_optimizer("adamw", params, lr=3e-3))
+    run = train("mlp", data, precision, steps=6, lr=3e-3, seed=0, batch_size=32, device="cpu", progress=False)
+    assert state_checksum(hand) == state_checksum(run.model)
+    # the old notebook loop (plain AdamW) does not match a fused train(): this test would have caught it
+    plain, _ = _hand_loop(precision, lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0))
+    assert state_checksum(plain) != state_checksum(run.model)
+
+
+def test_chapter_4_loops_build_the_optimizer_train_builds():
+    """The cells that assert bit-identity with train() must not build their own AdamW (tests/test_train.py above)."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "chapters" / "04_amp_training_loop.ipynb").read_text())
+    sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    for name in ("def hand_built_run", "def accumulated_run"):
+        (cell,) = [s for s in sources if name in s]
+        assert 'make_optimizer("adamw"' in cell and "torch.optim.AdamW(" not in cell, name
+
+
+# --- the hot loop keeps the batch order on the device (issue 19, part 2, item 13) ----------------------------------
+
+def test_step_indices_equal_local_indices_across_epochs_and_ranks():
+    from ampcourse.train.batches import StepIndices
+
+    for rank, world in ((0, 1), (1, 2), (3, 4)):
+        indices = StepIndices(seed=7, dataset_size=100, batch_size=32, rank=rank, world_size=world)
+        for step in range(12):  # 3 batches per epoch: four epochs
+            assert torch.equal(indices(step), local_indices(step, 7, 100, 32, rank, world)), (rank, step)
+
+
+def test_step_indices_cross_to_the_device_once_per_epoch(monkeypatch):
+    """The bare loop's pattern: the permutation moves once per epoch, a step's indices are a slice on the device
+    (the loop used to copy each step's index tensor from pageable host memory: a sync per step on a GPU)."""
+    from ampcourse.train.batches import StepIndices
+
+    moves, real_to = [], torch.Tensor.to
+
+    def counted_to(self, *args, **kwargs):
+        moves.append(args)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counted_to)
+    indices = StepIndices(seed=0, dataset_size=96, batch_size=32, device="meta")  # a device that is not the host
+    got = [indices(step) for step in range(9)]  # three epochs
+    assert len(moves) == 3 and all(t.device.type == "meta" and t.shape == (32,) for t in got)
