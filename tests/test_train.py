@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from ampcourse import models
+from ampcourse import checkpoint, models
 from ampcourse import train as train_mod
 from ampcourse.train import History, Parallel, batch_indices, local_indices, state_checksum, train
 
@@ -602,3 +602,39 @@ def test_step_indices_cross_to_the_device_once_per_epoch(monkeypatch):
     indices = StepIndices(seed=0, dataset_size=96, batch_size=32, device="meta")  # a device that is not the host
     got = [indices(step) for step in range(9)]  # three epochs
     assert len(moves) == 3 and all(t.device.type == "meta" and t.shape == (32,) for t in got)
+
+
+# --- the per-step hook --------------------------------------------------------------------------------------------
+
+def test_on_step_sees_every_step_after_it_is_recorded(tmp_path):
+    seen = []
+    h = train("mlp", None, "fp16", **{**FAST, "steps": 3}, checkpoint_dir=tmp_path, checkpoint_every=1,
+              on_step=lambda step, stats: seen.append((step, stats, checkpoint.load(checkpoint.path_in(tmp_path))["step"])))
+    assert [s for s, _, _ in seen] == [0, 1, 2]
+    assert [st.loss for _, st, _ in seen] == h.loss  # the stats of that very step
+    assert [saved for _, _, saved in seen] == [1, 2, 3]  # the checkpoint due at that step is already written
+    resumed = []
+    train("mlp", None, "fp16", **{**FAST, "steps": 5}, checkpoint_dir=tmp_path, resume=True,
+          on_step=lambda step, stats: resumed.append(step))
+    assert resumed == [3, 4]  # a resumed run counts from where it stopped
+
+
+def test_bench_times_the_trainer_through_the_hook_alone():
+    """bench.paired_step_times needs nothing of train() but on_step: no patching of train's internals."""
+    from types import SimpleNamespace
+
+    from ampcourse import bench
+    from ampcourse.device import pick
+
+    calls = []
+
+    def fake_train(*args, on_step, steps, **kwargs):
+        for step in range(steps):
+            calls.append(step)
+            on_step(step, None)
+
+    amp = pick("cpu", "fp32")
+    data = models.make_dataset("mlp", n=64)
+    trainer_ms, bare_ms = bench.paired_step_times(SimpleNamespace(train=fake_train), "mlp", data, amp, steps=4,
+                                                  warmup=1, batch=32)
+    assert calls == [0, 1, 2, 3] and trainer_ms >= 0 and bare_ms > 0

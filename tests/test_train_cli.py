@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,11 @@ def test_docstring_has_the_launch_commands():
     assert "torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:29500" in doc
     assert "--nproc-per-node 2 -m ampcourse.train --strategy ddp --device cpu" in doc
     assert "render_slurm" in doc
+
+
+def test_an_output_the_disk_refuses_is_one_line(tmp_path, capsys):
+    """/dev/full opens (the pre-check passes) and refuses the write (ENOSPC): one line, exit 2, no traceback."""
+    if not Path("/dev/full").exists():
+        pytest.skip("/dev/full is Linux's")
+    err = cli_error(capsys, [*BASE, "--out", "/dev/full"])
+    assert "cannot write the output: No space left on device" in err
