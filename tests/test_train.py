@@ -503,7 +503,7 @@ def test_make_optimizer_fuses_adam_on_cuda_only_by_default():
 
 def test_data_stays_where_it_is_off_cuda():
     xs, ys = torch.zeros(4, 2), torch.zeros(4)
-    placed = train_mod.batches._data_on_device((xs, ys), torch.device("cpu"))
+    placed = train_mod.batches.data_on_device((xs, ys), torch.device("cpu"))
     assert placed[0] is xs and placed[1] is ys
 
 

@@ -97,7 +97,7 @@ class StepIndices:
 _DATA_ON_DEVICE_SHARE = 0.25
 
 
-def _data_on_device(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+def data_on_device(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
     """The dataset on the device when it fits comfortably (a CUDA device), else where it is.
 
     On the device, each step's batch is a gather on the GPU; otherwise a gather from pageable host memory

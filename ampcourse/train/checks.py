@@ -167,7 +167,7 @@ def _check_finite(data: TensorDataset) -> None:
                                  "every step would give a nan loss: clean or drop those samples")
 
 
-def _preflight(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None, amp: AmpSetup,
+def preflight(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None, amp: AmpSetup,
                autocast: bool = True) -> None:
     """Run the model (and the course's loss) once on one micro-batch: data that does not fit fails now, clearly.
 

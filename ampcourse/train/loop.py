@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from .. import models
 from . import checks
-from .batches import StepIndices, _data_on_device, local_indices
+from .batches import StepIndices, data_on_device, local_indices
 from .step import StepStats, make_optimizer, make_scheduler, state_checksum, train_step
 
 __all__ = ["History", "Parallel", "train"]
@@ -188,10 +188,9 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         raise ValueError(f"parallel must be an ampcourse.train.Parallel or None, got {type(par).__name__}")
     run = checks.check_run(model=model, data=data, precision=precision, steps=steps, lr=lr, seed=seed, device=device,
                            grad_clip=grad_clip, accum_steps=accum_steps, checkpoint_dir=checkpoint_dir, resume=resume,
-                           weight_decay=weight_decay,
                            batch_size=batch_size, checkpoint_every=checkpoint_every, optimizer=optimizer,
-                           scheduler=scheduler, loss_fn=loss_fn, scaler_kwargs=scaler_kwargs, size=size,
-                           n_samples=n_samples, rank=par.rank, world_size=par.world_size, wrap=par.wrap,
+                           weight_decay=weight_decay, scheduler=scheduler, loss_fn=loss_fn, scaler_kwargs=scaler_kwargs,
+                           size=size, n_samples=n_samples, rank=par.rank, world_size=par.world_size, wrap=par.wrap,
                            checkpointer=par.checkpointer, autocast=par.autocast, on_step=on_step)
     amp, rank, world = run.amp, run.rank, run.world_size
     n, local_batch = len(run.data), run.batch_size // world
@@ -199,7 +198,7 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
     # --- build ---
     module = run.module.to(amp.device)
     first = local_indices(0, run.seed, n, run.batch_size, rank, world)[:local_batch // run.accum_steps]
-    checks._preflight(module, run.data.tensors[0][first].to(amp.device), run.data.tensors[1][first].to(amp.device),
+    checks.preflight(module, run.data.tensors[0][first].to(amp.device), run.data.tensors[1][first].to(amp.device),
                       models.loss_fn if loss_fn is None else None, amp, par.autocast)
     if amp.device_type == "cuda":  # the peak we report is the training steps', not the preflight's
         torch.cuda.reset_peak_memory_stats(amp.device)
@@ -225,7 +224,7 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         else:
             torch.manual_seed(run.seed)
         hist.start_step = start
-        xs, ys = _data_on_device(run.data.tensors, amp.device)
+        xs, ys = data_on_device(run.data.tensors, amp.device)
         indices = StepIndices(run.seed, n, run.batch_size, rank, world, device=xs.device)  # no host copy per step
         bar = tqdm(total=run.steps, initial=start, desc=f"train {amp.precision}", disable=not progress or rank != 0,
                    unit="step")
