@@ -12,8 +12,10 @@ a ``ValueError`` that names the argument, shows the value and says what is allow
     >>> _args.real(torch.tensor(1e-3), "lr", positive=True)  # 0.001, a Python float
 
 The same rule for the rest of what callers pass: names from a fixed list (:func:`choice`, :func:`names`,
-whose messages list the allowed names), True/False (:func:`flag`), output files (:func:`writable_file`,
-checked by creating them before any work), and command lines (:class:`OneLineParser`: one line, exit 2).
+whose messages list the allowed names), True/False (:func:`flag`), paths (:func:`as_path`: no bytes, no NUL
+byte), output files (:func:`writable_file`, checked by creating them before any work), and command lines
+(:class:`OneLineParser` and :func:`cli_error`: one line ``<prog>: error: ...``, exit 2, for argparse's errors
+and the program's own alike).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ What lives here, and why:
 
 - :func:`torchrun_env` reads RANK, LOCAL_RANK, WORLD_SIZE, ... (what torchrun sets for each worker).
 - :func:`worker_device` binds a worker to ``cuda:LOCAL_RANK`` (or the CPU) and refuses more workers than
-  GPUs; :func:`init` starts the process group (NCCL on CUDA, gloo on CPU) with a bounded timeout.
+  GPUs; :func:`init` starts the process group (NCCL on CUDA, gloo on CPU) with two bounds: one for the
+  rendezvous (every worker reaching the store; a cold node can take minutes), one for each collective.
 - :func:`wrap_model` wraps for ``ddp`` (DistributedDataParallel) or ``fsdp`` (FSDP2's ``fully_shard``
   with a :func:`mixed_precision_policy`); the training loop itself stays in ``ampcourse.train``.
 - FSDP2 runs save and restore with ``ampcourse.checkpoint.ShardedCheckpointer`` (``torch.distributed.checkpoint``,
