@@ -210,7 +210,7 @@ def init(device: str, env: TorchrunEnv | None = None, timeout_s: float = DEFAULT
     dev = torch.device(device)
     backend = backend_for(dev.type)
     # The env:// rendezvous init_process_group would do, but with its own bound; the store keeps that bound for
-    # the group's setup (gloo's full mesh, NCCL's unique id), the collectives get timeout_s.
+    # the group's setup (gloo's full mesh, NCCL's unique id with device_id), the collectives get timeout_s.
     store, rank, world_size = next(dist.rendezvous("env://", env.rank, env.world_size,
                                                    timeout=datetime.timedelta(seconds=rendezvous_timeout_s)))
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s),
@@ -219,6 +219,9 @@ def init(device: str, env: TorchrunEnv | None = None, timeout_s: float = DEFAULT
         torch.cuda.set_device(dev)  # before NCCL starts: each process talks to its own GPU
         kwargs["device_id"] = dev
     dist.init_process_group(**kwargs)
+    # Set up: from here on the store serves the collectives (gloo and NCCL exchange through it, lazily too), so it
+    # gets their bound, as init_process_group(timeout=) would have given it: a rank that died is noticed in timeout_s.
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return Context(env=env, backend=backend, device=dev)
 
 

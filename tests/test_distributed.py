@@ -681,9 +681,15 @@ def test_rendezvous_and_collectives_have_separate_timeouts(monkeypatch):
 
     seen = {}
 
+    class Store:
+        def set_timeout(self, timeout):
+            seen["store timeout after setup"] = timeout
+
+    store = Store()
+
     def rendezvous(url, rank, world_size, timeout):
         seen["rendezvous"] = (url, rank, world_size, timeout)
-        yield "the store", rank, world_size
+        yield store, rank, world_size
 
     def init_process_group(**kwargs):
         seen["init"] = kwargs
@@ -693,8 +699,9 @@ def test_rendezvous_and_collectives_have_separate_timeouts(monkeypatch):
     env = distributed.TorchrunEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, launched=True)
     ctx = distributed.init("cpu", env, timeout_s=30, rendezvous_timeout_s=600)
     assert seen["rendezvous"] == ("env://", 1, 2, datetime.timedelta(seconds=600))
-    assert seen["init"] == {"backend": "gloo", "timeout": datetime.timedelta(seconds=30), "store": "the store",
+    assert seen["init"] == {"backend": "gloo", "timeout": datetime.timedelta(seconds=30), "store": store,
                             "rank": 1, "world_size": 2}
+    assert seen["store timeout after setup"] == datetime.timedelta(seconds=30)  # a dead rank is noticed in 30 s
     assert ctx.backend == "gloo" and ctx.rank == 1
     distributed.init("cpu", env)  # the defaults: the rendezvous bound is not the collectives' 300 s
     assert seen["rendezvous"][3] == datetime.timedelta(seconds=distributed.DEFAULT_RENDEZVOUS_TIMEOUT_S) > \
