@@ -46,8 +46,8 @@ TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=
 test: setup  ## set up, then run unit tests and every notebook through nbval
 	$(TEST_ENV) $(BIN)/python -m pytest
 
-unit: setup  ## unit tests only (no notebooks)
-	$(TEST_ENV) $(BIN)/python -m pytest tests
+unit: setup  ## the edit loop: unit tests without notebooks and without the slow (multi-process) ones
+	$(TEST_ENV) $(BIN)/python -m pytest tests -m "not slow and not gpu"
 
 notebooks: setup  ## re-execute every chapter and store clean outputs (after changing code or prose)
 	$(TEST_ENV) $(BIN)/python tools/nbtool.py execute chapters/*.ipynb

@@ -5,12 +5,12 @@ Modules, one idea each:
     formats    fp32/fp16/bf16/fp8/MX fp6, fp4 from their bit layout (spec, decompose, quantize)
     plots      static matplotlib figures for the chapters
     models     reference models (mlp, cnn, transformer) and synthetic datasets
-    train      one AMP training loop (fp32/fp16/bf16), History, `python -m ampcourse.train`
-    checkpoint atomic save, weights_only load, exact resume (model, optimizer, scaler, RNG)
+    train      one AMP training loop (fp32/fp16/bf16), History, Parallel, `python -m ampcourse.train` (a package)
+    checkpoint atomic save, weights_only load, exact resume; File- and ShardedCheckpointer (a package)
     scaling    loss scaling written out: LossScaler (== GradScaler), scale simulations, range counts
     policy     per-module precision policies on top of autocast
     optim      pure-bf16 AdamW: nearest, stochastic or Kahan-compensated weight updates (no fp32 master)
-    distributed torchrun env, DDP/FSDP2 wrapping, sharded checkpoints, launch(), SLURM scripts
+    distributed torchrun env, process groups, DDP/FSDP2 wrapping, launch(), SLURM scripts
     widgets    ipywidgets + matplotlib explorers used in the chapters
     autocast_ops  the autocast op table, measured live per device and dtype
     memory     bytes saved for backward, weights, gradients, optimizer state
@@ -19,6 +19,7 @@ Modules, one idea each:
     exercises  checkers for the chapter exercises
     course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
     doctor     examine(model, ...): measure fp16/bf16 on your own model and advise (python -m ampcourse.doctor)
+Private helpers: _args (one rule for arguments and CLI errors), _scaler (GradScaler's settings: one owner).
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
 

@@ -12,8 +12,10 @@ a ``ValueError`` that names the argument, shows the value and says what is allow
     >>> _args.real(torch.tensor(1e-3), "lr", positive=True)  # 0.001, a Python float
 
 The same rule for the rest of what callers pass: names from a fixed list (:func:`choice`, :func:`names`,
-whose messages list the allowed names), True/False (:func:`flag`), output files (:func:`writable_file`,
-checked by creating them before any work), and command lines (:class:`OneLineParser`: one line, exit 2).
+whose messages list the allowed names), True/False (:func:`flag`), paths (:func:`as_path`: no bytes, no NUL
+byte), output files (:func:`writable_file`, checked by creating them before any work), and command lines
+(:class:`OneLineParser` and :func:`cli_error`: one line ``<prog>: error: ...``, exit 2, for argparse's errors
+and the program's own alike).
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
 __all__ = ["INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
-           "flag", "writable_file", "OneLineParser"]
+           "flag", "as_path", "writable_file", "OneLineParser", "cli_error"]
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -132,6 +134,24 @@ def flag(value: Any, name: str) -> bool:
     return v
 
 
+def as_path(value: Any, name: str) -> Path:
+    """value as a Path (a str or os.PathLike, not bytes) that the OS can take; ValueError naming it otherwise.
+
+    A NUL byte ends a C string: every system call would refuse the path with "embedded null byte",
+    an error that names no argument, so it is refused here, first.
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        raise ValueError(f"{name} must be a path (str or pathlib.Path), got {shown(value)}")
+    text = os.fspath(value)
+    if isinstance(text, bytes):
+        raise ValueError(f"{name} must be a text path (str or pathlib.Path), got {shown(value)}")
+    if "\0" in text:
+        raise ValueError(f"{name} {shown(text, 300)} contains a NUL byte (\\x00, at character {text.index(chr(0))}), "
+                         "which no file name can hold; "
+                         "remove it from the path")
+    return Path(text)
+
+
 def writable_file(path: Any, name: str) -> Path:
     """path as a Path whose file can be written, checked by creating it (then removed if it was new).
 
@@ -140,7 +160,7 @@ def writable_file(path: Any, name: str) -> Path:
     """
     if isinstance(path, bool) or not isinstance(path, (str, Path)) or not str(path):
         raise ValueError(f"{name} must be a file path (str or pathlib.Path), got {shown(path)}")
-    target = Path(path)
+    target = as_path(path, name)
     if target.is_dir() or not target.resolve().parent.is_dir():
         raise ValueError(f"cannot write {name} {str(path)!r}: "
                          f"{'it is a directory' if target.is_dir() else 'its folder does not exist'}")
@@ -161,6 +181,7 @@ def creatable_dir(path: Path, name: str) -> None:
     Looking is not enough: a link to nothing says "does not exist" yet blocks mkdir, and /proc or a
     read-only mount say no only when a file is made, so a temporary file is made (and removed) there.
     """
+    path = as_path(path, name)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{name} {str(path)!r} exists and is not a directory; pass a directory path")
     probe = path
@@ -179,6 +200,17 @@ def creatable_dir(path: Path, name: str) -> None:
                          "choose a directory you can write to") from None
 
 
+def cli_error(prog: str, message: str, *, code: int = 2, quiet: bool = False) -> NoReturn:
+    """End a command line with one line on stderr, '<prog>: error: <message>', and exit status `code`.
+
+    The one error style of the course's command lines (2, as argparse exits for bad arguments). quiet=True
+    exits without printing: torchrun workers other than local rank 0 would only repeat rank 0's line.
+    """
+    if not quiet:
+        print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr ('<name>: error: ...') and exit status 2, no usage block."""
 
@@ -188,5 +220,4 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         """Print one line and exit 2 (argparse's own status for bad arguments)."""
-        print(f"{self.error_prefix}: error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
+        cli_error(self.error_prefix, f"{message} (see --help)")

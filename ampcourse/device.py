@@ -152,7 +152,10 @@ class AmpSetup:
         return torch.amp.autocast(device_type=self.device_type, dtype=self.amp_dtype)
 
     def make_scaler(self, **kwargs) -> torch.amp.GradScaler:
-        """A torch.amp.GradScaler for this device, enabled only when fp16 needs it."""
+        """A torch.amp.GradScaler for this device, enabled only when fp16 needs it; settings checked by ampcourse._scaler."""
+        from ._scaler import gradscaler_kwargs  # the one owner of GradScaler's settings
+
+        kwargs = gradscaler_kwargs(kwargs, "make_scaler arguments")
         kwargs.setdefault("enabled", self.use_scaler)
         return torch.amp.GradScaler(self.device_type, **kwargs)
 

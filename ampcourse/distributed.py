@@ -21,11 +21,12 @@ What lives here, and why:
 
 - :func:`torchrun_env` reads RANK, LOCAL_RANK, WORLD_SIZE, ... (what torchrun sets for each worker).
 - :func:`worker_device` binds a worker to ``cuda:LOCAL_RANK`` (or the CPU) and refuses more workers than
-  GPUs; :func:`init` starts the process group (NCCL on CUDA, gloo on CPU) with a bounded timeout.
+  GPUs; :func:`init` starts the process group (NCCL on CUDA, gloo on CPU) with two bounds: one for the
+  rendezvous (every worker reaching the store; a cold node can take minutes), one for each collective.
 - :func:`wrap_model` wraps for ``ddp`` (DistributedDataParallel) or ``fsdp`` (FSDP2's ``fully_shard``
   with a :func:`mixed_precision_policy`); the training loop itself stays in ``ampcourse.train``.
-- :class:`ShardedCheckpointer` saves and restores FSDP2 runs with ``torch.distributed.checkpoint``,
-  which reshards on load, so a run saved on N ranks resumes on M.
+- FSDP2 runs save and restore with ``ampcourse.checkpoint.ShardedCheckpointer`` (``torch.distributed.checkpoint``,
+  which reshards on load, so a run saved on N ranks resumes on M); the name is re-exported here.
 - :func:`memory_per_gpu` is the bytes-per-GPU model chapter 7 checks against live runs.
 """
 
@@ -33,16 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import os
-import pickle
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,7 +51,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _args, checkpoint, models
+from . import _args, models
+from .checkpoint import ShardedCheckpointer  # re-exported: it lived here before ampcourse.checkpoint became a package
 from .device import AmpSetup
 
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
@@ -67,8 +65,12 @@ __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchru
 STORE_FIX_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 #: Where the stale-store restart failure is tracked upstream.
 UPSTREAM_ISSUE = "pytorch/pytorch#135712"
-#: Default bound on process-group setup and on every collective (a rank that died must not hang the rest).
+#: Default bound on every collective (a rank that died must not hang the rest).
 DEFAULT_TIMEOUT_S = 300.0
+#: Default bound on the rendezvous (every worker reaching the store): separate from the collectives' bound, because
+#: a cold node (8 GPUs initialising, a slow shared filesystem importing torch) can take minutes before its first
+#: worker connects, while a collective that takes that long means a dead rank. torchrun's own join timeout is 900 s.
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 900.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,19 +191,37 @@ class Context:
         return self.env.world_size
 
 
-def init(device: str, env: TorchrunEnv | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
-    """Start the default process group from torchrun's variables (NCCL on CUDA, gloo on CPU), bounded in time."""
+def init(device: str, env: TorchrunEnv | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+         rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S) -> Context:
+    """Start the default process group from torchrun's variables (NCCL on CUDA, gloo on CPU), bounded in time.
+
+    Two bounds: `rendezvous_timeout_s` for reaching the store and setting up the group (every worker must
+    have started), `timeout_s` for every collective afterwards. init_process_group(timeout=) alone would
+    apply one number to both, so a bound tight enough to catch a dead rank in seconds would fail a cold
+    node's start.
+    """
     env = env or torchrun_env()
     if not env.launched:
         raise ValueError("--strategy ddp/fsdp needs several processes started by torchrun, e.g. "
                          "torchrun --standalone --nproc-per-node 2 -m ampcourse.train --strategy ddp ...")
+    timeout_s = _args.real(timeout_s, "timeout_s", positive=True, what="a finite number of seconds > 0")
+    rendezvous_timeout_s = _args.real(rendezvous_timeout_s, "rendezvous_timeout_s", positive=True,
+                                      what="a finite number of seconds > 0")
     dev = torch.device(device)
     backend = backend_for(dev.type)
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+    # The env:// rendezvous init_process_group would do, but with its own bound; the store keeps that bound for
+    # the group's setup (gloo's full mesh, NCCL's unique id with device_id), the collectives get timeout_s.
+    store, rank, world_size = next(dist.rendezvous("env://", env.rank, env.world_size,
+                                                   timeout=datetime.timedelta(seconds=rendezvous_timeout_s)))
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s),
+                              "store": store, "rank": rank, "world_size": world_size}
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # before NCCL starts: each process talks to its own GPU
         kwargs["device_id"] = dev
     dist.init_process_group(**kwargs)
+    # Set up: from here on the store serves the collectives (gloo and NCCL exchange through it, lazily too), so it
+    # gets their bound, as init_process_group(timeout=) would have given it: a rank that died is noticed in timeout_s.
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return Context(env=env, backend=backend, device=dev)
 
 
@@ -314,180 +334,6 @@ def wrap_model(module: nn.Module, strategy: str, amp: AmpSetup, ctx: Context) ->
         fully_shard(module, mesh=mesh, mp_policy=mixed_precision_policy(amp, root=True))
         return module
     raise ValueError(f"unknown strategy {strategy!r}; choose ddp or fsdp")
-
-
-# ---------------------------------------------------------------------------------------------
-# Sharded checkpoints (FSDP2) with torch.distributed.checkpoint
-# ---------------------------------------------------------------------------------------------
-
-# Globals a DCP .metadata pickle may name. DCP reads that file with plain pickle.load, which would run
-# any code a crafted file asks for; we check the file against this list first.
-_DCP_SAFE_MODULES = ("torch.distributed.checkpoint.",)
-_DCP_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                     ("torch.serialization", "_get_layout"),  # maps a name like 'torch.strided' to the layout
-                     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-                     ("pathlib", "PureWindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing any global outside the DCP metadata classes and torch dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_DCP_SAFE_MODULES) or (module, name) in _DCP_SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                         torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in DCP metadata")
-
-
-def _safe_reader(path: Path):
-    """A DCP FileSystemReader whose metadata is checked by _MetadataUnpickler before DCP unpickles it."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            rank = kwargs.get("rank")
-            meta_path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-            try:
-                with open(meta_path, "rb") as fh:
-                    _MetadataUnpickler(fh).load()
-            except FileNotFoundError:
-                raise  # DCP looks for per-rank metadata after the global file; a missing one is not an error
-            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as err:
-                raise checkpoint.CheckpointError(
-                    f"cannot resume from {str(path)!r}: its DCP metadata is unreadable or unsafe "
-                    f"({type(err).__name__}: {err}); move the directory aside or start a fresh run") from err
-            return super().read_metadata(*args, **kwargs)
-
-    return SafeReader(path)
-
-
-def _tensor_only_planner():
-    """A DCP load planner that refuses non-tensor items (we never save any: they would go through pickle)."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    class TensorOnlyLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            raise checkpoint.CheckpointError(
-                f"the sharded checkpoint holds a non-tensor item {read_item.dest_index.fqn!r}; ampcourse writes "
-                "tensors only, so this is not one of its checkpoints")
-
-    return TensorOnlyLoadPlanner()
-
-
-def _tensor_leaves_only(tree: Any, where: str = "") -> None:
-    """Assert a state dict for DCP holds tensors only (non-tensors would be pickled)."""
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            _tensor_leaves_only(v, f"{where}.{k}")
-    elif not isinstance(tree, torch.Tensor):
-        raise TypeError(f"non-tensor {type(tree).__name__} at {where} would be pickled into the DCP checkpoint")
-
-
-_SHARDED_REQUIRED = ("format", "version", "step", "scaler", "scheduler", "rng", "param_groups")
-
-
-class ShardedCheckpointer(checkpoint.FileCheckpointer):
-    """FSDP2 checkpoints: every rank writes its shards with DCP; rank 0 writes a small meta.pt beside them.
-
-    Layout: ``<dir>/sharded/step-00000008/`` (DCP files + meta.pt) and ``<dir>/sharded/latest`` naming the
-    complete step folder. A new checkpoint is written to a new folder; only then does ``latest`` move
-    (atomically) and the old folder go, so a crash mid-save leaves the previous checkpoint usable.
-    Tensors go through DCP (which reshards: saved on N ranks, restored on M); everything else (GradScaler,
-    scheduler, RNG, config, history, optimizer hyper-parameters) goes through ``checkpoint.save`` and comes
-    back through ``torch.load(weights_only=True)``; DCP's own metadata is checked before it is unpickled.
-    """
-
-    kind = "sharded checkpoint (--strategy fsdp)"
-
-    def path(self, directory: str | os.PathLike) -> Path:
-        """The pointer file `latest`: it exists once a complete sharded checkpoint does."""
-        return Path(directory) / "sharded" / "latest"
-
-    def _current(self, directory: str | os.PathLike) -> Path:
-        """The step folder `latest` points to."""
-        pointer = self.path(directory)
-        name = pointer.read_text().strip()
-        if not re.fullmatch(r"step-\d{8}", name) or not (pointer.parent / name).is_dir():
-            raise checkpoint.CheckpointError(f"cannot resume from {str(pointer.parent)!r}: 'latest' names "
-                                             f"{name[:40]!r}, which is not a step folder there")
-        return pointer.parent / name
-
-    def read(self, directory: str | os.PathLike) -> dict[str, Any]:
-        """Load meta.pt of the latest step folder (config, history, scaler, ...); the shards come in restore()."""
-        return checkpoint.load(self._current(directory) / "meta.pt", required=_SHARDED_REQUIRED)
-
-    @staticmethod
-    def _dcp_state(net: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
-        """{'model': ..., 'optim': ...} of sharded tensors for DCP, and the optimizer's param_groups."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        osd = get_optimizer_state_dict(net, optimizer)  # creates Adam's state on a fresh optimizer
-        return {"model": get_model_state_dict(net), "optim": osd["state"]}, osd["param_groups"]
-
-    def restore(self, state: dict[str, Any], directory: str | os.PathLike, *, net: nn.Module, module: nn.Module,
-                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, scheduler: Any = None,
-                device: torch.device | None = None) -> int:
-        """Load the shards into the live (sharded) model and optimizer, resharding if the world size changed."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        folder = self._current(directory)
-        # Everything but the shards first: a wrong optimizer, scaler state or step fails before DCP touches the model.
-        checkpoint.check_settings({**state, "optimizer": {"state": {}, "param_groups": state.get("param_groups")}},
-                                  optimizer, scaler, scheduler, path=folder)
-        target, _ = self._dcp_state(net, optimizer)
-        try:
-            dcp.load(target, storage_reader=_safe_reader(folder), planner=_tensor_only_planner())
-        except checkpoint.CheckpointError:
-            raise
-        except Exception as err:  # DCP wraps per-rank failures in CheckpointException and friends
-            first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-            raise checkpoint.CheckpointError(f"cannot resume from {str(folder)!r}: DCP could not load it into this "
-                                             f"model ({type(err).__name__}: {first})") from err
-        set_model_state_dict(net, target["model"])
-        set_optimizer_state_dict(net, optimizer, {"state": target["optim"], "param_groups": state["param_groups"]})
-        if scaler.is_enabled():  # present and sensible: check_settings said so
-            scaler.load_state_dict(state["scaler"])
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"], device)
-        return int(state["step"])
-
-    def write(self, directory: str | os.PathLike, step: int, *, net: nn.Module, module: nn.Module,
-              optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, scheduler: Any = None,
-              device: torch.device | None = None, config: dict | None = None, history: dict | None = None) -> None:
-        """Every rank saves its shards (a collective); rank 0 then writes meta.pt and moves `latest`."""
-        import torch.distributed.checkpoint as dcp
-
-        root = Path(directory) / "sharded"
-        folder = root / f"step-{step:08d}"
-        tensors, param_groups = self._dcp_state(net, optimizer)
-        _tensor_leaves_only(tensors)
-        dcp.save(tensors, checkpoint_id=folder)  # returns on rank 0 after every rank's shards are written
-        if self.rank == 0:
-            meta = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": int(step),
-                    "scaler": scaler.state_dict(), "param_groups": param_groups,
-                    "scheduler": None if scheduler is None else scheduler.state_dict(),
-                    "rng": checkpoint.rng_state(device), "config": dict(config or {}), "history": dict(history or {}),
-                    "world_size": dist.get_world_size()}
-            checkpoint.save(meta, folder / "meta.pt")
-            _replace_text(self.path(directory), folder.name)
-            for old in root.glob("step-*"):
-                if old != folder and old.is_dir():
-                    shutil.rmtree(old)  # superseded: `latest` already points at the complete new folder
-        dist.barrier()  # nobody reads `latest` (or starts the next save) before it moved
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write a small text file atomically (temp file + os.replace)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,10 @@ Where it differs on purpose: bad constructor and setter arguments raise ``ValueE
 first ``update()``), numbers may be numpy or 0-d tensor scalars (stored as Python numbers), and misuse that GradScaler reports with an
 ``AssertionError`` (``step``/``update`` before ``scale``, ``update`` without any ``step``) is a
 ``RuntimeError`` saying what to do. The misuse errors GradScaler raises as ``RuntimeError``
-(``unscale_`` twice, ``step`` twice, closures) are the same here.
+(``unscale_`` twice, ``step`` twice, closures) are the same here. Two more, where GradScaler gets stuck or
+poisoned: ``step`` with no gradient says "call backward() first" and forgets that iteration, so doing just
+that works (GradScaler keeps refusing); ``update(new_scale)`` refuses nan, inf, 0 and negative scales given
+as tensors too (GradScaler copies them in, and every later step is skipped).
 
 Also here: :func:`simulate_scale` (the scale trajectory for a given overflow pattern, without a
 model), :func:`simulate_training` (the same with feedback: a step overflows when scale x its largest
@@ -51,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _args, formats
+from . import _args, _scaler, formats
 from .models import data_errors
 
 __all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
@@ -61,38 +64,11 @@ __all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_ar
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within one iteration
 
 
-#: The clean-step counter is an int32 tensor (as in GradScaler), so it cannot count further than this.
-MAX_GROWTH_INTERVAL = _args.INT32_MAX
-
-
-def check_scaler_args(init_scale: float, growth_factor: float, backoff_factor: float,
-                      growth_interval: int) -> tuple[float, float, float, int]:
-    """The four scaler settings as Python numbers; ValueError naming the first one that makes no sense.
-
-    Each may be an int, a float, a numpy scalar or a 0-d tensor (see ampcourse._args).
-    """
-    init = _args.real(init_scale, "init_scale", what="a positive finite float32 number (2**-149 .. 3.4e38)")
-    if not (init > 0 and math.isfinite(_float32(init)) and _float32(init) > 0):
-        raise ValueError(f"init_scale must be a positive finite float32 number (2**-149 .. 3.4e38), "
-                         f"got {_args.shown(init_scale)}; GradScaler's default is 2**16 = 65536")
-    growth = _args.real(growth_factor, "growth_factor", what="a finite number > 1 (the scale grows by it)")
-    if not growth > 1:
-        raise ValueError(f"growth_factor must be a finite number > 1 (the scale grows by it), got {_args.shown(growth_factor)}")
-    backoff = _args.real(backoff_factor, "backoff_factor",
-                         what="a number strictly between 0 and 1 (the scale shrinks by it)")
-    if not 0 < backoff < 1:
-        raise ValueError(f"backoff_factor must lie strictly between 0 and 1 (the scale shrinks by it), "
-                         f"got {_args.shown(backoff_factor)}")
-    interval = _args.integer(growth_interval, "growth_interval", low=1, high=MAX_GROWTH_INTERVAL,
-                             what="an int >= 1 and <= 2**31 - 1 (clean steps before the scale grows; "
-                                  "the step counter is an int32)")
-    return init, growth, backoff, interval
-
-
-def _float32(x: float) -> float:
-    """Round a Python float to the nearest float32 (ties to even), as a C++ static_cast<float> does."""
-    with np.errstate(over="ignore"):  # too big for float32 becomes inf, which the caller handles
-        return float(np.float32(x))
+# GradScaler's settings have one owner, ampcourse._scaler (defaults, checks, saved states); these names stay here
+# because learners and chapter 6 import them from scaling.
+MAX_GROWTH_INTERVAL = _scaler.MAX_GROWTH_INTERVAL
+check_scaler_args = _scaler.check_args
+_float32 = _scaler._float32
 
 
 def _next_scale(scale: float, tracker: int, overflow: bool, growth_factor: float, backoff_factor: float,
@@ -242,7 +218,37 @@ class _OptimizerState:
 
 
 class LossScaler:
-    """Dynamic loss scaling, written out; behaves exactly like ``torch.amp.GradScaler``."""
+    """Dynamic loss scaling, written out; behaves exactly like ``torch.amp.GradScaler``.
+
+    * ``scale(loss)`` multiplies the loss by the scale factor, so that small fp16 gradients do not flush to zero.
+    * ``step(optimizer)`` unscales the gradients (unless ``unscale_`` already did) and calls ``optimizer.step()``,
+      unless a gradient is inf or NaN: then the step is skipped.
+    * ``update()`` backs the scale off by `backoff_factor` after a skipped step, and grows it by `growth_factor`
+      after `growth_interval` clean steps in a row.
+
+    Args:
+        device: where the losses live (``'cpu'``, ``'cuda'``, ...). Default: ``'cpu'``.
+        init_scale: the first scale factor. Default: ``2.0**16``.
+        growth_factor: multiplies the scale after `growth_interval` clean steps (> 1). Default: 2.0.
+        backoff_factor: multiplies the scale after an overflow (between 0 and 1). Default: 0.5.
+        growth_interval: clean steps in a row before the scale grows (1 .. 2**31 - 1). Default: 2000.
+        enabled: False makes every method a pass-through (fp32, bf16). Default: True.
+
+    The defaults are GradScaler's; their one owner is ``ampcourse._scaler``, which also checks them.
+
+    Example::
+
+        >>> scaler = LossScaler("cpu")
+        >>> for x, y in batches:
+        ...     optimizer.zero_grad()
+        ...     with torch.autocast("cpu", dtype=torch.float16):
+        ...         loss = loss_fn(model(x), y)
+        ...     scaler.scale(loss).backward()
+        ...     scaler.unscale_(optimizer)                      # optional: to clip the true gradients
+        ...     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ...     scaler.step(optimizer)                          # skipped if a gradient is inf/NaN
+        ...     scaler.update()
+    """
 
     def __init__(self, device: str | torch.device = "cpu", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
@@ -358,7 +364,7 @@ class LossScaler:
         if state.stage == _READY:
             self.unscale_(optimizer)
         if state.found_inf is None:
-            raise RuntimeError("no parameter of this optimizer has a gradient: call backward() before step()")
+            self._no_gradients(optimizer)
         retval = None
         if not state.found_inf.item():  # the one host sync: the decision is made in Python
             retval = optimizer.step(*args, **kwargs)
@@ -370,7 +376,7 @@ class LossScaler:
         if state.stage == _READY:  # check for inf/NaN without unscaling (fp16 gradients are fine here)
             state.found_inf = self._check_and_unscale(optimizer, torch.ones((), device=scale.device), allow_fp16=True)
         if state.found_inf is None:
-            raise RuntimeError("no parameter of this optimizer has a gradient: call backward() before step()")
+            self._no_gradients(optimizer)
         # Already unscaled: nothing left to divide (grad_scale None); otherwise the optimizer divides by the scale.
         optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if state.stage == _UNSCALED
                                 else scale * getattr(optimizer, "grad_scale", 1))
@@ -381,6 +387,15 @@ class LossScaler:
             del optimizer.grad_scale, optimizer.found_inf
         state.stage = _STEPPED
         return retval
+
+    def _no_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise the "call backward() first" error, after forgetting this optimizer's iteration.
+
+        Forgetting it is what makes the advice work: an unscale_ that found no gradient would otherwise
+        stay recorded, and step() after backward() would refuse again forever (GradScaler does that).
+        """
+        self._per_optimizer.pop(id(optimizer), None)
+        raise RuntimeError("no parameter of this optimizer has a gradient: call backward() before step()")
 
     # -- adapt the scale -----------------------------------------------------------------------------
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -409,10 +424,12 @@ class LossScaler:
         if isinstance(new_scale, torch.Tensor) and new_scale.requires_grad:
             raise ValueError("new_scale must be a positive finite number or a one-element tensor that does not "
                              "require grad")
-        if isinstance(new_scale, torch.Tensor) and new_scale.is_floating_point():
-            self._scale.copy_(new_scale.detach())  # as GradScaler does: on the device, no host sync
-            return
+        # A tensor is read once (a host sync GradScaler avoids): GradScaler copies nan, inf, 0 or a negative scale
+        # in silently, after which every step is skipped or every gradient is nan. Here it is refused, like a number.
         value = _args.real(new_scale, "new_scale", positive=True, what="a positive finite number or a one-element tensor")
+        if not math.isfinite(_float32(value)) or _float32(value) <= 0:
+            raise ValueError(f"new_scale must be a positive finite float32 number, got {_args.shown(new_scale)} "
+                             "(it overflows or underflows float32, the scale's dtype)")
         self._scale.fill_(value)
 
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:

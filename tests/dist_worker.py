@@ -45,7 +45,7 @@ def main() -> int:
     rank = int(os.environ.get("RANK", "0"))
     first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill, shard_inf = _rank_step("AMPCOURSE_TEST_KILL"), _rank_step("AMPCOURSE_TEST_SHARD_INF")
-    real_step, calls = train_mod.train_step, [0]
+    real_step, calls = train_mod.loop.train_step, [0]
 
     def step(model, micro, loss_fn, optimizer, scaler, amp, **kwargs):
         n = calls[0]
@@ -56,7 +56,7 @@ def main() -> int:
             _poison_after_sync(scaler)
         return real_step(model, micro, loss_fn, optimizer, scaler, amp, **kwargs)
 
-    train_mod.train_step = step
+    train_mod.loop.train_step = step  # the loop calls the train_step of its own module
     return train_mod.main(sys.argv[1:])
 
 

@@ -133,11 +133,11 @@ API = {
     "train precision unknown": Row(lambda t: train(t, precision="fp8"), "'fp8'", PRECISIONS),
     "train n_samples nan": Row(lambda t: train(t, n_samples=NAN), "nan", "positive int"),
     # train: impossible world sizes
-    "train world_size zero": Row(lambda t: train(t, world_size=0), "0", "int >= 1"),
-    "train rank beyond world": Row(lambda t: train(t, rank=4, world_size=4), "4", r"0\.\.3"),
-    "train world_size not dividing the batch": Row(lambda t: train(t, world_size=3), "world_size * accum_steps = 3 * 1",
+    "train world_size zero": Row(lambda t: train(t, parallel=train_mod.Parallel(world_size=0)), "0", "int >= 1"),
+    "train rank beyond world": Row(lambda t: train(t, parallel=train_mod.Parallel(rank=4, world_size=4)), "4", r"0\.\.3"),
+    "train world_size not dividing the batch": Row(lambda t: train(t, parallel=train_mod.Parallel(world_size=3)), "world_size * accum_steps = 3 * 1",
                                                    "must divide"),
-    "train world_size larger than the batch": Row(lambda t: train(t, world_size=64), "64", "must divide"),
+    "train world_size larger than the batch": Row(lambda t: train(t, parallel=train_mod.Parallel(world_size=64)), "64", "must divide"),
     # train: data that does not fit
     "train empty dataset": Row(lambda t: train(t, torch.nn.Linear(32, 10), TensorDataset(torch.zeros(0, 32),
                                                                                           torch.zeros(0).long())),
@@ -176,6 +176,12 @@ API = {
                                           r"it is a directory; give a file path"),
     "checkpoint.load of a number": Row(lambda t: checkpoint.load(5), "got 5", r"path must be a path \(str or pathlib.Path\)"),
     "checkpoint.save to None": Row(lambda t: checkpoint.save({}, None), "got None", "path must be a path"),
+    # a NUL byte ends a C string: every path argument refuses it by name (the OS said only "embedded null byte")
+    "checkpoint.save NUL in the path": Row(lambda t: checkpoint.save({}, str(t / "a\0b.pt")), "\\x00b.pt", "path .* contains a NUL byte"),
+    "checkpoint.load NUL in the path": Row(lambda t: checkpoint.load("run\0/checkpoint.pt"), "run\\x00",
+                                           "path .* contains a NUL byte"),
+    "train checkpoint_dir NUL": Row(lambda t: train(t, checkpoint_dir=str(t / "r\0un")), "r\\x00un",
+                                    "checkpoint_dir .* contains a NUL byte"),
     "checkpoint.save below a file": Row(lambda t: checkpoint.save({}, a_file(t) / "c.pt"), "a_file", "is not a directory"),
     # scaling
     "LossScaler init_scale nan": Row(lambda t: LossScaler("cpu", init_scale=NAN), "nan", "positive finite"),
@@ -441,7 +447,7 @@ def test_api_rejects_bad_input_clearly(row, tmp_path, monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("training started before the input was checked")
 
-    monkeypatch.setattr(train_mod, "train_step", no_training)
+    monkeypatch.setattr(train_mod.loop, "train_step", no_training)
     before = snapshot(tmp_path)
     with pytest.raises((ValueError, TypeError)) as info:
         row.call(tmp_path)
@@ -461,6 +467,9 @@ CLI = {
     "train --precision fp64": (train_mod.main, [*CLI_BASE, "--precision", "fp64"], "'fp64'", "choose from 'fp32'"),
     "train --model resnet": (train_mod.main, [*CLI_BASE, "--model", "resnet"], "'resnet'", "'mlp', 'cnn', 'transformer'"),
     "train --steps x": (train_mod.main, [*CLI_BASE, "--steps", "x"], "'x'", "invalid int value"),
+    "train --checkpoint-dir NUL": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/r\0un"], "x00un",
+                                   "--checkpoint-dir .* contains a NUL byte"),
+    "train --out NUL": (train_mod.main, [*CLI_BASE, "--out", "{tmp}/s\0.json"], "x00.json", "--out .* contains a NUL byte"),
     "train --steps 0": (train_mod.main, [*CLI_BASE, "--steps", "0"], "got 0", "int >= 1"),
     "train --lr nan": (train_mod.main, [*CLI_BASE, "--lr", "nan"], "got nan", "finite number > 0"),
     "train --samples 0": (train_mod.main, [*CLI_BASE, "--samples", "0"], "got 0", "positive int"),
@@ -571,7 +580,7 @@ def prepare_files(tmp: Path) -> None:
 def test_command_line_rejects_bad_input_clearly(name, tmp_path, monkeypatch):
     main, argv, value, allowed = CLI[name]
     prepare_files(tmp_path)
-    monkeypatch.setattr(train_mod, "train_step", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
+    monkeypatch.setattr(train_mod.loop, "train_step", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
     before = snapshot(tmp_path)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as info:

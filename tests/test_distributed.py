@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -144,6 +145,15 @@ def as_worker(monkeypatch, **change) -> None:
         monkeypatch.setenv(key, value)
 
 
+def cli_error(capsys, argv) -> str:
+    """The one line main(argv) printed to stderr before exiting 2 (the CLI's one error style)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("ampcourse.train: error: ") and err.count("\n") == 1, err
+    return err
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--strategy", "single"], "--strategy single runs one process, but torchrun started WORLD_SIZE=2"),
     (["--strategy", "ddp", "--global-batch-size", "33"],
@@ -153,38 +163,35 @@ def as_worker(monkeypatch, **change) -> None:
     (["--strategy", "ddp", "--resume", "--checkpoint-dir", "nowhere"],
      "there is no checkpoint at 'nowhere/checkpoint.pt'"),
 ])
-def test_bad_launch_exits_with_one_line(flags, message, monkeypatch, tmp_path):
+def test_bad_launch_exits_with_one_line(flags, message, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     as_worker(monkeypatch)
     monkeypatch.setattr(distributed, "init", lambda *a, **k: pytest.fail("started a process group"))
-    with pytest.raises(SystemExit) as info:
-        main(["--model", "mlp", "--steps", "2", "--no-progress", *flags])
-    text = str(info.value.code)
-    assert text.startswith("ampcourse.train: error: ") and message in text and "\n" not in text
+    assert message in cli_error(capsys, ["--model", "mlp", "--steps", "2", "--no-progress", *flags])
 
 
-def test_nproc_larger_than_gpus_from_the_cli(monkeypatch):
+def test_nproc_larger_than_gpus_from_the_cli(monkeypatch, capsys):
     as_worker(monkeypatch)
     fake_gpus(monkeypatch, 1)
     monkeypatch.setattr(distributed, "init", lambda *a, **k: pytest.fail("started a process group"))
-    with pytest.raises(SystemExit, match=r"^ampcourse.train: error: torchrun started 2 processes on this node "
-                                         r"\(--nproc-per-node\) but it has 1 CUDA device"):
-        main(["--strategy", "ddp", "--device", "cuda", "--steps", "1"])
+    assert re.match(r"^ampcourse.train: error: torchrun started 2 processes on this node \(--nproc-per-node\) but it "
+                    r"has 1 CUDA device", cli_error(capsys, ["--strategy", "ddp", "--device", "cuda", "--steps", "1"]))
 
 
-def test_other_ranks_exit_quietly(monkeypatch):
-    """Every rank sees the same bad flag; only local rank 0 says so, the others just exit 1."""
+def test_other_ranks_exit_quietly(monkeypatch, capsys):
+    """Every rank sees the same bad flag; only local rank 0 says so, the others exit with the same status, silently."""
     as_worker(monkeypatch, RANK="1", LOCAL_RANK="1")
     with pytest.raises(SystemExit) as info:
         main(["--strategy", "ddp", "--global-batch-size", "33"])
-    assert info.value.code == 1
+    assert info.value.code == 2 and capsys.readouterr().err == ""
 
 
-def test_resume_across_checkpoint_kinds_is_refused(monkeypatch, tmp_path):
+def test_resume_across_checkpoint_kinds_is_refused(monkeypatch, tmp_path, capsys):
     train("mlp", None, "fp32", steps=1, checkpoint_dir=tmp_path, **IN_PROCESS)
     as_worker(monkeypatch)
-    with pytest.raises(SystemExit, match="holds a single-file checkpoint .* --strategy fsdp resumes from a sharded"):
-        main(["--strategy", "fsdp", "--device", "cpu", "--checkpoint-dir", str(tmp_path), "--resume"])
+    assert re.search("holds a single-file checkpoint .* --strategy fsdp resumes from a sharded",
+                     cli_error(capsys, ["--strategy", "fsdp", "--device", "cpu", "--checkpoint-dir", str(tmp_path),
+                                        "--resume"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +292,7 @@ def test_unsafe_dcp_metadata_is_refused_before_it_runs(tmp_path):
     victim = tmp_path / "pwned"
     (folder / ".metadata").write_bytes(pickle.dumps(Payload(victim)))
     with pytest.raises(checkpoint.CheckpointError, match="global 'io.open' is not allowed|global 'builtins.open'"):
-        distributed._safe_reader(folder).read_metadata()
+        checkpoint.checkpointers._safe_reader(folder).read_metadata()
     assert not victim.exists()
 
 
@@ -298,7 +305,7 @@ def test_sharded_pointer_must_name_a_step_folder(tmp_path):
 
 def test_non_tensor_items_are_never_written():
     with pytest.raises(TypeError, match="non-tensor float at .optim.lr"):
-        distributed._tensor_leaves_only({"model": {"w": torch.ones(1)}, "optim": {"lr": 0.1}})
+        checkpoint.checkpointers._tensor_leaves_only({"model": {"w": torch.ones(1)}, "optim": {"lr": 0.1}})
 
 
 def test_fsdp_problem_names_the_missing_collective(monkeypatch):
@@ -660,3 +667,58 @@ def test_readme_cpu_command_runs_as_written(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out[out.index("{"):])  # rank 0 prints the summary (no --out)
     assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["steps_done"] == 200
+
+
+# --- the rendezvous and the collectives have separate bounds (issue 19, part 2, item 14) -----------------------
+
+def test_rendezvous_and_collectives_have_separate_timeouts(monkeypatch):
+    """--dist-timeout bounds each collective; --rdzv-timeout bounds reaching the store, which a cold node needs longer.
+
+    init_process_group(timeout=30) alone also bounded the rendezvous by 30 s: a node whose last worker starts later
+    than that failed before training began.
+    """
+    import datetime
+
+    seen = {}
+
+    class Store:
+        def set_timeout(self, timeout):
+            seen["store timeout after setup"] = timeout
+
+    store = Store()
+
+    def rendezvous(url, rank, world_size, timeout):
+        seen["rendezvous"] = (url, rank, world_size, timeout)
+        yield store, rank, world_size
+
+    def init_process_group(**kwargs):
+        seen["init"] = kwargs
+
+    monkeypatch.setattr(distributed.dist, "rendezvous", rendezvous)
+    monkeypatch.setattr(distributed.dist, "init_process_group", init_process_group)
+    env = distributed.TorchrunEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, launched=True)
+    ctx = distributed.init("cpu", env, timeout_s=30, rendezvous_timeout_s=600)
+    assert seen["rendezvous"] == ("env://", 1, 2, datetime.timedelta(seconds=600))
+    assert seen["init"] == {"backend": "gloo", "timeout": datetime.timedelta(seconds=30), "store": store,
+                            "rank": 1, "world_size": 2}
+    assert seen["store timeout after setup"] == datetime.timedelta(seconds=30)  # a dead rank is noticed in 30 s
+    assert ctx.backend == "gloo" and ctx.rank == 1
+    distributed.init("cpu", env)  # the defaults: the rendezvous bound is not the collectives' 300 s
+    assert seen["rendezvous"][3] == datetime.timedelta(seconds=distributed.DEFAULT_RENDEZVOUS_TIMEOUT_S) > \
+        seen["init"]["timeout"] == datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S)
+
+
+def test_the_cli_passes_both_timeouts(monkeypatch, capsys):
+    as_worker(monkeypatch)
+    got = {}
+
+    def init(device, env, timeout_s, rendezvous_timeout_s):
+        got.update(timeout_s=timeout_s, rendezvous_timeout_s=rendezvous_timeout_s)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(distributed, "init", init)
+    assert "stop here" in cli_error(capsys, ["--strategy", "ddp", "--device", "cpu", "--dist-timeout", "30",
+                                             "--rdzv-timeout", "1200"])
+    assert got == {"timeout_s": 30.0, "rendezvous_timeout_s": 1200.0}
+    assert "--rdzv-timeout must be a number of seconds > 0" in cli_error(
+        capsys, ["--strategy", "ddp", "--device", "cpu", "--rdzv-timeout", "0"])

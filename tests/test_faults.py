@@ -195,7 +195,7 @@ def test_train_skips_exactly_the_poisoned_steps(seed, monkeypatch):
         records.append((before, snapshot(net, opt)))
         return stats
 
-    monkeypatch.setattr(train_mod, "train_step", observed_step)
+    monkeypatch.setattr(train_mod.loop, "train_step", observed_step)
     hist = train(model, None, "fp16", steps=TRAIN_STEPS, lr=3e-3, seed=seed, batch_size=32, n_samples=256,
                  accum_steps=accum, scaler_kwargs=cfg, progress=False)
 

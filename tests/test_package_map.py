@@ -19,3 +19,53 @@ def test_every_module_is_in_the_readme_package_table():
     readme = (ROOT / "README.md").read_text()
     missing = [m for m in MODULES if f"| `ampcourse.{m}` |" not in readme]
     assert not missing, f"README's package table lacks {missing}"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every ampcourse module (file) and the ampcourse modules it imports, at module level or inside a function."""
+    import ast
+
+    pkg = ROOT / "ampcourse"
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in pkg.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = here[:len(here) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                for alias in node.names:
+                    deps.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in names else target)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[name] = {d for d in deps if d in names and d != name and d != "ampcourse"}
+    return graph
+
+
+def test_no_import_cycles():
+    """The package stays a stack of floors: following imports (lazy ones included) never comes back to a module."""
+    graph, state = _imports(), {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in graph[node]:
+            assert state.get(dep) != "open", f"import cycle: {' -> '.join([*path, node, dep])}"
+            if dep not in state:
+                visit(dep, [*path, node])
+        state[node] = "done"
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+
+
+def test_checkpoint_and_the_scaler_settings_do_not_climb():
+    """checkpoint is imported by distributed and train, never the other way; GradScaler's settings owner sits lowest."""
+    graph = _imports()
+    for name, deps in graph.items():
+        if name.startswith("ampcourse.checkpoint"):
+            climbing = {d for d in deps if not d.startswith(("ampcourse.checkpoint", "ampcourse._args", "ampcourse._scaler"))}
+            assert not climbing, f"{name} imports {sorted(climbing)}"
+    assert graph["ampcourse._scaler"] == {"ampcourse._args"}

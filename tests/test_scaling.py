@@ -680,3 +680,82 @@ def test_exact_gradient_counts_do_not_depend_on_the_cpus_vector_kernels():
         assert out.returncode == 0, out.stderr
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert runs[0]["True"] == runs[1]["True"]
+
+
+# --- following LossScaler's own advice works; a bad scale is refused however it is given --------------------------
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("first", ["step", "unscale_ then step"])
+def test_calling_backward_as_the_error_says_then_works(first, fused):
+    """step() before backward() says "call backward() before step()"; doing exactly that must then succeed.
+
+    It used to stay stuck: the failed attempt left the optimizer marked as unscaled with no inf check, so every
+    later step() raised the same advice. The result must equal a GradScaler run that never made the mistake.
+    """
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+        return model, opt
+
+    model, opt = setup()
+    ours = LossScaler("cpu", init_scale=2.0**4)
+    loss = ours.scale(model(torch.ones(2, 3)).sum())
+    with pytest.raises(RuntimeError, match=r"call backward\(\) before step\(\)"):
+        if first != "step":
+            ours.unscale_(opt)
+        ours.step(opt)
+    loss.backward()
+    ours.step(opt)  # as advised
+    ours.update()
+
+    ref_model, ref_opt = setup()
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    ref.scale(ref_model(torch.ones(2, 3)).sum()).backward()
+    ref.step(ref_opt)
+    ref.update()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert ours.state_dict() == ref.state_dict()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -4.0, 1e39])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_update_refuses_a_scale_no_step_could_use(bad, as_tensor):
+    """update(torch.tensor(nan)) used to be copied in (as GradScaler does): every later step then skipped silently."""
+    s = scaler_after_one_scale()
+    with pytest.raises(ValueError, match="new_scale must be a positive finite"):
+        s.update(torch.tensor(bad, dtype=torch.float64) if as_tensor else bad)
+    assert s.get_scale() == 2.0**16  # unchanged
+
+
+def test_scaler_defaults_have_one_owner():
+    """GradScaler's defaults, LossScaler's and the owner's (ampcourse._scaler) are the same numbers."""
+    import inspect
+
+    from ampcourse import _scaler
+    from ampcourse.device import pick
+
+    ours = inspect.signature(LossScaler).parameters
+    torch_ = inspect.signature(torch.amp.GradScaler).parameters
+    for name, value in _scaler.DEFAULTS.items():
+        assert ours[name].default == value == torch_[name].default, name
+    scaler = pick("cpu", "fp16").make_scaler()
+    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(),
+            scaler.get_growth_interval()) == tuple(_scaler.DEFAULTS.values())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"init_scale": -1.0}, "init_scale must be a positive finite float32"),
+    ({"growth_interval": 2**40}, "growth_interval must be an int >= 1 and <= 2\\*\\*31 - 1"),
+    ({"growth_factor": 0.5}, "growth_factor must be a finite number > 1"),
+    ({"init_scal": 8.0}, r"unknown make_scaler arguments \['init_scal'\]"),
+    ({"enabled": "yes"}, r"make_scaler arguments\['enabled'\] must be True or False"),
+])
+def test_make_scaler_asks_the_owner(kwargs, message):
+    """AmpSetup.make_scaler used to hand anything to GradScaler (a negative scale was accepted)."""
+    from ampcourse.device import pick
+
+    with pytest.raises(ValueError, match=message):
+        pick("cpu", "fp16").make_scaler(**kwargs)
+    scaler = pick("cpu", "fp16").make_scaler(init_scale=np.float64(8.0), growth_interval=np.int64(3))
+    assert scaler.get_scale() == 8.0 and scaler.get_growth_interval() == 3

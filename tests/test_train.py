@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from ampcourse import models
+from ampcourse import checkpoint, models
 from ampcourse import train as train_mod
-from ampcourse.train import History, batch_indices, local_indices, state_checksum, train
+from ampcourse.train import History, Parallel, batch_indices, local_indices, state_checksum, train
 
 FAST = dict(steps=4, lr=1e-2, seed=0, batch_size=32, n_samples=256, progress=False)
 
@@ -271,7 +271,7 @@ def test_wrap_hook_and_no_sync_for_all_but_the_last_micro_batch():
         wrappers.append(CountingWrapper(module))
         return wrappers[-1]
 
-    h = train("mlp", None, "fp32", **{**FAST, "steps": 2, "accum_steps": 4}, wrap=wrap)
+    h = train("mlp", None, "fp32", **{**FAST, "steps": 2, "accum_steps": 4}, parallel=Parallel(wrap=wrap))
     assert wrappers[0].no_sync_calls == 2 * 3
     assert isinstance(h.model, models.MLP)  # the checksum and checkpoints use the unwrapped model
 
@@ -284,9 +284,9 @@ def test_rank_takes_its_slice(monkeypatch):
         seen.append(torch.cat([x for x, _ in micro]))
         return real(model, micro, *args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "train_step", spy)
+    monkeypatch.setattr(train_mod.loop, "train_step", spy)
     data = models.make_dataset("mlp", n=256)
-    train("mlp", data, "fp32", **{**FAST, "steps": 1}, rank=1, world_size=2)
+    train("mlp", data, "fp32", **{**FAST, "steps": 1}, parallel=Parallel(rank=1, world_size=2))
     assert torch.equal(seen[0], data.tensors[0][local_indices(0, 0, 256, 32, 1, 2)])
 
 
@@ -308,8 +308,13 @@ BAD = [
     (dict(batch_size=0), "batch_size must be an int >= 1"),
     (dict(batch_size=512), r"larger than the dataset \(256 samples\); use at most 256"),
     (dict(batch_size=30, accum_steps=4), "must divide by world_size \\* accum_steps"),
-    (dict(batch_size=30, world_size=4), "must divide by world_size \\* accum_steps"),
-    (dict(rank=2, world_size=2), "rank must be an int in 0..1"),
+    (dict(batch_size=30, parallel=Parallel(world_size=4)), "must divide by world_size \\* accum_steps"),
+    (dict(parallel=Parallel(rank=2, world_size=2)), "rank must be an int in 0..1"),
+    (dict(parallel={"rank": 0}), "parallel must be an ampcourse.train.Parallel or None, got dict"),
+    (dict(parallel=Parallel(autocast="no")), "parallel.autocast must be True or False"),
+    (dict(on_step="print"), "on_step must be a callable or None"),
+    (dict(checkpoint_dir="runs/a\0b"), r"checkpoint_dir 'runs/a\\x00b' contains a NUL byte"),
+    (dict(checkpoint_dir=b"runs/a"), "checkpoint_dir must be a path"),
     (dict(grad_clip=0.0), "grad_clip must be a finite number > 0"),
     (dict(weight_decay=-0.1), "weight_decay must be a finite number >= 0"),
     (dict(optimizer="lamb"), "adamw, adam, sgd"),
@@ -329,7 +334,7 @@ def test_bad_arguments(kwargs, message, monkeypatch):
     def no_work(*a, **k):
         raise AssertionError("work started before validation")
 
-    monkeypatch.setattr(train_mod, "train_step", no_work)
+    monkeypatch.setattr(train_mod.loop, "train_step", no_work)
     args = {"model": "mlp", "data": None, **{k: v for k, v in FAST.items()}, **kwargs}
     with pytest.raises(ValueError, match=message):
         train(**args)
@@ -341,7 +346,7 @@ def test_checkpoint_every_zero():
 
 
 def test_fp16_on_a_device_that_cannot_run_it(monkeypatch):
-    monkeypatch.setattr(train_mod, "_amp_works", lambda device_type, precision:
+    monkeypatch.setattr(train_mod.checks, "_amp_works", lambda device_type, precision:
                         "no fp16 kernels" if precision == "fp16" else None)
     with pytest.raises(ValueError, match="precision 'fp16' cannot run on cpu .*no fp16 kernels.*use bf16 or fp32"):
         train("mlp", None, "fp16", **FAST)
@@ -349,7 +354,7 @@ def test_fp16_on_a_device_that_cannot_run_it(monkeypatch):
 
 
 def test_amp_probe_on_this_cpu():
-    assert train_mod._amp_works("cpu", "fp16") is None and train_mod._amp_works("cpu", "bf16") is None
+    assert train_mod.checks._amp_works("cpu", "fp16") is None and train_mod.checks._amp_works("cpu", "bf16") is None
 
 
 def test_checkpoint_dir_not_writable(tmp_path):
@@ -386,15 +391,15 @@ def test_recorded_norm_equals_get_total_norm(path, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(shape, generator=gen) * s for shape, s in [((7, 5), 1e-3), ((64,), 3.0), ((3, 3, 3), 1e2)]]
     if path == "fused per-tensor":
-        monkeypatch.setattr(train_mod, "_CPU_CONCAT_NORM_MAX", 0)
+        monkeypatch.setattr(train_mod.step, "_CPU_CONCAT_NORM_MAX", 0)
     if path == "get_total_norm":
         grads[1] = grads[1].double()  # mixed dtypes take the general route
-    parts = train_mod._squared_norm_parts(grads)
+    parts = train_mod.step._squared_norm_parts(grads)
     assert len(parts) == {"cpu concat": 1, "fused per-tensor": 3, "get_total_norm": 1}[path]
     norm = math.sqrt(sum(float(p) for p in parts))
     assert norm == pytest.approx(float(torch.nn.utils.get_total_norm(grads)), rel=1e-6)
     grads[0][0, 0] = math.inf
-    assert math.isinf(math.sqrt(sum(float(p) for p in train_mod._squared_norm_parts(grads))))
+    assert math.isinf(math.sqrt(sum(float(p) for p in train_mod.step._squared_norm_parts(grads))))
 
 
 def test_batch_indices_are_a_copy():
@@ -425,7 +430,7 @@ def _count_host_reads(monkeypatch):
                 counts["reads"] += 1
             return _real(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    real_read_back = train_mod._read_back
+    real_read_back = train_mod.step._read_back
 
     def read_back(tensors):
         counts["read_back"] += 1
@@ -434,7 +439,7 @@ def _count_host_reads(monkeypatch):
             return real_read_back(tensors)
         finally:
             state["inside"] = False
-    monkeypatch.setattr(train_mod, "_read_back", read_back)
+    monkeypatch.setattr(train_mod.step, "_read_back", read_back)
     real_get_scale = torch.amp.GradScaler.get_scale
 
     def get_scale(self):
@@ -498,5 +503,138 @@ def test_make_optimizer_fuses_adam_on_cuda_only_by_default():
 
 def test_data_stays_where_it_is_off_cuda():
     xs, ys = torch.zeros(4, 2), torch.zeros(4)
-    placed = train_mod._data_on_device((xs, ys), torch.device("cpu"))
+    placed = train_mod.batches.data_on_device((xs, ys), torch.device("cpu"))
     assert placed[0] is xs and placed[1] is ys
+
+
+@pytest.mark.parametrize("precision,refused", [("fp16", True), ("bf16", False)])
+def test_fp16_parameters_with_a_gradscaler_are_refused_before_any_work(precision, refused, monkeypatch):
+    """fp16 parameters under fp16 autocast + GradScaler failed inside step 1 ("Attempting to unscale FP16 gradients")."""
+    monkeypatch.setattr(train_mod.loop, "train_step", lambda *a, **k: pytest.fail("work started"))
+    model = models.make_model("mlp").half()
+    data = models.make_dataset("mlp", n=64)
+    call = lambda: train(model, data, precision, **{**FAST, "steps": 1})  # noqa: E731
+    if refused:
+        with pytest.raises(ValueError, match=r"model parameter '.*' is float16 .* call model.float\(\) before train\(\)"):
+            call()
+    else:
+        with pytest.raises(pytest.fail.Exception, match="work started"):  # checks passed, the loop began
+            call()
+    # an fp16 run whose scaler is switched off is the caller's choice, not refused
+    with pytest.raises(pytest.fail.Exception, match="work started"):
+        train(model, data, "fp16", **{**FAST, "steps": 1}, scaler_kwargs={"enabled": False})
+
+
+# --- chapter 4's hand-written loops equal train() on a GPU too (issue 19, part 2, item 1) -------------------------
+
+def _hand_loop(precision: str, optimizer, steps: int = 6):
+    """Chapter 4's amp_step loop (cell 'hand_built_run'), with the optimizer the caller builds."""
+    import torch.nn.functional as F
+
+    from ampcourse.device import pick
+
+    setup = pick("cpu", precision)
+    data = models.make_dataset("mlp", n=256, seed=0)
+    model = models.make_model("mlp", seed=0)
+    opt = optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=setup.use_scaler)
+    for step in range(steps):
+        idx = batch_indices(step, 0, 256, 32)
+        opt.zero_grad(set_to_none=True)
+        with torch.amp.autocast("cpu", dtype=setup.amp_dtype, enabled=setup.enabled):
+            loss = F.cross_entropy(model(data.tensors[0][idx]), data.tensors[1][idx])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return model, data
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_hand_written_loop_matches_train_when_train_picks_fused_adamw(precision, monkeypatch):
+    """On CUDA train() builds a fused AdamW; chapter 4 asserted bit-identity with a loop using plain AdamW
+    (foreach on CUDA), which failed on every GPU. Here the fused default is forced on, on the CPU (CPU fused AdamW
+    exists): the loop that builds its optimizer with make_optimizer, as chapter 4 now does, still matches."""
+    monkeypatch.setattr(train_mod.step, "default_fused", lambda params: True)  # what a CUDA device decides
+    assert train_mod.make_optimizer("adamw", [torch.nn.Parameter(torch.ones(1))], 1e-3).defaults["fused"]
+    hand, data = _hand_loop(precision, lambda params: train_mod.make_optimizer("adamw", params, lr=3e-3))
+    run = train("mlp", data, precision, steps=6, lr=3e-3, seed=0, batch_size=32, device="cpu", progress=False)
+    assert state_checksum(hand) == state_checksum(run.model)
+    # the old notebook loop (plain AdamW) does not match a fused train(): this test would have caught it
+    plain, _ = _hand_loop(precision, lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0))
+    assert state_checksum(plain) != state_checksum(run.model)
+
+
+def test_chapter_4_loops_build_the_optimizer_train_builds():
+    """The cells that assert bit-identity with train() must not build their own AdamW (tests/test_train.py above)."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "chapters" / "04_amp_training_loop.ipynb").read_text())
+    sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    for name in ("def hand_built_run", "def accumulated_run"):
+        (cell,) = [s for s in sources if name in s]
+        assert 'make_optimizer("adamw"' in cell and "torch.optim.AdamW(" not in cell, name
+
+
+# --- the hot loop keeps the batch order on the device (issue 19, part 2, item 13) ----------------------------------
+
+def test_step_indices_equal_local_indices_across_epochs_and_ranks():
+    from ampcourse.train.batches import StepIndices
+
+    for rank, world in ((0, 1), (1, 2), (3, 4)):
+        indices = StepIndices(seed=7, dataset_size=100, batch_size=32, rank=rank, world_size=world)
+        for step in range(12):  # 3 batches per epoch: four epochs
+            assert torch.equal(indices(step), local_indices(step, 7, 100, 32, rank, world)), (rank, step)
+
+
+def test_step_indices_cross_to_the_device_once_per_epoch(monkeypatch):
+    """The bare loop's pattern: the permutation moves once per epoch, a step's indices are a slice on the device
+    (the loop used to copy each step's index tensor from pageable host memory: a sync per step on a GPU)."""
+    from ampcourse.train.batches import StepIndices
+
+    moves, real_to = [], torch.Tensor.to
+
+    def counted_to(self, *args, **kwargs):
+        moves.append(args)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counted_to)
+    indices = StepIndices(seed=0, dataset_size=96, batch_size=32, device="meta")  # a device that is not the host
+    got = [indices(step) for step in range(9)]  # three epochs
+    assert len(moves) == 3 and all(t.device.type == "meta" and t.shape == (32,) for t in got)
+
+
+# --- the per-step hook --------------------------------------------------------------------------------------------
+
+def test_on_step_sees_every_step_after_it_is_recorded(tmp_path):
+    seen = []
+    h = train("mlp", None, "fp16", **{**FAST, "steps": 3}, checkpoint_dir=tmp_path, checkpoint_every=1,
+              on_step=lambda step, stats: seen.append((step, stats, checkpoint.load(checkpoint.path_in(tmp_path))["step"])))
+    assert [s for s, _, _ in seen] == [0, 1, 2]
+    assert [st.loss for _, st, _ in seen] == h.loss  # the stats of that very step
+    assert [saved for _, _, saved in seen] == [1, 2, 3]  # the checkpoint due at that step is already written
+    resumed = []
+    train("mlp", None, "fp16", **{**FAST, "steps": 5}, checkpoint_dir=tmp_path, resume=True,
+          on_step=lambda step, stats: resumed.append(step))
+    assert resumed == [3, 4]  # a resumed run counts from where it stopped
+
+
+def test_bench_times_the_trainer_through_the_hook_alone():
+    """bench.paired_step_times needs nothing of train() but on_step: no patching of train's internals."""
+    from types import SimpleNamespace
+
+    from ampcourse import bench
+    from ampcourse.device import pick
+
+    calls = []
+
+    def fake_train(*args, on_step, steps, **kwargs):
+        for step in range(steps):
+            calls.append(step)
+            on_step(step, None)
+
+    amp = pick("cpu", "fp32")
+    data = models.make_dataset("mlp", n=64)
+    trainer_ms, bare_ms = bench.paired_step_times(SimpleNamespace(train=fake_train), "mlp", data, amp, steps=4,
+                                                  warmup=1, batch=32)
+    assert calls == [0, 1, 2, 3] and trainer_ms >= 0 and bare_ms > 0

@@ -1,8 +1,10 @@
 """python -m ampcourse.train: a run writes its JSON summary; resume works; bad flags exit with one line."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,24 +86,37 @@ def test_argparse_rejects_bad_flags(flags, message, capsys):
     (["--strategy", "fsdp"], "--strategy fsdp runs under torchrun"),
     (["--dist-timeout", "0"], "--dist-timeout must be a number of seconds > 0"),
 ])
-def test_bad_values_exit_with_one_line(flags, message, monkeypatch):
-    monkeypatch.setattr(train_mod, "train_step", lambda *a, **k: pytest.fail("trained despite a bad flag"))
+def test_bad_values_exit_with_one_line(flags, message, monkeypatch, capsys):
+    monkeypatch.setattr(train_mod.loop, "train_step", lambda *a, **k: pytest.fail("trained despite a bad flag"))
+    text = cli_error(capsys, [*BASE, *flags])
+    assert message in text
+
+
+def cli_error(capsys, argv) -> str:
+    """The one line main(argv) printed before exiting 2: the CLI's single error style, argparse's errors included."""
     with pytest.raises(SystemExit) as info:
-        main([*BASE, *flags])
-    text = str(info.value.code)
-    assert text.startswith("ampcourse.train: error: ") and message in text and "\n" not in text
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, info.value.code
+    assert err.startswith("ampcourse.train: error: ") and err.count("\n") == 1, err
+    return err
 
 
-def test_resume_with_no_checkpoint(tmp_path):
-    with pytest.raises(SystemExit, match="no checkpoint at .*run once without resume"):
-        main([*BASE, "--checkpoint-dir", str(tmp_path), "--resume"])
+def test_one_error_style_for_argparse_and_for_the_checks(capsys):
+    assert "argument --steps: invalid int value: 'ten' (see --help)" in cli_error(capsys, [*BASE, "--steps", "ten"])
+    assert "steps must be an int >= 1, got 0" in cli_error(capsys, [*BASE, "--steps", "0"])
+
+
+def test_resume_with_no_checkpoint(tmp_path, capsys):
+    assert re.search("no checkpoint at .*run once without resume",
+                     cli_error(capsys, [*BASE, "--checkpoint-dir", str(tmp_path), "--resume"]))
 
 
 def test_corrupt_checkpoint_exits_with_one_line_and_no_traceback(tmp_path):
     (tmp_path / "checkpoint.pt").write_bytes(b"\x00" * 100)
     run = subprocess.run([sys.executable, "-m", "ampcourse.train", *BASE, "--checkpoint-dir", str(tmp_path),
                           "--resume"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1
+    assert run.returncode == 2
     assert run.stderr.startswith("ampcourse.train: error: cannot resume from") and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
     assert (tmp_path / "checkpoint.pt").read_bytes() == b"\x00" * 100
@@ -114,3 +129,11 @@ def test_docstring_has_the_launch_commands():
     assert "torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:29500" in doc
     assert "--nproc-per-node 2 -m ampcourse.train --strategy ddp --device cpu" in doc
     assert "render_slurm" in doc
+
+
+def test_an_output_the_disk_refuses_is_one_line(tmp_path, capsys):
+    """/dev/full opens (the pre-check passes) and refuses the write (ENOSPC): one line, exit 2, no traceback."""
+    if not Path("/dev/full").exists():
+        pytest.skip("/dev/full is Linux's")
+    err = cli_error(capsys, [*BASE, "--out", "/dev/full"])
+    assert "cannot write the output: No space left on device" in err

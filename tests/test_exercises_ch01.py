@@ -1,4 +1,4 @@
-"""Every exercise checker accepts a right answer and rejects wrong ones with feedback."""
+"""Chapter 1's exercise checkers: each accepts a right answer and rejects wrong ones with feedback (chapters 2-9: test_exercises_chNN.py)."""
 
 import math
 

@@ -1,0 +1,205 @@
+"""One optimizer step under AMP (:func:`train_step`), the optimizers and schedulers train() builds, and a checksum.
+
+Each AMP decision in :func:`train_step` carries a comment saying why: backward outside autocast, unscale
+before clipping, the scale as the skip signal, one read-back of losses, norms and scales per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..device import AmpSetup
+
+__all__ = ["OPTIMIZERS", "SCHEDULERS", "StepStats", "make_optimizer", "default_fused", "make_scheduler", "train_step",
+           "state_checksum"]
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULERS = ("cosine",)
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did."""
+
+    loss: float  # mean loss over the global (local) batch, unscaled
+    grad_norm: float  # L2 norm of the true (unscaled) gradients, before clipping; inf/nan if non-finite
+    scale: float  # the loss scale this step used (1.0 without a scaler)
+    skipped: bool  # the GradScaler found inf/nan and skipped optimizer.step()
+    lr: float  # learning rate of the first param group during this step
+
+
+def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float = 0.0,
+                   fused: bool | None = None) -> torch.optim.Optimizer:
+    """'adamw', 'adam', 'sgd' (plain, no momentum) or a callable(params, lr, weight_decay).
+
+    fused (Adam/AdamW only): one fused kernel per step that also takes GradScaler's inf check on the device,
+    so scaler.step() needs no host sync. None: :func:`default_fused` decides (fused when every parameter is
+    on a CUDA device). A loop written by hand that must match train() bit for bit builds its optimizer here
+    too: fused and foreach AdamW round differently (chapter 4).
+
+    Example::
+
+        >>> opt = make_optimizer("adamw", model.parameters(), lr=1e-3)   # what train() uses
+    """
+    if callable(spec):
+        return spec(params, lr=lr, weight_decay=weight_decay)
+    if spec in ("adam", "adamw"):
+        params = list(params)
+        if fused is None:
+            fused = default_fused(params)
+        cls = torch.optim.AdamW if spec == "adamw" else torch.optim.Adam
+        return cls(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
+    if spec == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {spec!r}; choose one of {', '.join(OPTIMIZERS)} or pass a callable")
+
+
+def default_fused(params: Sequence[Any]) -> bool:
+    """train()'s choice of fused Adam/AdamW: True when there are parameters and every one is on a CUDA device."""
+    return bool(params) and all(isinstance(p, torch.Tensor) and p.device.type == "cuda" for p in params)
+
+
+def make_scheduler(spec: str | Callable | None, optimizer: torch.optim.Optimizer, steps: int):
+    """None, 'cosine' (to zero over `steps`) or a callable(optimizer) returning an LRScheduler."""
+    if spec is None:
+        return None
+    if callable(spec):
+        return spec(optimizer)
+    if spec == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    raise ValueError(f"unknown scheduler {spec!r}; choose None, {', '.join(SCHEDULERS)} or pass a callable")
+
+
+def _grad_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """DDP's no_sync() for micro-batches before the last: all-reduce once per window, not per micro-batch."""
+    if sync or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+#: Up to this many gradient values on a CPU, the norm is taken over one concatenated copy (see _squared_norm_parts).
+_CPU_CONCAT_NORM_MAX = 1 << 20
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """FSDP2's gradient norm is a DTensor of per-shard partial norms: the whole norm (a collective, on every rank)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _squared_norm_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-dim tensors whose sum is the squared total L2 norm of the gradients, computed without a host sync.
+
+    Why not get_total_norm: on every step it sorts the tensors into (device, dtype) groups and launches
+    one kernel per tensor plus two more; on a CPU, where each extra kernel of a training step costs
+    microseconds, that was several percent of a tiny model's step (benchmarks/README.md). So: plain
+    dense float32 gradients on a CPU, up to _CPU_CONCAT_NORM_MAX values: one concatenated copy and one
+    BLAS dot product. Plain dense gradients on one device and dtype otherwise: the per-tensor norms from
+    the fused kernel get_total_norm uses, squared. Anything else (DTensor shards, sparse or mixed
+    gradients): get_total_norm itself (made whole across FSDP2 shards), squared. Like torch's norms, this
+    accumulates in the gradients' dtype.
+    """
+    if not grads:
+        return []
+    first = grads[0]
+    device, dtype = first.device, first.dtype
+    if not all(type(g) is torch.Tensor and g.layout == torch.strided and g.device == device and g.dtype == dtype
+               for g in grads):
+        return [_full(torch.nn.utils.get_total_norm(grads)).square()]
+    if device.type == "cpu" and dtype == torch.float32 and sum(g.numel() for g in grads) <= _CPU_CONCAT_NORM_MAX:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        return [torch.dot(flat, flat)]
+    norms = torch._foreach_norm(grads, 2.0)
+    return list(torch._foreach_mul(norms, norms))
+
+
+def _scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """A copy of the scaler's scale, still on the device (no host sync); None when the scaler is disabled.
+
+    A copy because update() changes the scale in place. get_scale() would be a .item(): a host sync.
+    """
+    if not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_get_scale_async", lambda: None)()
+    return scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+
+
+def _read_back(tensors: list[torch.Tensor]) -> list[float]:
+    """0-dim tensors as Python floats: on a GPU stacked into one device-to-host copy, on a CPU one by one."""
+    first = tensors[0]
+    if first.device.type != "cpu" and all(type(t) is torch.Tensor and t.device == first.device for t in tensors):
+        with torch.no_grad():
+            return torch.stack(tensors).tolist()  # stack promotes mixed dtypes to the widest
+    return [t.item() for t in tensors]  # a CPU has no sync to save, and .item() is cheaper than a stack there
+
+
+def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
+               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, amp: AmpSetup, *,
+               grad_clip: float | None = None, scheduler: Any = None, autocast: bool = True) -> StepStats:
+    """One optimizer step over an accumulation window: autocast forward, scaled backward, unscale, clip, step.
+
+    autocast=False leaves the forward pass alone: FSDP2 casts the parameters per module instead.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    n = len(micro_batches)
+    losses = []
+    for i, (x, y) in enumerate(micro_batches):
+        with _grad_sync(model, sync=i == n - 1):
+            with amp.autocast(enabled=autocast):  # forward and loss only; backward runs outside autocast
+                loss = loss_fn(model(x), y)
+            # Divide by n so the summed gradient is the mean over the whole window, as with one big batch
+            # (n == 1: no division, which is exact anyway, and one kernel less).
+            scaler.scale(loss / n if n > 1 else loss).backward()
+        losses.append(loss)
+    scaler.unscale_(optimizer)  # from here on .grad holds true gradients: norms and clipping mean what they say
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if grad_clip is None:  # the norm is only recorded: its squared parts are summed on the host, after the sync
+        norm_parts = _squared_norm_parts([p.grad for p in params])
+    else:
+        norm_parts = [_full(torch.nn.utils.clip_grad_norm_(params, grad_clip))]
+    lr = optimizer.param_groups[0]["lr"]
+    before = _scale_tensor(scaler)  # read on the device: get_scale() here and below would be two more syncs
+    scale_host = scaler.get_scale() if before is None else None  # 1.0 for a disabled scaler, without a sync
+    # Skips optimizer.step() if unscale_ found inf/nan. A non-fused optimizer costs a host sync here (GradScaler
+    # reads found_inf with .item()); a fused one (make_optimizer's default on CUDA) gets found_inf as a tensor.
+    scaler.step(optimizer)
+    scaler.update()
+    scales = [before, _scale_tensor(scaler)] if before is not None else []
+    # Losses, norms and the scale before and after reach the host together: on a GPU one sync per step.
+    values = _read_back([*losses, *norm_parts, *scales])
+    if scales:
+        scale, new_scale = values[-2:]
+        values = values[:-2]
+    else:  # a disabled scaler (fp32, bf16): 1.0 both times, never a skip
+        scale, new_scale = scale_host, scaler.get_scale()
+    # The scaler lowers its scale exactly when it skipped the step; optimizer.step() returns None either
+    # way, so the scale is the signal. A skipped step must not advance the LR schedule.
+    skipped = new_scale < scale
+    if scheduler is not None and not skipped:
+        scheduler.step()
+    norm = values[n] if grad_clip is not None else math.sqrt(sum(values[n:], 0.0))  # inf or nan if a gradient was
+    return StepStats(loss=sum(values[:n], 0.0) / n, grad_norm=norm, scale=scale, skipped=skipped, lr=float(lr))
+
+
+def state_checksum(model: nn.Module) -> str:
+    """sha256 over key names and fp32 bytes (int64 for integer buffers) of the state_dict, in key order.
+
+    For an FSDP2 model the sharded tensors are gathered first, so every rank must call it (a collective)
+    and gets the checksum of the full model: the same number a single process would print.
+    """
+    digest = hashlib.sha256()
+    for key, value in model.state_dict().items():
+        digest.update(key.encode())
+        if hasattr(value, "full_tensor"):  # a DTensor shard: all-gather the whole tensor
+            value = value.full_tensor()
+        t = value.detach().to("cpu")
+        t = t.float() if t.is_floating_point() else t.long()
+        digest.update(t.contiguous().numpy().tobytes())
+    return digest.hexdigest()
