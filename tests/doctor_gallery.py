@@ -655,7 +655,8 @@ CASES: tuple[Case, ...] = (
          build_bert_fp16, ("fp16",), ("",), (), "model", regimen=_pure("fp16"), fix=_master_weights("fp16"),
          hf=True),
     Case("layer_local_underflow", 5, "the early layers' gradients (~1e-9) flush to zero in fp16 at scale 1, a few "
-         "percent of all gradients", build_layer_local_underflow, ("fp16",), ("early",), (), "backward",
+         "percent of all gradients", build_layer_local_underflow, ("fp16",), ("early", "early.0", "early.2"), (),
+         "backward",
          regimen=_no_scaler, fix=_with_scaler(2.0**16), watch=("early.",)),
     Case("multi_call", 6, "an activation module called twice; fc2 between the calls overflows fp16",
          build_multi_call, ("fp16",), ("fc2",), LINEAR_OPS, "forward", fix=_islands("fc2")),
@@ -806,3 +807,249 @@ def tracks(run: Trace, ref: Trace, watch: tuple[str, ...] = (), loss_tol: float 
     loss_gap = max(gaps)
     ok = run.finite and run.skipped <= 1 and loss_gap <= loss_tol and err <= update_tol
     return Verdict(ok, loss_gap, err, worst, run.skipped, run.finite)
+
+
+# -- judging a diagnostic tool on the gallery ------------------------------------------------------------------------
+#
+# The contract the doctor is judged against (issue 18): a Finding has kind, module (qualified name, "" = the whole
+# model), precision, value, message, severity ("error" / "warning" / "info"), phase ("forward" / "backward" /
+# "optimizer" / "model") and op ("aten::mul" or ""); a Report has is_clean(precision), verdicts[p]["status"] in
+# {"clean", "islands", "refused", "unsupported"} with verdicts[p]["fp32_modules"], fp32_modules,
+# recommended_precision, recommended_init_scale and advice (sentences). Every attribute is read with a default, so
+# an older doctor is judged too (and scores what it scores).
+
+#: The phase of a finding kind for a doctor whose findings have no phase (the doctor before issue 18).
+KIND_PHASE = {"nonfinite": "forward", "activation_overflow": "forward", "precision_loss": "forward",
+              "gradient_overflow": "backward", "gradient_underflow": "backward", "scaler_needed": "backward",
+              "no_scaler_needed": "backward", "lost_updates": "optimizer", "eps_underflow": "optimizer"}
+_MASTER_WORDS = ("master weight", "model.float()", "fp32 weights", "weights in fp32", "fp32 copy of the weights")
+
+
+def finding_phase(f) -> str:
+    """A finding's phase, or the one its kind implies."""
+    return getattr(f, "phase", "") or KIND_PHASE.get(getattr(f, "kind", ""), "")
+
+
+def _module_of(f) -> str:
+    """A finding's module name without quotes a renderer may have added."""
+    return str(getattr(f, "module", "")).strip("'\"`")
+
+
+def is_clean(report, precision: str) -> bool:
+    """report.is_clean(precision), or for an older doctor: status 'clean' and no error/warning for that precision."""
+    method = getattr(report, "is_clean", None)
+    if callable(method):
+        return bool(method(precision))
+    status = getattr(report, "verdicts", {}).get(precision, {}).get("status")
+    loud = any(getattr(f, "severity", "") in ("error", "warning") and getattr(f, "precision", "") == precision
+               for f in getattr(report, "findings", []))
+    return status == "clean" and not loud
+
+
+def _is_culprit(c: Case, name: str, modules: set[str]) -> bool:
+    """Whether name is one of c's culprits or a parameter / buffer of one (a child *module* is not: blaming attn.o
+    for what attn computes inline is the mistake the gallery tests)."""
+    return any(name == n or (name.startswith(n + ".") and name not in modules) for n in c.culprits)
+
+
+def names_culprit(c: Case, f, modules: set[str] = frozenset()) -> bool:
+    """Whether finding f (an error or warning) names case c's culprit (and one of its ops, when it has some);
+    modules: the model's module names (a finding on a child module of the culprit does not count)."""
+    if getattr(f, "severity", "") not in ("error", "warning"):
+        return False
+    phase = finding_phase(f)
+    if getattr(f, "precision", "") not in c.precisions and phase not in ("model", "optimizer"):
+        return False
+    if c.culprit == "":  # the whole model: its weights' dtype or the optimizer step
+        return phase in (("model", "optimizer") if c.phase in ("model", "optimizer") else (c.phase,))
+    if not _is_culprit(c, _module_of(f), modules):
+        return False
+    return not c.ops or getattr(f, "op", "") in c.ops
+
+
+def advises_master_weights(report) -> bool:
+    """Whether the report tells the learner to keep fp32 (master) weights."""
+    flag = getattr(report, "master_weights", None)
+    if flag is not None:
+        return bool(flag)
+    text = " ".join(str(a) for a in getattr(report, "advice", [])).lower()
+    return any(w in text for w in _MASTER_WORDS)
+
+
+def advised_regimen(report, c: Case, precision: str) -> tuple[str, list[str], Regimen]:
+    """What a learner who must train case c in precision would do on reading the report: the report's verdict for
+    precision if it accepts it (clean or with islands), else its recommended precision; with that verdict's fp32
+    modules, the recommended GradScaler scale for fp16, fp32 weights if it advises them. Returns (precision used,
+    fp32 modules, regimen)."""
+    verdicts = getattr(report, "verdicts", {}) or {}
+    p = precision
+    if verdicts.get(p, {}).get("status") not in ("clean", "islands"):
+        p = getattr(report, "recommended_precision", "fp32") or "fp32"
+    islands = list(verdicts.get(p, {}).get("fp32_modules", []) or [])
+    if not islands and p == getattr(report, "recommended_precision", None):
+        islands = list(getattr(report, "fp32_modules", []) or [])
+    planted_reg = c.regimen(precision)
+    if planted_reg.weights != "fp32" and not advises_master_weights(report):
+        return p, islands, planted_reg  # the weights stay in low precision: nothing the report said changes that
+    if p == "fp32":
+        return p, [], Regimen()
+    scale = float(getattr(report, "recommended_init_scale", 2.0**16) or 2.0**16) if p == "fp16" else None
+    return p, islands, Regimen(autocast=p, scale=scale)
+
+
+def _inputs_equal(a, b) -> bool:
+    """Whether two input structures hold bit-identical tensors."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            torch.equal(a.view(-1).view(torch.uint8) if a.is_floating_point() else a, b.view(-1).view(torch.uint8)
+                        if b.is_floating_point() else b))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_inputs_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping):
+        return a.keys() == b.keys() and all(_inputs_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps: int = STEPS) -> dict[str, Any]:
+    """Run the doctor on case c and judge it: found, named, advice_works (planted) or quiet (healthy), plus whether it
+    crashed and whether it left the caller's inputs bit-identical.
+
+    Args:
+        c: a gallery case.
+        examine: the function to judge (default: ampcourse.doctor.examine as imported now).
+        seed, steps: as for train().
+
+    Example:
+        >>> judge_doctor(case("multi_call"))["named"]
+        False
+    """
+    if examine is None:
+        from ampcourse.doctor import examine
+    s = c.build(seed)
+    kept = clone_inputs(s.inputs)
+    modules = {n for n, _ in s.model.named_modules()}
+    out: dict[str, Any] = {"case": c.name, "planted": c.planted, "crash": None}
+    try:
+        report = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer)
+    except Exception as err:  # a crash is a result: the learner gets no diagnosis
+        out.update(crash=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", found=False, named=False,
+                   advice_works=False, quiet=False, inputs_kept=_inputs_equal(kept, s.inputs))
+        return out
+    out["inputs_kept"] = _inputs_equal(kept, s.inputs)
+    loud = [f for f in getattr(report, "findings", []) if getattr(f, "severity", "") in ("error", "warning")]
+    out["clean"] = {p: is_clean(report, p) for p in ("fp16", "bf16")}
+    out["loud"] = [f"{getattr(f, 'kind', '?')}@{_module_of(f) or '(model)'}/{getattr(f, 'precision', '')}"
+                   + (f"/{getattr(f, 'op', '')}" if getattr(f, "op", "") else "") for f in loud][:6]
+    if c.planted:
+        out["found"] = all(not is_clean(report, p) for p in c.precisions)
+        out["named"] = any(names_culprit(c, f, modules) for f in loud)
+    else:
+        out["quiet"] = all(is_clean(report, p) for p in c.precisions)
+    ref = reference(c, seed, steps)
+    works, tried = True, []
+    for p in c.precisions[:1] if c.planted else ():
+        fresh = c.build(seed)
+        used, islands, reg = advised_regimen(report, c, p)
+        if reg.weights == "fp32":
+            fresh.model.float()
+        if islands:
+            from ampcourse.policy import apply_policy
+            try:
+                apply_policy(fresh.model, {n: "fp32" for n in islands})
+            except ValueError as err:  # an island that names no module: the advice cannot be followed
+                tried.append(f"{p}->{used} islands {islands}: {err}")
+                works = False
+                continue
+        verdict = tracks(run_steps(fresh, reg, steps), ref, c.watch)
+        tried.append(f"{p}->{used} islands {islands} scale {reg.scale}: {verdict}")
+        works = works and verdict.ok
+    if c.planted:
+        out["advice_works"] = works
+        out["advice_tried"] = tried
+    return out
+
+
+def _forward_ranges(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Per module name: (file, first line, last line) of its class's forward."""
+    import inspect
+    spans = {}
+    for name, m in model.named_modules():
+        fn = type(m).forward
+        try:
+            lines, first = inspect.getsourcelines(fn)
+            spans[name] = (inspect.getsourcefile(fn), first, first + len(lines) - 1)
+        except (OSError, TypeError):
+            continue
+    return spans
+
+
+def _innermost_module(trace: str, spans: Mapping[str, tuple[str, int, int]]) -> set[str]:
+    """The modules whose forward holds the innermost frame of trace that lies in any module's forward (a class's
+    instances cannot be told apart from a traceback: all of them are returned)."""
+    import re
+    import os
+    frames = [(os.path.realpath(f), int(n)) for f, n in re.findall(r'File "([^"]+)", line (\d+)', trace)]
+    for file, line in reversed(frames):
+        hit = {n for n, (sf, a, b) in spans.items() if os.path.realpath(sf) == file and a <= line <= b}
+        if hit:
+            return hit
+    return set()
+
+
+def _peer_regimens(c: Case) -> list[tuple[str, Regimen]]:
+    """The runs a peer watches: the planted precision(s) of a planted case, fp16 and bf16 of a healthy one."""
+    return [(p, c.regimen(p)) for p in c.precisions]
+
+
+def judge_anomaly(c: Case, seed: int = 0, steps: int = 3) -> dict[str, Any]:
+    """torch.autograd.detect_anomaly on case c's runs: found = it raises; named = the forward traceback it prints
+    points into the culprit module's forward (a culprit "" cannot be named by a traceback)."""
+    import warnings
+    out: dict[str, Any] = {"case": c.name, "found": False, "named": False, "message": ""}
+    for p, reg in _peer_regimens(c):
+        s = c.build(seed)
+        spans = _forward_ranges(s.model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    run_steps(s, reg, steps)
+            except RuntimeError as err:
+                trace = "\n".join(str(w.message) for w in caught if "Traceback of forward call" in str(w.message))
+                out.update(found=True, message=f"{p}: {str(err).splitlines()[0][:160]}")
+                hit = _innermost_module(trace, spans)
+                out["pointed_at"] = sorted(hit)
+                out["named"] = bool(c.culprit) and any(n in hit for n in c.culprits)
+                break
+    if not c.planted:
+        out["quiet"] = not out["found"]
+    return out
+
+
+def judge_debug_overflow(c: Case, seed: int = 0, steps: int = 3) -> dict[str, Any]:
+    """transformers' DebugUnderflowOverflow on case c's runs: found = it detects inf/NaN (and aborts); named = the
+    module of the frame where it detected them is the culprit (or inside it)."""
+    import contextlib
+    import io
+    import re
+    from transformers.debug_utils import DebugUnderflowOverflow
+    out: dict[str, Any] = {"case": c.name, "found": False, "named": False, "pointed_at": None}
+    for p, reg in _peer_regimens(c):
+        s = c.build(seed)
+        modules = {n for n, _ in s.model.named_modules()}
+        DebugUnderflowOverflow(s.model)  # hooks stay on this throwaway model
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                run_steps(s, reg, steps)
+        except ValueError as err:
+            if "DebugUnderflowOverflow" not in str(err):
+                raise
+            heads = [m for m in re.findall(r"^ {18}(\S*) (\w+)$", buf.getvalue(), re.M)]
+            name = heads[-1][0] if heads else None
+            out.update(found=True, pointed_at=name, precision=p)
+            out["named"] = bool(c.culprit) and name is not None and _is_culprit(c, name, modules)
+            break
+    if not c.planted:
+        out["quiet"] = not out["found"]
+    return out
