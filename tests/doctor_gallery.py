@@ -41,7 +41,6 @@ __all__ = ["Setup", "Regimen", "Case", "Trace", "Verdict", "CASES", "case", "pla
 STEPS = 6  # optimizer steps per training run: enough to see a divergence, few enough for seconds on a CPU
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MATMUL_OPS = ("aten::matmul", "aten::bmm", "aten::mm", "aten::baddbmm", "aten::_unsafe_view", "aten::einsum")
-LINEAR_OPS = ("aten::addmm", "aten::linear", "aten::mm", "aten::matmul", "aten::bmm")
 
 
 @dataclass
@@ -86,7 +85,8 @@ class Case:
         precisions: planted: the precisions the problem breaks; healthy: the precisions that train like fp32.
         culprits: accepted qualified names of the guilty module, canonical first ("" = the whole model); a finding
             on a parameter or child of one (``name + "."``) counts too.
-        ops: aten ops where the trouble starts ("" when the case has no op, e.g. the optimizer).
+        ops: aten ops where the trouble starts, any of which a finding must name when the culprit computes it
+            inline (empty where the module alone says it: a leaf such as a Linear, the optimizer, the weights).
         phase: "forward", "backward", "optimizer" or "model".
         regimen: precision -> how a learner trains the model in that precision (the planted recipe).
         fix: (model, optimizer) -> Regimen: applies the remedy to the model (fp32 islands, fp32 weights) and returns
@@ -659,11 +659,11 @@ CASES: tuple[Case, ...] = (
          "backward",
          regimen=_no_scaler, fix=_with_scaler(2.0**16), watch=("early.",)),
     Case("multi_call", 6, "an activation module called twice; fc2 between the calls overflows fp16",
-         build_multi_call, ("fp16",), ("fc2",), LINEAR_OPS, "forward", fix=_islands("fc2")),
+         build_multi_call, ("fp16",), ("fc2",), (), "forward", fix=_islands("fc2")),
     Case("inplace_input", 6, "a forward that halves its input in place; fc overflows fp16 on the batch as given",
-         build_inplace_input, ("fp16",), ("fc",), LINEAR_OPS, "forward", fix=_islands("fc")),
+         build_inplace_input, ("fp16",), ("fc",), (), "forward", fix=_islands("fc")),
     Case("t5_overflow", 6, "T5 (shared stack dropout, called around it) with an encoder FF output that overflows fp16",
-         build_t5_overflow, ("fp16",), (T5_CULPRIT,), LINEAR_OPS, "forward", fix=_islands(T5_CULPRIT), hf=True),
+         build_t5_overflow, ("fp16",), (T5_CULPRIT,), (), "forward", fix=_islands(T5_CULPRIT), hf=True),
     # healthy
     Case("ref_mlp", 0, "ampcourse's reference MLP", _reference("mlp"), ("fp16", "bf16")),
     Case("ref_cnn", 0, "ampcourse's reference CNN (batch norm)", _reference("cnn"), ("fp16", "bf16")),
