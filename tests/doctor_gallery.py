@@ -549,13 +549,15 @@ def build_gpt2_unscaled_attention(seed: int) -> Setup:
     return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
-def _bert(seed: int) -> nn.Module:
-    """A 2-layer BERT classifier (vocab 128, width 32), no dropout."""
+def _bert(seed: int, initializer_range: float = 0.05) -> nn.Module:
+    """A 2-layer BERT classifier (vocab 128, width 32), no dropout. At BERT's default initializer_range 0.02 this tiny
+    BERT's attention is nearly uniform and its key weights' gradients (~6e-7) mostly flush in fp16 at scale 1 (the
+    planted case bert_key_underflow); at 0.05 no parameter loses any."""
     from transformers import BertConfig, BertForSequenceClassification
     seed_all(seed)
     cfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=64, max_position_embeddings=32, num_labels=4, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+                     attention_probs_dropout_prob=0.0, initializer_range=initializer_range)
     return BertForSequenceClassification(cfg)
 
 
@@ -569,6 +571,13 @@ def _cls_inputs(seed: int, vocab: int = 128, n: int = 16, t: int = 16) -> dict[s
 def build_bert(seed: int) -> Setup:
     """Tiny BERT classifier, AdamW: healthy."""
     model = _bert(seed)
+    return Setup(model, _cls_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_bert_key_underflow(seed: int) -> Setup:
+    """Tiny BERT at its default initializer_range 0.02, AdamW: in fp16 at scale 1 its key weights lose 74-87% of their
+    gradients (nothing was planted: this is how BERT starts)."""
+    model = _bert(seed, initializer_range=0.02)
     return Setup(model, _cls_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
@@ -661,6 +670,10 @@ CASES: tuple[Case, ...] = (
          "percent of all gradients", build_layer_local_underflow, ("fp16",), ("early", "early.0", "early.2"), (),
          "backward",
          regimen=_no_scaler, fix=_with_scaler(2.0**16), watch=("early.",)),
+    Case("bert_key_underflow", 5, "tiny BERT at its default init: its key weights' gradients flush in fp16 at scale 1",
+         build_bert_key_underflow, ("fp16",), tuple(f"bert.encoder.layer.{i}.attention.self.key" for i in (0, 1)),
+         (), "backward", regimen=_no_scaler, fix=_with_scaler(2.0**16), hf=True,
+         watch=tuple(f"bert.encoder.layer.{i}.attention.self.key.weight" for i in (0, 1))),
     Case("multi_call", 6, "an activation module called twice; fc2 between the calls overflows fp16",
          build_multi_call, ("fp16",), ("fc2",), (), "forward", fix=_islands("fc2")),
     Case("inplace_input", 6, "a forward that halves its input in place; fc overflows fp16 on the batch as given",
@@ -768,6 +781,35 @@ def reference(c: Case, seed: int = 0, steps: int = STEPS) -> Trace:
     s.model.float()
     s.inputs = cast_inputs(s.inputs, torch.float32)
     return run_steps(s, Regimen(), steps)
+
+
+NOISE = 1e-6  # a parameter whose largest fp32 gradient is below this times the median parameter's is rounding noise
+
+
+def lost_at_scale_1(c: Case, precision: str = "fp16", seed: int = 0) -> dict[str, float]:
+    """Per parameter of case c, the share of its nonzero fp32 gradient values that one backward under autocast at
+    scale 1 (no GradScaler) returns as zero; parameters whose fp32 gradient is rounding noise (see NOISE, e.g. a key
+    bias before softmax, ~1e-14) are left out."""
+    grads = {}
+    for ac in (None, precision):
+        s = c.build(seed)
+        s.model.float()
+        ctx = torch.autocast("cpu", dtype=DTYPES[ac]) if ac else torch.autocast("cpu", enabled=False)
+        with ctx:
+            loss = model_loss(call_model(s.model, clone_inputs(cast_inputs(s.inputs, torch.float32))), s.targets,
+                              s.loss_fn)
+        loss.float().backward()
+        grads[ac] = {n: p.grad.detach().clone() for n, p in s.model.named_parameters() if p.grad is not None}
+    ref = grads[None]
+    tops = sorted(float(g.abs().max()) for g in ref.values())
+    floor = NOISE * tops[len(tops) // 2]
+    out = {}
+    for n, g in ref.items():
+        if float(g.abs().max()) < floor:
+            continue
+        nz = g != 0
+        out[n] = float(((grads[precision][n] == 0) & nz).sum()) / max(int(nz.sum()), 1)
+    return out
 
 
 @dataclass

@@ -17,7 +17,7 @@ HEALTHY = [c.name for c in G.healthy()]
 def test_the_gallery_covers_issue_18s_six_classes_in_own_and_hugging_face_models():
     classes = {c.klass for c in G.planted()}
     assert classes == {1, 2, 3, 4, 5, 6}
-    for k in (1, 4, 6):  # where a Hugging Face model fits the class, it is planted there too
+    for k in (1, 4, 5, 6):  # where a Hugging Face model fits the class, it is planted there too
         assert any(c.klass == k and c.hf for c in G.CASES) and any(c.klass == k and not c.hf for c in G.CASES)
     assert len(HEALTHY) >= 6
     assert {"ref_mlp", "ref_cnn", "ref_transformer"} <= set(HEALTHY)
@@ -65,6 +65,21 @@ def test_a_healthy_model_trains_like_fp32_in_fp16_and_bf16(name):
     for p in ("fp16", "bf16"):
         v = G.tracks(G.train(c, p), ref)
         assert v.ok and v.skipped == 0, f"{name} in {p}: {v}"
+    # Even without a GradScaler no parameter loses more than a tenth of its gradient in fp16 (issue 18 asks the doctor
+    # to warn at half), so a warning about gradients here is a false alarm.
+    lost = {n: share for n, share in G.lost_at_scale_1(c).items() if share > 0.1}
+    assert not lost, f"{name} loses gradients in fp16 at scale 1: {lost}"
+
+
+@pytest.mark.parametrize("name", [c.name for c in G.planted() if c.klass == 5])
+def test_a_layer_local_underflow_case_loses_its_culprits_gradients_and_little_else(name):
+    c = G.case(name)
+    lost = G.lost_at_scale_1(c)
+    culprit = {n: v for n, v in lost.items() if any(n.startswith(m + ".") for m in c.culprits)}
+    assert culprit and all(v > 0.5 for v in culprit.values()), culprit
+    n_all = sum(p.numel() for p in c.build(0).model.parameters())
+    n_culprit = sum(p.numel() for n, p in c.build(0).model.named_parameters() if n in culprit)
+    assert n_culprit / n_all < 0.1  # a few percent of the gradient values: an aggregate share hides them
 
 
 def test_tracks_rejects_nan_skips_a_loss_gap_and_a_frozen_watched_parameter():
