@@ -47,7 +47,7 @@ def judge_all(names: list[str] | None = None) -> list[dict]:
             continue
         t0 = time.perf_counter()
         row = {"case": c.name, "class": c.klass, "what": c.what, "hf": c.hf, "precisions": list(c.precisions),
-               "culprit": c.culprit, "ops": list(c.ops), "phase": c.phase,
+               "culprit": c.culprit, "culprits": list(c.culprits), "ops": list(c.ops), "phase": c.phase,
                "doctor": gallery.judge_doctor(c), "detect_anomaly": gallery.judge_anomaly(c),
                "debug_underflow_overflow": gallery.judge_debug_overflow(c)}
         row["seconds"] = round(time.perf_counter() - t0, 2)
@@ -83,6 +83,8 @@ def markdown(rows: list[dict], s: dict) -> str:
     for r in rows:
         d, a, u = r["doctor"], r["detect_anomaly"], r["debug_underflow_overflow"]
         culprit = f"`{r['culprit']}`" if r["culprit"] else "(whole model)"
+        if len(r["culprits"]) > 1:
+            culprit += f" (+{len(r['culprits']) - 1})"
         if r["class"] > 0:
             doc = "crash" if d["crash"] else f"{mark(d['found'])} / {mark(d['named'])} / {mark(d['advice_works'])}"
             cells = [doc, f"{mark(a['found'])} / {mark(a['named'])}", f"{mark(u['found'])} / {mark(u['named'])}"]
