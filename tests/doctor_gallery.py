@@ -955,6 +955,19 @@ def _inputs_equal(a, b) -> bool:
     return a == b
 
 
+def _state(s: Setup) -> dict[str, Any]:
+    """Copies of what examine must leave as it found it: parameters, buffers, their .grad, training flags, the
+    optimizer's state and the torch RNG."""
+    out = {f"model.{k}": v.detach().clone() for k, v in s.model.state_dict(keep_vars=True).items()}
+    out.update({f"grad.{n}": (p.grad.clone() if p.grad is not None else "none")
+                for n, p in s.model.named_parameters()})
+    out["training"] = tuple(m.training for m in s.model.modules())
+    if s.optimizer is not None:
+        out["optimizer"] = repr(s.optimizer.state_dict())
+    out["rng"] = torch.get_rng_state()
+    return out
+
+
 def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps: int = STEPS) -> dict[str, Any]:
     """Run the doctor on case c and judge it: found, named, advice_works (planted) or quiet (healthy), plus whether it
     crashed and whether it left the caller's inputs bit-identical.
@@ -972,15 +985,18 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
         from ampcourse.doctor import examine
     s = c.build(seed)
     kept = clone_inputs(s.inputs)
+    state = _state(s)
     modules = {n for n, _ in s.model.named_modules()}
     out: dict[str, Any] = {"case": c.name, "planted": c.planted, "crash": None}
     try:
         report = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer)
     except Exception as err:  # a crash is a result: the learner gets no diagnosis
         out.update(crash=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", found=False, named=False,
-                   advice_works=False, quiet=False, inputs_kept=_inputs_equal(kept, s.inputs))
+                   advice_works=False, quiet=False, inputs_kept=_inputs_equal(kept, s.inputs),
+                   state_kept=_inputs_equal(state, _state(s)))
         return out
     out["inputs_kept"] = _inputs_equal(kept, s.inputs)
+    out["state_kept"] = _inputs_equal(state, _state(s))
     loud = [f for f in getattr(report, "findings", []) if getattr(f, "severity", "") in ("error", "warning")]
     out["clean"] = {p: is_clean(report, p) for p in ("fp16", "bf16")}
     out["loud"] = [f"{getattr(f, 'kind', '?')}@{_module_of(f) or '(model)'}/{getattr(f, 'precision', '')}"
