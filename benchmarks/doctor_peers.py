@@ -2,7 +2,7 @@
 gallery (tests/doctor_gallery.py): a table of found / named / advice-works per planted case and of false alarms on
 the healthy ones.
 
-    OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= .venv/bin/python benchmarks/doctor_peers.py --out benchmarks/cpu/doctor_peers.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/doctor_peers.py --out benchmarks/cpu/doctor_peers.json
     PYTHONPATH=/path/to/other/checkout .venv/bin/python benchmarks/doctor_peers.py      # judge another doctor
 
 It judges whichever ``ampcourse`` Python imports. Scores (tests/doctor_gallery.py has the rules):

@@ -5,13 +5,14 @@ here in a small model of our own and, where it fits, in a Hugging Face model bui
 only, seeded, no downloads). Healthy models (the course's reference models, tiny GPT-2 / BERT / T5 and near misses
 of the planted ones) check that a tool stays quiet when nothing is wrong.
 
-    >>> from doctor_gallery import CASES, case, train, tracks
+    >>> from doctor_gallery import CASES, case, reference, train, tracks, judge_doctor
     >>> c = case("inline_rmsnorm")
     >>> s = c.build(0)                            # Setup: model, inputs, targets, loss_fn, optimizer
     >>> planted = train(c, "fp16")                # the planted precision, as a learner would train it
-    >>> ref, fixed = train(c, "fp32"), train(c, "fp16", fixed=True)
-    >>> tracks(planted, ref).ok, tracks(fixed, ref).ok
+    >>> ref, fixed = reference(c), train(c, "fp16", fixed=True)
+    >>> tracks(planted, ref, c.watch).ok, tracks(fixed, ref, c.watch).ok
     (False, True)
+    >>> judge_doctor(c)                           # found / named / advice_works of ampcourse.doctor.examine
 
 Each :class:`Case` says what is planted (issue 18's class 1-6, or 0 for a healthy model), the precisions it
 affects, the culprit (qualified module name, "" for the whole model; the aten ops that start the trouble; the phase
@@ -23,11 +24,16 @@ diverges from fp32 and that its fix tracks fp32; ``benchmarks/doctor_peers.py`` 
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import inspect
+import io
 import math
+import os
 import random
+import re
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,8 +41,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Setup", "Regimen", "Case", "Trace", "Verdict", "CASES", "case", "planted", "healthy", "train",
-           "tracks", "STEPS", "call_model", "model_loss"]
+__all__ = ["Setup", "Regimen", "Case", "Trace", "Verdict", "CASES", "STEPS", "case", "planted", "healthy", "train",
+           "reference", "run_steps", "tracks", "lost_at_scale_1", "call_model", "model_loss", "is_clean",
+           "names_culprit", "advised_regimen", "judge_doctor", "judge_anomaly", "judge_debug_overflow"]
 
 STEPS = 6  # optimizer steps per training run: enough to see a divergence, few enough for seconds on a CPU
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -978,8 +985,8 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
         seed, steps: as for train().
 
     Example:
-        >>> judge_doctor(case("multi_call"))["named"]
-        False
+        >>> r = judge_doctor(case("multi_call"))
+        >>> r["found"], r["named"], r["advice_works"], r["loud"]   # loud: the errors and warnings, as kind@module
     """
     if examine is None:
         from ampcourse.doctor import examine
@@ -1032,7 +1039,6 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
 
 def _forward_ranges(model: nn.Module) -> dict[str, tuple[str, int, int]]:
     """Per module name: (file, first line, last line) of its class's forward."""
-    import inspect
     spans = {}
     for name, m in model.named_modules():
         fn = type(m).forward
@@ -1047,8 +1053,6 @@ def _forward_ranges(model: nn.Module) -> dict[str, tuple[str, int, int]]:
 def _innermost_module(trace: str, spans: Mapping[str, tuple[str, int, int]]) -> set[str]:
     """The modules whose forward holds the innermost frame of trace that lies in any module's forward (a class's
     instances cannot be told apart from a traceback: all of them are returned)."""
-    import re
-    import os
     frames = [(os.path.realpath(f), int(n)) for f, n in re.findall(r'File "([^"]+)", line (\d+)', trace)]
     for file, line in reversed(frames):
         hit = {n for n, (sf, a, b) in spans.items() if os.path.realpath(sf) == file and a <= line <= b}
@@ -1065,7 +1069,6 @@ def _peer_regimens(c: Case) -> list[tuple[str, Regimen]]:
 def judge_anomaly(c: Case, seed: int = 0, steps: int = 3) -> dict[str, Any]:
     """torch.autograd.detect_anomaly on case c's runs: found = it raises; named = the forward traceback it prints
     points into the culprit module's forward (a culprit "" cannot be named by a traceback)."""
-    import warnings
     out: dict[str, Any] = {"case": c.name, "found": False, "named": False, "message": ""}
     for p, reg in _peer_regimens(c):
         s = c.build(seed)
@@ -1090,9 +1093,6 @@ def judge_anomaly(c: Case, seed: int = 0, steps: int = 3) -> dict[str, Any]:
 def judge_debug_overflow(c: Case, seed: int = 0, steps: int = 3) -> dict[str, Any]:
     """transformers' DebugUnderflowOverflow on case c's runs: found = it detects inf/NaN (and aborts); named = the
     module of the frame where it detected them is the culprit (or inside it)."""
-    import contextlib
-    import io
-    import re
     from transformers.debug_utils import DebugUnderflowOverflow
     out: dict[str, Any] = {"case": c.name, "found": False, "named": False, "pointed_at": None}
     for p, reg in _peer_regimens(c):
