@@ -51,8 +51,8 @@ def test_a_planted_problem_is_real_and_its_fix_trains_like_fp32(name):
     for p in c.precisions:
         broken = G.tracks(G.train(c, p), ref, c.watch)
         assert not broken.ok, f"{name} in {p} trains like fp32: {broken}"
-        # Not a near miss: NaN/inf, skipped steps, a 10% loss gap or a parameter that does not learn at all.
-        assert (not broken.finite or broken.skipped >= 3 or broken.loss_gap > 0.1 or broken.update_error > 0.9), \
+        # Not a near miss: NaN/inf, skipped steps, a 10% loss gap or a watched parameter losing most of its update.
+        assert (not broken.finite or broken.skipped >= 3 or broken.loss_gap > 0.1 or broken.update_error > 0.75), \
             f"{name} in {p}: {broken}"
     fixed = G.tracks(G.train(c, c.precisions[0], fixed=True), ref, c.watch)
     assert fixed.ok, f"{name}'s fix ({c.fix.__doc__}) does not track fp32: {fixed}"
