@@ -234,3 +234,28 @@ def test_doctor_on_gallery():
     if seen[0] != seen[1]:
         wrong.append(f"inplace_input: two calls differ: {seen}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_peers_benchmark_builds_its_table_and_totals(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "doctor_peers.py"
+    spec = importlib.util.spec_from_file_location("doctor_peers", path)
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    out = tmp_path / "peers.json"
+    monkeypatch.setattr(sys, "argv", ["doctor_peers.py", "--cases", "multi_call,ref_mlp", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        peers.main()
+    finally:
+        torch.set_num_threads(threads)  # main() pins one thread for the benchmark; leave the other tests theirs
+    data = json.loads(out.read_text())
+    assert [r["case"] for r in data["rows"]] == ["multi_call", "ref_mlp"]
+    s = data["summary"]
+    assert (s["planted"], s["healthy"]) == (1, 1)
+    assert s["debug_underflow_overflow"] == {"right": 1, "found": 1, "named": 1, "false_alarms": 0}
+    table = peers.markdown(data["rows"], s)
+    assert "| multi_call | 6 | `fc2` |" in table and "| ref_mlp | - | healthy | " in table
