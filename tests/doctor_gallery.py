@@ -47,7 +47,7 @@ __all__ = ["Setup", "Regimen", "Case", "Trace", "Verdict", "CASES", "STEPS", "ca
 
 STEPS = 6  # optimizer steps per training run: enough to see a divergence, few enough for seconds on a CPU
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-MATMUL_OPS = ("aten::matmul", "aten::bmm", "aten::mm", "aten::baddbmm", "aten::_unsafe_view", "aten::einsum")
+MATMUL_OPS = ("aten::matmul", "aten::bmm", "aten::mm", "aten::baddbmm", "aten::einsum")  # what q @ k.T dispatches to
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Case:
         build: seed -> Setup (deterministic).
         precisions: planted: the precisions the problem breaks; healthy: the precisions that train like fp32.
         culprits: accepted qualified names of the guilty module, canonical first ("" = the whole model); a finding
-            on a parameter or child of one (``name + "."``) counts too.
+            on a parameter or buffer of one counts too, a finding on a child module does not.
         ops: aten ops where the trouble starts, any of which a finding must name when the culprit computes it
             inline (empty where the module alone says it: a leaf such as a Linear, the optimizer, the weights).
         phase: "forward", "backward", "optimizer" or "model".
