@@ -428,6 +428,12 @@ def build_half_layernorm(seed: int) -> Setup:
     return _pure_setup(seed, torch.float16, lambda p: torch.optim.SGD(p, lr=1e-3))
 
 
+def build_pure_bf16_adamw(seed: int) -> Setup:
+    """A .bfloat16() model with AdamW(lr=1e-4): each step moves a weight by about lr, below half a bf16 step of most
+    weights (2.4e-4 at 0.1), so most updates round away; bf16's range hides nothing here, its 8-bit mantissa does."""
+    return _pure_setup(seed, torch.bfloat16, lambda p: torch.optim.AdamW(p, lr=1e-4))
+
+
 # -- class 5: layer-local gradient underflow ------------------------------------------------------------------------
 
 class GatedNet(nn.Module):
@@ -669,6 +675,9 @@ CASES: tuple[Case, ...] = (
          fix=_master_weights("fp16")),
     Case("half_layernorm", 4, "a .half() model with a LayerNorm, plain SGD: updates round away in fp16 weights",
          build_half_layernorm, ("fp16",), ("",), (), "model", regimen=_pure("fp16"), fix=_master_weights("fp16"),
+         watch=("",)),
+    Case("pure_bf16_adamw", 4, "a .bfloat16() model with AdamW(lr=1e-4): most updates round away in bf16 weights",
+         build_pure_bf16_adamw, ("bf16",), ("",), (), "model", regimen=_pure("bf16"), fix=_master_weights("bf16"),
          watch=("",)),
     Case("bert_fp16", 4, "tiny BERT converted with .half(), AdamW: pure fp16 weights and optimizer state",
          build_bert_fp16, ("fp16",), ("",), (), "model", regimen=_pure("fp16"), fix=_master_weights("fp16"),
