@@ -68,7 +68,9 @@ def summary(rows: list[dict]) -> dict:
                       "crashes": sum(r["doctor"]["crash"] is not None for r in rows),
                       "false_alarms": sum(not r["doctor"]["quiet"] for r in healthy),
                       "inputs_changed": [r["case"] for r in rows if not r["doctor"].get("inputs_kept", True)],
-                      "state_changed": [r["case"] for r in rows if not r["doctor"].get("state_kept", True)]}}
+                      "state_changed": [r["case"] for r in rows if not r["doctor"].get("state_kept", True)],
+                      "differs_twice": [r["case"] for r in rows
+                                        if r["doctor"]["crash"] is None and not r["doctor"]["same_twice"]]}}
     for tool in ("detect_anomaly", "debug_underflow_overflow"):
         t = [r[tool] for r in planted]
         out[tool] = {"right": sum(x["found"] and x["named"] for x in t), "found": sum(x["found"] for x in t),
@@ -102,7 +104,8 @@ def markdown(rows: list[dict], s: dict) -> str:
               f"Doctor: found {s['doctor']['found']}, named {s['doctor']['named']}, advice works "
               f"{s['doctor']['advice_works']}, crashed on {s['doctor']['crashes']}; left the caller's inputs changed "
               f"in {s['doctor']['inputs_changed'] or 'none'}, the model's or optimizer's state in "
-              f"{s['doctor']['state_changed'] or 'none'}.",
+              f"{s['doctor']['state_changed'] or 'none'}; concluded differently on a second call in "
+              f"{s['doctor']['differs_twice'] or 'none'}.",
               f"False alarms on {s['healthy']} healthy cases: doctor {s['doctor']['false_alarms']}, detect_anomaly "
               f"{s['detect_anomaly']['false_alarms']}, DebugUnderflowOverflow "
               f"{s['debug_underflow_overflow']['false_alarms']}."]

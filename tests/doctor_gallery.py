@@ -984,9 +984,20 @@ def _state(s: Setup) -> dict[str, Any]:
     return out
 
 
+def _signature(report) -> list[tuple]:
+    """What a report concludes: each finding's kind, module, precision, severity, phase and op, the verdicts and the
+    recommendation (not the measured numbers, which may differ in the last bits)."""
+    findings = [(getattr(f, "kind", ""), _module_of(f), getattr(f, "precision", ""), getattr(f, "severity", ""),
+                 getattr(f, "phase", ""), getattr(f, "op", "")) for f in getattr(report, "findings", [])]
+    verdicts = {p: (v.get("status"), tuple(v.get("fp32_modules", []) or []))
+                for p, v in (getattr(report, "verdicts", {}) or {}).items()}
+    return [findings, verdicts, getattr(report, "recommended_precision", None)]
+
+
 def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps: int = STEPS) -> dict[str, Any]:
     """Run the doctor on case c and judge it: found, named, advice_works (planted) or quiet (healthy), plus whether it
-    crashed and whether it left the caller's inputs bit-identical.
+    crashed, left the caller's inputs and the model's and optimizer's state bit-identical, and concludes the same when
+    called twice.
 
     Args:
         c: a gallery case.
@@ -1013,6 +1024,8 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
         return out
     out["inputs_kept"] = _inputs_equal(kept, s.inputs)
     out["state_kept"] = _inputs_equal(state, _state(s))
+    again = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer)
+    out["same_twice"] = _signature(report) == _signature(again)
     loud = [f for f in getattr(report, "findings", []) if getattr(f, "severity", "") in ("error", "warning")]
     out["clean"] = {p: is_clean(report, p) for p in ("fp16", "bf16")}
     out["loud"] = [f"{getattr(f, 'kind', '?')}@{_module_of(f) or '(model)'}/{getattr(f, 'precision', '')}"

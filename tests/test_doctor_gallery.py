@@ -227,12 +227,8 @@ def test_doctor_on_gallery():
             wrong.append(f"{c.name}: the caller's inputs changed")
         if not r["state_kept"]:
             wrong.append(f"{c.name}: the model's or optimizer's state changed")
-    from ampcourse.doctor import examine
-    s = G.case("inplace_input").build(0)
-    runs = [examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer) for _ in range(2)]
-    seen = [[(f.kind, f.module, f.precision, f.severity) for f in r.findings] for r in runs]
-    if seen[0] != seen[1]:
-        wrong.append(f"inplace_input: two calls differ: {seen}")
+        if not r.get("same_twice", False):
+            wrong.append(f"{c.name}: two calls conclude differently (or crash)")
     assert not wrong, "\n".join(wrong)
 
 
