@@ -10,6 +10,8 @@ It judges whichever ``ampcourse`` Python imports. Scores (tests/doctor_gallery.p
 - doctor: found = the planted precision is not called clean; named = an error or warning names the culprit module
   (and op, when the case has one); advice works = following the report (its verdict for the planted precision, or its
   recommended precision; fp32 islands; GradScaler scale; fp32 master weights if advised) trains like fp32 for 6 steps.
+  Also counted: errors or warnings on a case's innocents (modules that only pass the trouble on, or do something
+  exact), and whether examine left inputs and state bit-identical and concluded the same twice.
 - detect_anomaly: found = it raises during 3 training steps in the planted precision; named = its forward traceback
   points into the culprit's forward.
 - DebugUnderflowOverflow: found = it detects inf/NaN during those steps; named = the module where it detects them is
@@ -66,6 +68,8 @@ def summary(rows: list[dict]) -> dict:
                       "found": sum(x["found"] for x in d), "named": sum(x["named"] for x in d),
                       "advice_works": sum(x["advice_works"] for x in d),
                       "crashes": sum(r["doctor"]["crash"] is not None for r in rows),
+                      "blames_innocent": {r["case"]: r["doctor"]["blames_innocent"] for r in planted
+                                          if r["doctor"].get("blames_innocent")},
                       "false_alarms": sum(not r["doctor"]["quiet"] for r in healthy),
                       "inputs_changed": [r["case"] for r in rows if not r["doctor"].get("inputs_kept", True)],
                       "state_changed": [r["case"] for r in rows if not r["doctor"].get("state_kept", True)],
@@ -102,7 +106,8 @@ def markdown(rows: list[dict], s: dict) -> str:
               f"peers), of {n}: doctor {s['doctor']['right']}, detect_anomaly {s['detect_anomaly']['right']}, "
               f"DebugUnderflowOverflow {s['debug_underflow_overflow']['right']}.",
               f"Doctor: found {s['doctor']['found']}, named {s['doctor']['named']}, advice works "
-              f"{s['doctor']['advice_works']}, crashed on {s['doctor']['crashes']}; left the caller's inputs changed "
+              f"{s['doctor']['advice_works']}, crashed on {s['doctor']['crashes']}; errors or warnings on modules that "
+              f"only pass the trouble on: {s['doctor']['blames_innocent'] or 'none'}; left the caller's inputs changed "
               f"in {s['doctor']['inputs_changed'] or 'none'}, the model's or optimizer's state in "
               f"{s['doctor']['state_changed'] or 'none'}; concluded differently on a second call in "
               f"{s['doctor']['differs_twice'] or 'none'}.",

@@ -102,6 +102,8 @@ class Case:
         watch: prefixes of the parameter names whose total update must stay within UPDATE_TOL of fp32's in a run
             that tracks fp32 ("" = every parameter); empty: judge the losses only (a parameter whose true gradient
             is 0, such as a bias before a norm, moves by rounding noise alone, and AdamW magnifies that noise).
+        innocents: modules about which any error or warning is wrong (they only pass on what the culprit made, or
+            do something exact): blaming one is the mistake a case tests.
     """
 
     name: str
@@ -116,6 +118,7 @@ class Case:
     fix: Callable[[nn.Module, Any], Regimen] | None = None
     hf: bool = False
     watch: tuple[str, ...] = ()
+    innocents: tuple[str, ...] = ()
 
     @property
     def planted(self) -> bool:
@@ -661,10 +664,11 @@ CASES: tuple[Case, ...] = (
     Case("inline_rmsnorm", 1, "naive RMSNorm (x*x) written inline in a parent block overflows fp16",
          build_inline_rmsnorm, ("fp16",), ("block",), ("aten::mul", "aten::pow"), "forward", fix=_islands("block")),
     Case("inline_attention", 1, "attention logits q @ k.T without 1/sqrt(d), inline in the parent, overflow fp16",
-         build_inline_attention, ("fp16",), ("attn",), MATMUL_OPS, "forward", fix=_islands("attn")),
+         build_inline_attention, ("fp16",), ("attn",), MATMUL_OPS, "forward", fix=_islands("attn"),
+         innocents=("attn.o",)),
     Case("gpt2_unscaled_attention", 1, "GPT-2 with scale_attn_weights=False and large q/k: inline logits overflow "
          "fp16", build_gpt2_unscaled_attention, ("fp16",), ("transformer.h.0.attn",), MATMUL_OPS, "forward",
-         fix=_islands("transformer.h.0.attn"), hf=True),
+         fix=_islands("transformer.h.0.attn"), hf=True, innocents=("transformer.h.0.attn.c_proj",)),
     Case("custom_backward", 2, "custom autograd.Function: safe forward, its backward overflows fp16 (x*x)",
          lambda s: _fused_setup(s, safe=False), ("fp16",), ("norm",), ("aten::mul", "aten::pow"), "backward",
          fix=_islands("norm")),
@@ -694,9 +698,10 @@ CASES: tuple[Case, ...] = (
     Case("multi_call", 6, "an activation module called twice; fc2 between the calls overflows fp16",
          build_multi_call, ("fp16",), ("fc2",), (), "forward", fix=_islands("fc2")),
     Case("inplace_input", 6, "a forward that halves its input in place; fc overflows fp16 on the batch as given",
-         build_inplace_input, ("fp16",), ("fc",), (), "forward", fix=_islands("fc")),
+         build_inplace_input, ("fp16",), ("fc",), (), "forward", fix=_islands("fc"), innocents=("prep",)),
     Case("t5_overflow", 6, "T5 (shared stack dropout, called around it) with an encoder FF output that overflows fp16",
-         build_t5_overflow, ("fp16",), (T5_CULPRIT,), (), "forward", fix=_islands(T5_CULPRIT), hf=True),
+         build_t5_overflow, ("fp16",), (T5_CULPRIT,), (), "forward", fix=_islands(T5_CULPRIT), hf=True,
+         innocents=("encoder.dropout",)),
     # healthy
     Case("ref_mlp", 0, "ampcourse's reference MLP", _reference("mlp"), ("fp16", "bf16")),
     Case("ref_cnn", 0, "ampcourse's reference CNN (batch norm)", _reference("cnn"), ("fp16", "bf16")),
@@ -1034,6 +1039,9 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
     if c.planted:
         out["found"] = all(not is_clean(report, p) for p in c.precisions)
         out["named"] = any(names_culprit(c, f, modules) for f in loud)
+        out["blames_innocent"] = sorted({_module_of(f) for f in loud if any(
+            _module_of(f) == n or (_module_of(f).startswith(n + ".") and _module_of(f) not in modules)
+            for n in c.innocents)})
     else:
         out["quiet"] = all(is_clean(report, p) for p in c.precisions)
     ref = reference(c, seed, steps)
