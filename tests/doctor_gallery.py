@@ -540,7 +540,7 @@ def _gpt2(seed: int, **overrides) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     seed_all(seed)
     cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **overrides)
     cfg._attn_implementation = "eager"  # the attention logits computed inline in GPT2Attention (sdpa hides them)
     return GPT2LMHeadModel(cfg)
 
