@@ -1,0 +1,142 @@
+"""The AMP doctor, torch.autograd.detect_anomaly and transformers' DebugUnderflowOverflow side by side on the doctor
+gallery (tests/doctor_gallery.py): a table of found / named / advice-works per planted case and of false alarms on
+the healthy ones.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/doctor_peers.py --out benchmarks/cpu/doctor_peers.json
+    PYTHONPATH=/path/to/other/checkout .venv/bin/python benchmarks/doctor_peers.py      # judge another doctor
+
+It judges whichever ``ampcourse`` Python imports. Scores (tests/doctor_gallery.py has the rules):
+
+- doctor: found = the planted precision is not called clean; named = an error or warning names the culprit module
+  (and op, when the case has one); advice works = following the report (its verdict for the planted precision, or its
+  recommended precision; fp32 islands; GradScaler scale; fp32 master weights if advised) trains like fp32 for 6 steps.
+  Also counted: errors or warnings on a case's innocents (modules that only pass the trouble on, or do something
+  exact), and whether examine left inputs and state bit-identical and concluded the same twice.
+- detect_anomaly: found = it raises during 3 training steps in the planted precision; named = its forward traceback
+  points into the culprit's forward.
+- DebugUnderflowOverflow: found = it detects inf/NaN during those steps; named = the module where it detects them is
+  the culprit.
+- healthy cases (fp16 and bf16 runs): quiet = no error/warning (doctor), no raise (detect_anomaly), no detection
+  (DebugUnderflowOverflow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import torch  # noqa: E402
+
+import doctor_gallery as gallery  # noqa: E402
+
+
+def mark(ok: bool | None) -> str:
+    """A table cell for a yes/no result."""
+    return "-" if ok is None else ("yes" if ok else "**no**")
+
+
+def judge_all(names: list[str] | None = None) -> list[dict]:
+    """Every tool on every case (or on the named ones): one row per case."""
+    rows = []
+    for c in gallery.CASES:
+        if names and c.name not in names:
+            continue
+        t0 = time.perf_counter()
+        row = {"case": c.name, "class": c.klass, "what": c.what, "hf": c.hf, "precisions": list(c.precisions),
+               "culprit": c.culprit, "culprits": list(c.culprits), "ops": list(c.ops), "phase": c.phase,
+               "doctor": gallery.judge_doctor(c), "detect_anomaly": gallery.judge_anomaly(c),
+               "debug_underflow_overflow": gallery.judge_debug_overflow(c)}
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        rows.append(row)
+        print(f"  {c.name}: {row['seconds']} s", file=sys.stderr)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Counts per tool: planted cases fully right and per criterion, false alarms on healthy cases, crashes."""
+    planted = [r for r in rows if r["class"] > 0]
+    healthy = [r for r in rows if r["class"] == 0]
+    d = [r["doctor"] for r in planted]
+    out = {"planted": len(planted), "healthy": len(healthy),
+           "doctor": {"right": sum(x["found"] and x["named"] and x["advice_works"] for x in d),
+                      "found": sum(x["found"] for x in d), "named": sum(x["named"] for x in d),
+                      "advice_works": sum(x["advice_works"] for x in d),
+                      "crashes": sum(r["doctor"]["crash"] is not None for r in rows),
+                      "blames_innocent": {r["case"]: r["doctor"]["blames_innocent"] for r in planted
+                                          if r["doctor"].get("blames_innocent")},
+                      "false_alarms": sum(not r["doctor"]["quiet"] for r in healthy),
+                      "inputs_changed": [r["case"] for r in rows if not r["doctor"].get("inputs_kept", True)],
+                      "state_changed": [r["case"] for r in rows if not r["doctor"].get("state_kept", True)],
+                      "differs_twice": [r["case"] for r in rows
+                                        if r["doctor"]["crash"] is None and not r["doctor"]["same_twice"]]}}
+    for tool in ("detect_anomaly", "debug_underflow_overflow"):
+        t = [r[tool] for r in planted]
+        out[tool] = {"right": sum(x["found"] and x["named"] for x in t), "found": sum(x["found"] for x in t),
+                     "named": sum(x["named"] for x in t),
+                     "false_alarms": sum(not r[tool]["quiet"] for r in healthy)}
+    return out
+
+
+def markdown(rows: list[dict], s: dict) -> str:
+    """The table and the totals as markdown."""
+    lines = ["| case | class | culprit | doctor found / named / advice works | detect_anomaly found / named "
+             "| DebugUnderflowOverflow found / named |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        d, a, u = r["doctor"], r["detect_anomaly"], r["debug_underflow_overflow"]
+        culprit = f"`{r['culprit']}`" if r["culprit"] else "(whole model)"
+        if len(r["culprits"]) > 1:
+            culprit += f" (+{len(r['culprits']) - 1})"
+        if r["class"] > 0:
+            doc = "crash" if d["crash"] else f"{mark(d['found'])} / {mark(d['named'])} / {mark(d['advice_works'])}"
+            cells = [doc, f"{mark(a['found'])} / {mark(a['named'])}", f"{mark(u['found'])} / {mark(u['named'])}"]
+        else:
+            culprit = "healthy"
+            cells = ["crash" if d["crash"] else ("quiet" if d["quiet"] else "**false alarm**")] + [
+                "quiet" if x["quiet"] else "**false alarm**" for x in (a, u)]
+        lines.append(f"| {r['case']}{' (HF)' if r['hf'] else ''} | {r['class'] or '-'} | {culprit} | "
+                     + " | ".join(cells) + " |")
+    n = s["planted"]
+    lines += ["", f"Planted cases fully right (found + named + advice works for the doctor; found + named for the "
+              f"peers), of {n}: doctor {s['doctor']['right']}, detect_anomaly {s['detect_anomaly']['right']}, "
+              f"DebugUnderflowOverflow {s['debug_underflow_overflow']['right']}.",
+              f"Doctor: found {s['doctor']['found']}, named {s['doctor']['named']}, advice works "
+              f"{s['doctor']['advice_works']}, crashed on {s['doctor']['crashes']}; errors or warnings on modules that "
+              f"only pass the trouble on: {s['doctor']['blames_innocent'] or 'none'}; left the caller's inputs changed "
+              f"in {s['doctor']['inputs_changed'] or 'none'}, the model's or optimizer's state in "
+              f"{s['doctor']['state_changed'] or 'none'}; concluded differently on a second call in "
+              f"{s['doctor']['differs_twice'] or 'none'}.",
+              f"False alarms on {s['healthy']} healthy cases: doctor {s['doctor']['false_alarms']}, detect_anomaly "
+              f"{s['detect_anomaly']['false_alarms']}, DebugUnderflowOverflow "
+              f"{s['debug_underflow_overflow']['false_alarms']}."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--out", default=None, help="write the rows and totals as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import ampcourse
+    import transformers
+    rows = judge_all([n for n in args.cases.split(",") if n] or None)
+    s = summary(rows)
+    print(f"ampcourse from {os.path.dirname(ampcourse.__file__)}; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}\n")
+    print(markdown(rows, s))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "summary": s,
+                       "rows": rows}, fh, indent=1, default=str)
+            fh.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1147 @@
+"""A gallery of planted mixed-precision problems and healthy models: the measuring stick for AMP diagnostics.
+
+Issue 18 names six classes of problem that a forward-only, leaf-module doctor cannot see. Each class is planted
+here in a small model of our own and, where it fits, in a Hugging Face model built from a tiny config (from_config
+only, seeded, no downloads). Healthy models (the course's reference models, tiny GPT-2 / BERT / T5 and near misses
+of the planted ones) check that a tool stays quiet when nothing is wrong.
+
+    >>> from doctor_gallery import CASES, case, reference, train, tracks, judge_doctor
+    >>> c = case("inline_rmsnorm")
+    >>> s = c.build(0)                            # Setup: model, inputs, targets, loss_fn, optimizer
+    >>> planted = train(c, "fp16")                # the planted precision, as a learner would train it
+    >>> ref, fixed = reference(c), train(c, "fp16", fixed=True)
+    >>> tracks(planted, ref, c.watch).ok, tracks(fixed, ref, c.watch).ok
+    (False, True)
+    >>> judge_doctor(c)                           # found / named / advice_works of ampcourse.doctor.examine
+
+Each :class:`Case` says what is planted (issue 18's class 1-6, or 0 for a healthy model), the precisions it
+affects, the culprit (qualified module name, "" for the whole model; the aten ops that start the trouble; the phase
+forward / backward / optimizer / model), how a learner would train it (:class:`Regimen`) and the remedy
+(``fix(model, optimizer) -> Regimen``). ``tests/test_doctor_gallery.py`` proves that every planted case really
+diverges from fp32 and that its fix tracks fp32; ``benchmarks/doctor_peers.py`` judges the AMP doctor,
+``torch.autograd.detect_anomaly`` and transformers' ``DebugUnderflowOverflow`` on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import math
+import os
+import random
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Setup", "Regimen", "Case", "Trace", "Verdict", "CASES", "STEPS", "case", "planted", "healthy", "train",
+           "reference", "run_steps", "tracks", "lost_at_scale_1", "call_model", "model_loss", "is_clean",
+           "names_culprit", "advised_regimen", "judge_doctor", "judge_anomaly", "judge_debug_overflow"]
+
+STEPS = 6  # optimizer steps per training run: enough to see a divergence, few enough for seconds on a CPU
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MATMUL_OPS = ("aten::matmul", "aten::bmm", "aten::mm", "aten::baddbmm", "aten::einsum")  # what q @ k.T dispatches to
+
+
+@dataclass
+class Setup:
+    """What a diagnostic tool is given: the model, its inputs (tensor, tuple or dict), targets, loss_fn (None when the
+    model returns its own loss) and the optimizer (or None)."""
+
+    model: nn.Module
+    inputs: Any
+    targets: torch.Tensor | None
+    loss_fn: Callable | None
+    optimizer: torch.optim.Optimizer | None
+
+
+@dataclass(frozen=True)
+class Regimen:
+    """How a training run goes. autocast: the autocast dtype name or None (off); weights: the parameters' dtype name
+    ("fp32", or "fp16"/"bf16" for pure low-precision weights; the inputs follow); scale: a GradScaler's init_scale, or
+    None for no scaler (plain backward at scale 1)."""
+
+    autocast: str | None = None
+    weights: str = "fp32"
+    scale: float | None = None
+
+
+def standard(precision: str) -> Regimen:
+    """Mixed precision as the course teaches it: fp32 weights, autocast, a GradScaler for fp16."""
+    if precision == "fp32":
+        return Regimen()
+    return Regimen(autocast=precision, scale=2.0**12 if precision == "fp16" else None)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One gallery entry. See the module docstring.
+
+    Args:
+        name: short identifier.
+        klass: issue 18's class (1-6) of the planted problem, 0 for a healthy model.
+        what: one sentence on what is planted (or why the model is healthy).
+        build: seed -> Setup (deterministic).
+        precisions: planted: the precisions the problem breaks; healthy: the precisions that train like fp32.
+        culprits: accepted qualified names of the guilty module, canonical first ("" = the whole model); a finding
+            on a parameter or buffer of one counts too, a finding on a child module does not.
+        ops: aten ops where the trouble starts, any of which a finding must name when the culprit computes it
+            inline (empty where the module alone says it: a leaf such as a Linear, the optimizer, the weights).
+        phase: "forward", "backward", "optimizer" or "model".
+        regimen: precision -> how a learner trains the model in that precision (the planted recipe).
+        fix: (model, optimizer) -> Regimen: applies the remedy to the model (fp32 islands, fp32 weights) and returns
+            how to train it afterwards; None for a healthy case.
+        hf: built from a Hugging Face config.
+        watch: prefixes of the parameter names whose total update must stay within UPDATE_TOL of fp32's in a run
+            that tracks fp32 ("" = every parameter); empty: judge the losses only (a parameter whose true gradient
+            is 0, such as a bias before a norm, moves by rounding noise alone, and AdamW magnifies that noise).
+        innocents: modules about which any error or warning is wrong (they only pass on what the culprit made, or
+            do something exact): blaming one is the mistake a case tests.
+    """
+
+    name: str
+    klass: int
+    what: str
+    build: Callable[[int], Setup]
+    precisions: tuple[str, ...]
+    culprits: tuple[str, ...] = ()
+    ops: tuple[str, ...] = ()
+    phase: str = ""
+    regimen: Callable[[str], Regimen] = standard
+    fix: Callable[[nn.Module, Any], Regimen] | None = None
+    hf: bool = False
+    watch: tuple[str, ...] = ()
+    innocents: tuple[str, ...] = ()
+
+    @property
+    def planted(self) -> bool:
+        return self.klass > 0
+
+    @property
+    def culprit(self) -> str:
+        """The canonical culprit module name ("" = the whole model)."""
+        return self.culprits[0] if self.culprits else ""
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+
+def seed_all(seed: int) -> None:
+    """Seed torch, Python and NumPy."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def call_model(model: nn.Module, inputs):
+    """model(inputs), model(*inputs) or model(**inputs)."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def model_loss(output, targets, loss_fn) -> torch.Tensor:
+    """loss_fn(output, targets), else the output's .loss."""
+    if loss_fn is None:
+        return output.loss if hasattr(output, "loss") else output["loss"]
+    return loss_fn(output) if targets is None else loss_fn(output, targets)
+
+
+def cast_inputs(inputs, dtype: torch.dtype):
+    """Floating-point tensors of inputs (tensor, tuple or dict) cast to dtype; others untouched."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(dtype) if inputs.is_floating_point() else inputs
+    if isinstance(inputs, tuple):
+        return tuple(cast_inputs(i, dtype) for i in inputs)
+    if isinstance(inputs, Mapping):
+        return {k: cast_inputs(v, dtype) for k, v in inputs.items()}
+    return inputs
+
+
+def clone_inputs(inputs):
+    """A copy of inputs (tensors cloned), so a model that edits its input in place cannot change the caller's batch."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.clone()
+    if isinstance(inputs, tuple):
+        return tuple(clone_inputs(i) for i in inputs)
+    if isinstance(inputs, Mapping):
+        return {k: clone_inputs(v) for k, v in inputs.items()}
+    return inputs
+
+
+def _xent(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 (the loss is never the planted problem)."""
+    return F.cross_entropy(logits.float(), y)
+
+
+def _islands(*names: str) -> Callable[[nn.Module, Any], Regimen]:
+    """A fix that runs the named modules in fp32 (ampcourse.policy) and trains with standard mixed precision."""
+    def fix(model: nn.Module, optimizer) -> Regimen:
+        from ampcourse.policy import apply_policy
+        apply_policy(model, {n: "fp32" for n in names})
+        return standard("fp16")
+    fix.__doc__ = f"fp32 islands {list(names)}, then fp16 autocast with a GradScaler."
+    return fix
+
+
+def _master_weights(precision: str) -> Callable[[nn.Module, Any], Regimen]:
+    """A fix for low-precision weights: fp32 master weights (model.float(); the optimizer keeps the same Parameter
+    objects), autocast in the model's precision, a GradScaler for fp16."""
+    def fix(model: nn.Module, optimizer) -> Regimen:
+        model.float()
+        return standard(precision)
+    fix.__doc__ = f"fp32 master weights (model.float()), {precision} autocast."
+    return fix
+
+
+def _with_scaler(scale: float) -> Callable[[nn.Module, Any], Regimen]:
+    """A fix that adds a GradScaler at init_scale=scale."""
+    def fix(model: nn.Module, optimizer) -> Regimen:
+        return Regimen(autocast="fp16", scale=scale)
+    fix.__doc__ = f"fp16 autocast with GradScaler(init_scale={scale:g})."
+    return fix
+
+
+def _pure(precision: str) -> Callable[[str], Regimen]:
+    """The regimen of a model whose weights are already in precision: no autocast, no scaler."""
+    def regimen(p: str) -> Regimen:
+        return Regimen() if p == "fp32" else Regimen(weights=p)
+    return regimen
+
+
+def _no_scaler(p: str) -> Regimen:
+    """fp16 autocast at scale 1 (no GradScaler): the recipe of a learner who thinks small gradients are fine."""
+    return Regimen() if p == "fp32" else Regimen(autocast=p)
+
+
+def _classify(seed: int, n: int, d: int, classes: int = 10, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian inputs times scale, labelled by a random teacher."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    x = torch.randn(n, d, generator=g)
+    y = (x @ torch.randn(d, classes, generator=g)).argmax(1)
+    return x * scale, y
+
+
+# -- class 1: inline code in a non-leaf forward ----------------------------------------------------------------------
+
+class InlineNormBlock(nn.Module):
+    """A linear layer followed by chapter 8's naive RMSNorm written inline: x*x overflows fp16 once |x| > 256."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class InlineNormNet(nn.Module):
+    """stem -> block (inline naive RMSNorm) -> head."""
+
+    def __init__(self, d_in: int = 16, dim: int = 32, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Linear(d_in, dim)
+        self.block = InlineNormBlock(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(torch.relu(self.stem(x))))
+
+
+def build_inline_rmsnorm(seed: int) -> Setup:
+    """Inputs of size ~2000 make the block's activations ~400 (max ~2000): fine in fp32 and bf16, h*h = inf in fp16."""
+    seed_all(seed)
+    model = InlineNormNet()
+    x, y = _classify(seed, 64, 16, scale=2000.0)
+    return Setup(model, x, y, _xent, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+
+class InlineAttention(nn.Module):
+    """Self-attention with the logits computed inline and without the 1/sqrt(d) factor."""
+
+    def __init__(self, dim: int, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-2, -1), dim=-1)  # no 1/sqrt(d): the planted problem
+        return self.o((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class AttentionNet(nn.Module):
+    """embed -> attn (inline logits) -> norm -> head, on sequences of vectors; classifies the mean token."""
+
+    def __init__(self, d_in: int = 8, dim: int = 32, classes: int = 10, heads: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(d_in, dim)
+        self.attn = InlineAttention(dim, heads)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(self.norm(h + self.attn(h)).mean(1))
+
+
+def _attention_setup(seed: int, drift: float) -> Setup:
+    """AttentionNet on 16-token sequences of 8-vectors; q and k biases of drift and 10*drift."""
+    seed_all(seed)
+    model = AttentionNet()
+    plant_logit_drift(model.attn.qkv.bias, dim=32, q=drift, k=10 * drift)
+    g = torch.Generator().manual_seed(seed + 1000)
+    x = torch.randn(32, 16, 8, generator=g)
+    y = (x.mean(1) @ torch.randn(8, 10, generator=g)).argmax(1)
+    return Setup(model, x, y, _xent, torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
+
+
+def plant_logit_drift(bias: torch.Tensor, dim: int, q: float, k: float) -> None:
+    """Add q to the query and k to the key part of a fused qkv bias: every logit of a query row gains the same
+    q.k = head_dim * q * k, which softmax cancels in exact arithmetic but fp16 cannot hold (and bf16 rounds away
+    the differences between keys)."""
+    with torch.no_grad():
+        bias[:dim] += q
+        bias[dim:2 * dim] += k
+
+
+def build_inline_attention(seed: int) -> Setup:
+    """q/k biases 30 and 300 put every logit near 16*30*300 = 1.4e5: inf in fp16 (softmax NaN), rounded in steps of
+    1024 in bf16, exact enough in fp32."""
+    return _attention_setup(seed, 30.0)
+
+
+def build_inline_attention_small(seed: int) -> Setup:
+    """The same unscaled attention without the drift: logits ~1, fine in every precision (a near miss, healthy)."""
+    return _attention_setup(seed, 0.0)
+
+
+# -- class 2: a problem that exists only in backward --------------------------------------------------------------
+
+class _FusedRMSFn(torch.autograd.Function):
+    """RMSNorm with a hand-written backward. Forward computes in fp32 (safe); the planted backward computes in the
+    saved input's dtype, where x*x overflows fp16 for |x| > 256 (the safe variant upcasts, as forward does)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, safe: bool):
+        ctx.save_for_backward(x, weight)
+        ctx.safe = safe
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        if ctx.safe:
+            x, grad = x.float(), grad.float()
+        w = weight.to(x.dtype)
+        ms = (x * x).mean(-1, keepdim=True) + 1e-6  # the planted overflow: inf in fp16
+        wg = grad * w
+        dx = (wg * ms - x * (wg * x).mean(-1, keepdim=True)) / ms.pow(1.5)
+        dw = (grad * x / ms.sqrt()).sum(tuple(range(grad.dim() - 1)))
+        return dx.to(ctx.saved_tensors[0].dtype), dw.to(weight.dtype), None
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm through _FusedRMSFn."""
+
+    def __init__(self, dim: int, safe: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.safe = safe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedRMSFn.apply(x, self.weight, self.safe)
+
+
+class FusedNormNet(nn.Module):
+    """stem -> norm (custom autograd Function) -> head."""
+
+    def __init__(self, d_in: int = 16, dim: int = 32, classes: int = 10, safe: bool = False):
+        super().__init__()
+        self.stem = nn.Linear(d_in, dim)
+        self.norm = FusedRMSNorm(dim, safe)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.stem(x)))
+
+
+def _fused_setup(seed: int, safe: bool) -> Setup:
+    """Inputs of size ~1000: the norm's input ~500 (fine in an fp16 forward, x*x = inf in an fp16 backward)."""
+    seed_all(seed)
+    model = FusedNormNet(safe=safe)
+    x, y = _classify(seed, 64, 16, scale=1000.0)
+    return Setup(model, x, y, _xent, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+
+# -- class 3: the optimizer step's real outcome ----------------------------------------------------------------------
+
+class NormMLP(nn.Module):
+    """Linear -> LayerNorm -> GELU -> Linear -> GELU -> Linear."""
+
+    def __init__(self, d_in: int = 32, hidden: int = 64, classes: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.ln = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.fc2(F.gelu(self.ln(self.fc1(x))))))
+
+
+def _pure_setup(seed: int, dtype: torch.dtype, make_opt: Callable) -> Setup:
+    """NormMLP with its weights (and inputs) in dtype."""
+    seed_all(seed)
+    model = NormMLP()
+    x, y = _classify(seed, 128, 32)
+    model.to(dtype)
+    return Setup(model, x.to(dtype), y, _xent, make_opt(model.parameters()))
+
+
+def build_pure_fp16_adamw(seed: int) -> Setup:
+    """Pure fp16 weights + AdamW(eps=1e-8): eps is 0 in fp16 and small grad**2 flush, so m/sqrt(v) is NaN or inf."""
+    return _pure_setup(seed, torch.float16, lambda p: torch.optim.AdamW(p, lr=1e-3, eps=1e-8))
+
+
+def build_pure_fp16_adam_eps(seed: int) -> Setup:
+    """Pure fp16 weights + Adam(eps=1e-7) (eps now representable): where grad**2 flushes, the update is
+    lr * g / 1e-7, thousands of times lr, and the loss blows up."""
+    return _pure_setup(seed, torch.float16, lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-7))
+
+
+# -- class 4: models already in fp16 / bf16 ------------------------------------------------------------------------
+
+def build_half_layernorm(seed: int) -> Setup:
+    """A .half() model with a LayerNorm trained with plain SGD (lr 1e-3): most updates are below half an fp16 step of
+    their weight and round away, so the weights barely move while fp32's do."""
+    return _pure_setup(seed, torch.float16, lambda p: torch.optim.SGD(p, lr=1e-3))
+
+
+def build_pure_bf16_adamw(seed: int) -> Setup:
+    """A .bfloat16() model with AdamW(lr=1e-4): each step moves a weight by about lr, below half a bf16 step of most
+    weights (2.4e-4 at 0.1), so most updates round away; bf16's range hides nothing here, its 8-bit mantissa does."""
+    return _pure_setup(seed, torch.bfloat16, lambda p: torch.optim.AdamW(p, lr=1e-4))
+
+
+# -- class 5: layer-local gradient underflow ------------------------------------------------------------------------
+
+class GatedNet(nn.Module):
+    """A wide main layer whose input gets a small early branch down-weighted by a fixed factor (a LayerScale/ReZero-like
+    start, kept fixed here). The gradient reaching the branch's output is at most 2.4e-8, below 3e-8 (half of fp16's
+    smallest subnormal), so an fp16 backward at scale 1 rounds all of it to zero and the early layers get no gradient
+    at all; in fp32 their weight gradients are ~3e-7 (about 5e-5 of the median parameter's: small, not rounding noise
+    such as the ~1e-14 of a key bias before softmax) and AdamW moves them by about lr per step. They are under 4% of
+    all gradient values, so an aggregate share hides them. Their effect on the loss over a few steps is tiny: the
+    symptom is that they do not learn."""
+
+    def __init__(self, d_in: int = 16, wide: int = 512, classes: int = 10, branch_scale: float = 3e-5):
+        super().__init__()
+        self.early = nn.Sequential(nn.Linear(d_in, d_in), nn.Tanh(), nn.Linear(d_in, d_in))
+        self.main = nn.Linear(d_in, wide)
+        self.head = nn.Linear(wide, classes)
+        self.register_buffer("branch_scale", torch.tensor(branch_scale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.main(x + self.branch_scale * self.early(x))))
+
+
+def build_layer_local_underflow(seed: int) -> Setup:
+    """GatedNet with AdamW: in fp32 the early layers move by about lr per step; at fp16 scale 1 they do not move."""
+    seed_all(seed)
+    model = GatedNet()
+    x, y = _classify(seed, 256, 16)
+    return Setup(model, x, y, _xent, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+# -- class 6: multi-call modules and in-place forwards -------------------------------------------------------------
+
+class SharedActNet(nn.Module):
+    """fc1 -> act -> fc2 -> act (the same module, called twice) -> norm -> head. fc2's weights are scaled by
+    build_multi_call so that its output overflows fp16; the shared activation only passes the inf on."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 64, classes: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.act(self.fc2(self.act(self.fc1(x))))))
+
+
+def build_multi_call(seed: int) -> Setup:
+    """SharedActNet with fc2 scaled so that its largest output on the batch is 3x fp16's max."""
+    seed_all(seed)
+    model = SharedActNet()
+    x, y = _classify(seed, 64, 16)
+    _scale_output(model.fc2, model.act(model.fc1(x)), 3.0)
+    return Setup(model, x, y, _xent, torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
+
+
+def _scale_output(linear: nn.Linear, x: torch.Tensor, times_fp16_max: float) -> None:
+    """Scale a linear layer's weight and bias so that its largest |output| on x is times_fp16_max x 65504."""
+    with torch.no_grad():
+        k = times_fp16_max * torch.finfo(torch.float16).max / linear(x).abs().max()
+        linear.weight.mul_(k)
+        linear.bias.mul_(k)
+
+
+class HalveInPlace(nn.Module):
+    """Scales its input by 0.5 in place (the caller's tensor too), as a careless preprocessing layer would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(0.5)
+
+
+class InPlaceNet(nn.Module):
+    """prep (in-place x.mul_(0.5)) -> fc (large weights: overflows fp16 on the batch as given) -> norm -> head."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 64, classes: int = 10):
+        super().__init__()
+        self.prep = HalveInPlace()
+        self.fc = nn.Linear(d_in, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.fc(self.prep(x))))
+
+
+def build_inplace_input(seed: int) -> Setup:
+    """InPlaceNet with fc's weights scaled so its largest output on the halved batch is ~1.3x fp16's max: a tool that
+    lets the model halve its batch again on a second pass sees no overflow there."""
+    seed_all(seed)
+    model = InPlaceNet()
+    x, y = _classify(seed, 64, 16)
+    _scale_output(model.fc, x * 0.5, 1.3)
+    return Setup(model, x, y, _xent, torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
+
+
+# -- Hugging Face models from tiny configs -------------------------------------------------------------------------
+
+def _gpt2(seed: int, **overrides) -> nn.Module:
+    """A 2-layer GPT-2 (vocab 128, width 32), eager attention, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    seed_all(seed)
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **overrides)
+    cfg._attn_implementation = "eager"  # the attention logits computed inline in GPT2Attention (sdpa hides them)
+    return GPT2LMHeadModel(cfg)
+
+
+def _lm_inputs(seed: int, vocab: int = 128, n: int = 8, t: int = 16) -> dict[str, torch.Tensor]:
+    """Random token batches with labels (the model computes its own loss)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    ids = torch.randint(0, vocab, (n, t), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def build_gpt2(seed: int) -> Setup:
+    """Tiny GPT-2, AdamW: healthy."""
+    model = _gpt2(seed)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_gpt2_unscaled_attention(seed: int) -> Setup:
+    """Tiny GPT-2 with scale_attn_weights=False and layer 0's q/k biases drifted (30, 300): logits ~1.4e5 overflow
+    fp16 inside GPT2Attention (inline: no submodule computes them)."""
+    model = _gpt2(seed, scale_attn_weights=False)
+    plant_logit_drift(model.transformer.h[0].attn.c_attn.bias, dim=32, q=30.0, k=300.0)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def _bert(seed: int, initializer_range: float = 0.05) -> nn.Module:
+    """A 2-layer BERT classifier (vocab 128, width 32), no dropout. At BERT's default initializer_range 0.02 this tiny
+    BERT's attention is nearly uniform and its key weights' gradients (~6e-7) mostly flush in fp16 at scale 1 (the
+    planted case bert_key_underflow); at 0.05 no parameter loses any."""
+    from transformers import BertConfig, BertForSequenceClassification
+    seed_all(seed)
+    cfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, num_labels=4, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, initializer_range=initializer_range)
+    return BertForSequenceClassification(cfg)
+
+
+def _cls_inputs(seed: int, vocab: int = 128, n: int = 16, t: int = 16) -> dict[str, torch.Tensor]:
+    """Token batches whose label is (first token) mod 4: learnable."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    ids = torch.randint(0, vocab, (n, t), generator=g)
+    return {"input_ids": ids, "labels": ids[:, 1] % 4}
+
+
+def build_bert(seed: int) -> Setup:
+    """Tiny BERT classifier, AdamW: healthy."""
+    model = _bert(seed)
+    return Setup(model, _cls_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_bert_key_underflow(seed: int) -> Setup:
+    """Tiny BERT at its default initializer_range 0.02, AdamW: in fp16 at scale 1 its key weights lose 74-87% of their
+    gradients (nothing was planted: this is how BERT starts)."""
+    model = _bert(seed, initializer_range=0.02)
+    return Setup(model, _cls_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_bert_fp16(seed: int) -> Setup:
+    """Tiny BERT converted with .half() and trained with AdamW (default eps): pure fp16 weights and state."""
+    model = _bert(seed).half()
+    return Setup(model, _cls_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def _t5(seed: int) -> nn.Module:
+    """A 1+1-layer T5 (vocab 128, width 32), no dropout (its T5Stack.dropout is still called several times)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    seed_all(seed)
+    cfg = T5Config(vocab_size=128, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(cfg)
+
+
+def _t5_inputs(seed: int) -> dict[str, torch.Tensor]:
+    """Random source tokens; the target is the source reversed."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    ids = torch.randint(1, 128, (8, 12), generator=g)
+    return {"input_ids": ids, "labels": ids.flip(1)}
+
+
+def build_t5(seed: int) -> Setup:
+    """Tiny T5, AdamW: healthy."""
+    model = _t5(seed)
+    return Setup(model, _t5_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+T5_CULPRIT = "encoder.block.0.layer.1.DenseReluDense.wo"
+
+
+def build_t5_overflow(seed: int) -> Setup:
+    """Tiny T5 whose encoder feed-forward output projection is scaled so its output overflows fp16 (3x its max), as
+    large pretrained T5 checkpoints do; the stack's shared dropout is called before and after it."""
+    model = _t5(seed)
+    wo = model.get_submodule(T5_CULPRIT)
+    seen = []
+    handle = wo.register_forward_hook(lambda m, a, out: seen.append(out.detach().abs().max()))
+    inputs = _t5_inputs(seed)
+    with torch.no_grad():
+        model(**inputs)
+        handle.remove()
+        wo.weight.mul_(3.0 * torch.finfo(torch.float16).max / seen[0])  # its largest output: 3x fp16's max
+    return Setup(model, inputs, None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+# -- the course's reference models ------------------------------------------------------------------------------
+
+def _reference(name: str) -> Callable[[int], Setup]:
+    """A builder for ampcourse.models' reference model name with AdamW (the doctor CLI's setup)."""
+    def build(seed: int) -> Setup:
+        from ampcourse.models import make_task
+        seed_all(seed)
+        task = make_task(name, n=64, seed=seed)
+        x, y = task.data.tensors
+        return Setup(task.model, x, y, task.loss_fn, torch.optim.AdamW(task.model.parameters(), lr=1e-3))
+    build.__doc__ = f"ampcourse.models' {name!r} with AdamW: healthy."
+    return build
+
+
+# -- the gallery ---------------------------------------------------------------------------------------------------
+
+CASES: tuple[Case, ...] = (
+    Case("inline_rmsnorm", 1, "naive RMSNorm (x*x) written inline in a parent block overflows fp16",
+         build_inline_rmsnorm, ("fp16",), ("block",), ("aten::mul", "aten::pow"), "forward", fix=_islands("block")),
+    Case("inline_attention", 1, "attention logits q @ k.T without 1/sqrt(d), inline in the parent, overflow fp16",
+         build_inline_attention, ("fp16",), ("attn",), MATMUL_OPS, "forward", fix=_islands("attn"),
+         innocents=("attn.o",)),
+    Case("gpt2_unscaled_attention", 1, "GPT-2 with scale_attn_weights=False and large q/k: inline logits overflow "
+         "fp16", build_gpt2_unscaled_attention, ("fp16",), ("transformer.h.0.attn",), MATMUL_OPS, "forward",
+         fix=_islands("transformer.h.0.attn"), hf=True, innocents=("transformer.h.0.attn.c_proj",)),
+    Case("custom_backward", 2, "custom autograd.Function: safe forward, its backward overflows fp16 (x*x)",
+         lambda s: _fused_setup(s, safe=False), ("fp16",), ("norm",), ("aten::mul", "aten::pow"), "backward",
+         fix=_islands("norm")),
+    Case("pure_fp16_adamw", 3, "pure fp16 weights + AdamW(eps=1e-8): one step turns weights NaN",
+         build_pure_fp16_adamw, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
+         fix=_master_weights("fp16")),
+    Case("pure_fp16_adam_eps", 3, "pure fp16 weights + Adam(eps=1e-7): the loss blows up after one step",
+         build_pure_fp16_adam_eps, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
+         fix=_master_weights("fp16")),
+    Case("half_layernorm", 4, "a .half() model with a LayerNorm, plain SGD: updates round away in fp16 weights",
+         build_half_layernorm, ("fp16",), ("",), (), "model", regimen=_pure("fp16"), fix=_master_weights("fp16"),
+         watch=("",)),
+    Case("pure_bf16_adamw", 4, "a .bfloat16() model with AdamW(lr=1e-4): most updates round away in bf16 weights",
+         build_pure_bf16_adamw, ("bf16",), ("",), (), "model", regimen=_pure("bf16"), fix=_master_weights("bf16"),
+         watch=("",)),
+    Case("bert_fp16", 4, "tiny BERT converted with .half(), AdamW: pure fp16 weights and optimizer state",
+         build_bert_fp16, ("fp16",), ("",), (), "model", regimen=_pure("fp16"), fix=_master_weights("fp16"),
+         hf=True),
+    Case("layer_local_underflow", 5, "the early layers' gradients (<3e-8) flush to zero in fp16 at scale 1, a few "
+         "percent of all gradients", build_layer_local_underflow, ("fp16",), ("early", "early.0", "early.2"), (),
+         "backward",
+         regimen=_no_scaler, fix=_with_scaler(2.0**16), watch=("early.",)),
+    Case("bert_key_underflow", 5, "tiny BERT at its default init: its key weights' gradients flush in fp16 at scale 1",
+         build_bert_key_underflow, ("fp16",), tuple(f"bert.encoder.layer.{i}.attention.self.key" for i in (0, 1)),
+         (), "backward", regimen=_no_scaler, fix=_with_scaler(2.0**16), hf=True,
+         watch=tuple(f"bert.encoder.layer.{i}.attention.self.key.weight" for i in (0, 1))),
+    Case("multi_call", 6, "an activation module called twice; fc2 between the calls overflows fp16",
+         build_multi_call, ("fp16",), ("fc2",), (), "forward", fix=_islands("fc2")),
+    Case("inplace_input", 6, "a forward that halves its input in place; fc overflows fp16 on the batch as given",
+         build_inplace_input, ("fp16",), ("fc",), (), "forward", fix=_islands("fc"), innocents=("prep",)),
+    Case("t5_overflow", 6, "T5 (shared stack dropout, called around it) with an encoder FF output that overflows fp16",
+         build_t5_overflow, ("fp16",), (T5_CULPRIT,), (), "forward", fix=_islands(T5_CULPRIT), hf=True,
+         innocents=("encoder.dropout",)),
+    # healthy
+    Case("ref_mlp", 0, "ampcourse's reference MLP", _reference("mlp"), ("fp16", "bf16")),
+    Case("ref_cnn", 0, "ampcourse's reference CNN (batch norm)", _reference("cnn"), ("fp16", "bf16")),
+    Case("ref_transformer", 0, "ampcourse's reference transformer", _reference("transformer"), ("fp16", "bf16")),
+    Case("gpt2", 0, "tiny GPT-2", build_gpt2, ("fp16", "bf16"), hf=True),
+    Case("bert", 0, "tiny BERT classifier", build_bert, ("fp16", "bf16"), hf=True),
+    Case("t5", 0, "tiny T5 (shared dropout called several times, harmlessly)", build_t5, ("fp16", "bf16"), hf=True),
+    Case("custom_backward_safe", 0, "the custom autograd.Function with a backward that upcasts (near miss of class 2)",
+         lambda s: _fused_setup(s, safe=True), ("fp16", "bf16")),
+    Case("inline_attention_small", 0, "unscaled inline attention on unit inputs (near miss of class 1)",
+         build_inline_attention_small, ("fp16", "bf16")),
+)
+
+
+def case(name: str) -> Case:
+    """The gallery case called name."""
+    for c in CASES:
+        if c.name == name:
+            return c
+    raise KeyError(f"no gallery case {name!r}; names: {[c.name for c in CASES]}")
+
+
+def planted() -> list[Case]:
+    """The planted cases."""
+    return [c for c in CASES if c.planted]
+
+
+def healthy() -> list[Case]:
+    """The healthy cases."""
+    return [c for c in CASES if not c.planted]
+
+
+# -- training -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Trace:
+    """One short training run: the loss before each step, steps a GradScaler skipped, and each parameter's total
+    update (fp32 copy of w_end - w_start)."""
+
+    losses: list[float]
+    skipped: int
+    updates: dict[str, torch.Tensor] = field(repr=False)
+    regimen: Regimen = Regimen()
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(v) for v in self.losses) and all(bool(torch.isfinite(u).all())
+                                                                   for u in self.updates.values())
+
+
+def run_steps(s: Setup, reg: Regimen, steps: int = STEPS) -> Trace:
+    """Train s for steps on its one batch under regimen reg (inputs cloned every step)."""
+    model, opt = s.model, s.optimizer
+    if reg.weights != "fp32":
+        model.to(DTYPES[reg.weights])
+    start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    device = "cpu"
+    scaler = torch.amp.GradScaler(device, init_scale=reg.scale) if reg.scale is not None else None
+    inputs = cast_inputs(s.inputs, DTYPES[reg.weights])
+    losses, skipped = [], 0
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        ctx = (torch.autocast(device, dtype=DTYPES[reg.autocast]) if reg.autocast
+               else torch.autocast(device, enabled=False))
+        with ctx:
+            loss = model_loss(call_model(model, clone_inputs(inputs)), s.targets, s.loss_fn)
+        losses.append(float(loss.detach()))
+        if scaler is not None:
+            scaler.scale(loss.float()).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+        else:
+            loss.backward()
+            opt.step()
+    with torch.no_grad(), torch.autocast(device, enabled=False):
+        losses.append(float(model_loss(call_model(model, clone_inputs(inputs)), s.targets, s.loss_fn)))
+    updates = {n: p.detach().float() - start[n] for n, p in model.named_parameters()}
+    return Trace(losses, skipped, updates, reg)
+
+
+def train(c: Case, precision: str, fixed: bool = False, seed: int = 0, steps: int = STEPS) -> Trace:
+    """Train case c for steps in precision with the case's planted regimen, or after its fix (fixed=True)."""
+    s = c.build(seed)
+    if fixed:
+        if c.fix is None:
+            raise ValueError(f"{c.name} is healthy: it has no fix")
+        reg = c.fix(s.model, s.optimizer)
+    else:
+        reg = c.regimen(precision)
+    return run_steps(s, reg, steps)
+
+
+def reference(c: Case, seed: int = 0, steps: int = STEPS) -> Trace:
+    """Case c trained in fp32 (a model built in fp16/bf16 is converted to fp32 first)."""
+    s = c.build(seed)
+    s.model.float()
+    s.inputs = cast_inputs(s.inputs, torch.float32)
+    return run_steps(s, Regimen(), steps)
+
+
+NOISE = 1e-6  # a parameter whose largest fp32 gradient is below this times the median parameter's is rounding noise
+
+
+def lost_at_scale_1(c: Case, precision: str = "fp16", seed: int = 0) -> dict[str, float]:
+    """Per parameter of case c, the share of its nonzero fp32 gradient values that one backward under autocast at
+    scale 1 (no GradScaler) returns as zero; parameters whose fp32 gradient is rounding noise (see NOISE, e.g. a key
+    bias before softmax, ~1e-14) are left out."""
+    grads = {}
+    for ac in (None, precision):
+        s = c.build(seed)
+        s.model.float()
+        ctx = torch.autocast("cpu", dtype=DTYPES[ac]) if ac else torch.autocast("cpu", enabled=False)
+        with ctx:
+            loss = model_loss(call_model(s.model, clone_inputs(cast_inputs(s.inputs, torch.float32))), s.targets,
+                              s.loss_fn)
+        loss.float().backward()
+        grads[ac] = {n: p.grad.detach().clone() for n, p in s.model.named_parameters() if p.grad is not None}
+    ref = grads[None]
+    tops = sorted(float(g.abs().max()) for g in ref.values())
+    floor = NOISE * tops[len(tops) // 2]
+    out = {}
+    for n, g in ref.items():
+        if float(g.abs().max()) < floor:
+            continue
+        nz = g != 0
+        out[n] = float(((grads[precision][n] == 0) & nz).sum()) / max(int(nz.sum()), 1)
+    return out
+
+
+@dataclass
+class Verdict:
+    """Whether a run tracks the fp32 reference, and by how much it misses: the worst loss gap relative to the fp32
+    loss, the worst parameter update error ||dw - dw32|| / ||dw32||, the skipped steps."""
+
+    ok: bool
+    loss_gap: float
+    update_error: float
+    worst_param: str
+    skipped: int
+    finite: bool
+
+    def __str__(self) -> str:
+        return (f"{'tracks fp32' if self.ok else 'diverges'}: loss gap {self.loss_gap:.3g}, update error "
+                f"{self.update_error:.3g} ({self.worst_param}), skipped {self.skipped}, finite {self.finite}")
+
+
+LOSS_TOL = 0.05  # a run tracks fp32 when every loss is within 5% of fp32's ...
+UPDATE_TOL = 0.25  # ... and each watched parameter's total update within 25% (norm) of fp32's
+
+
+def tracks(run: Trace, ref: Trace, watch: tuple[str, ...] = (), loss_tol: float = LOSS_TOL,
+           update_tol: float = UPDATE_TOL) -> Verdict:
+    """Compare a run with the fp32 reference run of the same case; watch: parameter-name prefixes whose updates are
+    compared too (see Case.watch)."""
+    gaps = [abs(a - b) / max(abs(b), 1e-3) if math.isfinite(a) else math.inf for a, b in zip(run.losses, ref.losses)]
+    worst, err = "", 0.0
+    for n, u in run.updates.items():
+        if not any(n.startswith(w) for w in watch):
+            continue
+        r = ref.updates[n]
+        denom = float(r.norm())
+        if denom < 1e-12:  # fp32 does not move it (a parameter without gradient): skip
+            continue
+        e = float((u - r).norm()) / denom if bool(torch.isfinite(u).all()) else math.inf
+        if not e <= err:
+            worst, err = n, e
+    loss_gap = max(gaps)
+    ok = run.finite and run.skipped <= 1 and loss_gap <= loss_tol and err <= update_tol
+    return Verdict(ok, loss_gap, err, worst, run.skipped, run.finite)
+
+
+# -- judging a diagnostic tool on the gallery ------------------------------------------------------------------------
+#
+# The contract the doctor is judged against (issue 18): a Finding has kind, module (qualified name, "" = the whole
+# model), precision, value, message, severity ("error" / "warning" / "info"), phase ("forward" / "backward" /
+# "optimizer" / "model") and op ("aten::mul" or ""); a Report has is_clean(precision), verdicts[p]["status"] in
+# {"clean", "islands", "refused", "unsupported"} with verdicts[p]["fp32_modules"], fp32_modules,
+# recommended_precision, recommended_init_scale and advice (sentences). Every attribute is read with a default, so
+# an older doctor is judged too (and scores what it scores).
+
+#: The phase of a finding kind for a doctor whose findings have no phase (the doctor before issue 18).
+KIND_PHASE = {"nonfinite": "forward", "activation_overflow": "forward", "precision_loss": "forward",
+              "gradient_overflow": "backward", "gradient_underflow": "backward", "scaler_needed": "backward",
+              "no_scaler_needed": "backward", "lost_updates": "optimizer", "eps_underflow": "optimizer"}
+_MASTER_WORDS = ("master weight", "model.float()", "fp32 weights", "weights in fp32", "fp32 copy of the weights")
+
+
+def finding_phase(f) -> str:
+    """A finding's phase, or the one its kind implies."""
+    return getattr(f, "phase", "") or KIND_PHASE.get(getattr(f, "kind", ""), "")
+
+
+def _module_of(f) -> str:
+    """A finding's module name without quotes a renderer may have added."""
+    return str(getattr(f, "module", "")).strip("'\"`")
+
+
+def is_clean(report, precision: str) -> bool:
+    """report.is_clean(precision), or for an older doctor: status 'clean' and no error/warning for that precision."""
+    method = getattr(report, "is_clean", None)
+    if callable(method):
+        return bool(method(precision))
+    status = getattr(report, "verdicts", {}).get(precision, {}).get("status")
+    loud = any(getattr(f, "severity", "") in ("error", "warning") and getattr(f, "precision", "") == precision
+               for f in getattr(report, "findings", []))
+    return status == "clean" and not loud
+
+
+def _is_culprit(c: Case, name: str, modules: set[str]) -> bool:
+    """Whether name is one of c's culprits or a parameter / buffer of one (a child *module* is not: blaming attn.o
+    for what attn computes inline is the mistake the gallery tests)."""
+    return any(name == n or (name.startswith(n + ".") and name not in modules) for n in c.culprits)
+
+
+def names_culprit(c: Case, f, modules: set[str] = frozenset()) -> bool:
+    """Whether finding f (an error or warning) names case c's culprit (and one of its ops, when it has some);
+    modules: the model's module names (a finding on a child module of the culprit does not count)."""
+    if getattr(f, "severity", "") not in ("error", "warning"):
+        return False
+    phase = finding_phase(f)
+    if getattr(f, "precision", "") not in c.precisions and phase not in ("model", "optimizer"):
+        return False
+    if c.culprit == "":  # the whole model: its weights' dtype or the optimizer step
+        return phase in (("model", "optimizer") if c.phase in ("model", "optimizer") else (c.phase,))
+    if not _is_culprit(c, _module_of(f), modules):
+        return False
+    return not c.ops or getattr(f, "op", "") in c.ops
+
+
+def advises_master_weights(report) -> bool:
+    """Whether the report tells the learner to keep fp32 (master) weights."""
+    flag = getattr(report, "master_weights", None)
+    if flag is not None:
+        return bool(flag)
+    text = " ".join(str(a) for a in getattr(report, "advice", [])).lower()
+    return any(w in text for w in _MASTER_WORDS)
+
+
+def advised_regimen(report, c: Case, precision: str) -> tuple[str, list[str], Regimen]:
+    """What a learner who must train case c in precision would do on reading the report: the report's verdict for
+    precision if it accepts it (clean or with islands), else its recommended precision; with that verdict's fp32
+    modules, the recommended GradScaler scale for fp16, fp32 weights if it advises them. Returns (precision used,
+    fp32 modules, regimen)."""
+    verdicts = getattr(report, "verdicts", {}) or {}
+    p = precision
+    if verdicts.get(p, {}).get("status") not in ("clean", "islands"):
+        p = getattr(report, "recommended_precision", "fp32") or "fp32"
+    islands = list(verdicts.get(p, {}).get("fp32_modules", []) or [])
+    if not islands and p == getattr(report, "recommended_precision", None):
+        islands = list(getattr(report, "fp32_modules", []) or [])
+    planted_reg = c.regimen(precision)
+    if planted_reg.weights != "fp32" and not advises_master_weights(report):
+        return p, islands, planted_reg  # the weights stay in low precision: nothing the report said changes that
+    if p == "fp32":
+        return p, [], Regimen()
+    scale = float(getattr(report, "recommended_init_scale", 2.0**16) or 2.0**16) if p == "fp16" else None
+    return p, islands, Regimen(autocast=p, scale=scale)
+
+
+def _inputs_equal(a, b) -> bool:
+    """Whether two input structures hold bit-identical tensors."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            torch.equal(a.view(-1).view(torch.uint8) if a.is_floating_point() else a, b.view(-1).view(torch.uint8)
+                        if b.is_floating_point() else b))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_inputs_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping):
+        return a.keys() == b.keys() and all(_inputs_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _state(s: Setup) -> dict[str, Any]:
+    """Copies of what examine must leave as it found it: parameters, buffers, their .grad, training flags, the
+    optimizer's state and the torch RNG."""
+    out = {f"model.{k}": v.detach().clone() for k, v in s.model.state_dict(keep_vars=True).items()}
+    out.update({f"grad.{n}": (p.grad.clone() if p.grad is not None else "none")
+                for n, p in s.model.named_parameters()})
+    out["training"] = tuple(m.training for m in s.model.modules())
+    if s.optimizer is not None:
+        out["optimizer"] = repr(s.optimizer.state_dict())
+    out["rng"] = torch.get_rng_state()
+    return out
+
+
+def _signature(report) -> list[tuple]:
+    """What a report concludes: each finding's kind, module, precision, severity, phase and op, the verdicts and the
+    recommendation (not the measured numbers, which may differ in the last bits)."""
+    findings = [(getattr(f, "kind", ""), _module_of(f), getattr(f, "precision", ""), getattr(f, "severity", ""),
+                 getattr(f, "phase", ""), getattr(f, "op", "")) for f in getattr(report, "findings", [])]
+    verdicts = {p: (v.get("status"), tuple(v.get("fp32_modules", []) or []))
+                for p, v in (getattr(report, "verdicts", {}) or {}).items()}
+    return [findings, verdicts, getattr(report, "recommended_precision", None)]
+
+
+def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps: int = STEPS) -> dict[str, Any]:
+    """Run the doctor on case c and judge it: found, named, advice_works (planted) or quiet (healthy), plus whether it
+    crashed, left the caller's inputs and the model's and optimizer's state bit-identical, and concludes the same when
+    called twice.
+
+    Args:
+        c: a gallery case.
+        examine: the function to judge (default: ampcourse.doctor.examine as imported now).
+        seed, steps: as for train().
+
+    Example:
+        >>> r = judge_doctor(case("multi_call"))
+        >>> r["found"], r["named"], r["advice_works"], r["loud"]   # loud: the errors and warnings, as kind@module
+    """
+    if examine is None:
+        from ampcourse.doctor import examine
+    s = c.build(seed)
+    kept = clone_inputs(s.inputs)
+    state = _state(s)
+    modules = {n for n, _ in s.model.named_modules()}
+    out: dict[str, Any] = {"case": c.name, "planted": c.planted, "crash": None}
+    try:
+        report = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer)
+    except Exception as err:  # a crash is a result: the learner gets no diagnosis
+        out.update(crash=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", found=False, named=False,
+                   advice_works=False, quiet=False, inputs_kept=_inputs_equal(kept, s.inputs),
+                   state_kept=_inputs_equal(state, _state(s)))
+        return out
+    out["inputs_kept"] = _inputs_equal(kept, s.inputs)
+    out["state_kept"] = _inputs_equal(state, _state(s))
+    again = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer)
+    out["same_twice"] = _signature(report) == _signature(again)
+    loud = [f for f in getattr(report, "findings", []) if getattr(f, "severity", "") in ("error", "warning")]
+    out["clean"] = {p: is_clean(report, p) for p in ("fp16", "bf16")}
+    out["loud"] = [f"{getattr(f, 'kind', '?')}@{_module_of(f) or '(model)'}/{getattr(f, 'precision', '')}"
+                   + (f"/{getattr(f, 'op', '')}" if getattr(f, "op", "") else "") for f in loud][:6]
+    if c.planted:
+        out["found"] = all(not is_clean(report, p) for p in c.precisions)
+        out["named"] = any(names_culprit(c, f, modules) for f in loud)
+        out["blames_innocent"] = sorted({_module_of(f) for f in loud if any(
+            _module_of(f) == n or (_module_of(f).startswith(n + ".") and _module_of(f) not in modules)
+            for n in c.innocents)})
+    else:
+        out["quiet"] = all(is_clean(report, p) for p in c.precisions)
+    ref = reference(c, seed, steps)
+    works, tried = True, []
+    for p in c.precisions[:1] if c.planted else ():
+        fresh = c.build(seed)
+        used, islands, reg = advised_regimen(report, c, p)
+        if reg.weights == "fp32":
+            fresh.model.float()
+        if islands:
+            from ampcourse.policy import apply_policy
+            try:
+                apply_policy(fresh.model, {n: "fp32" for n in islands})
+            except ValueError as err:  # an island that names no module: the advice cannot be followed
+                tried.append(f"{p}->{used} islands {islands}: {err}")
+                works = False
+                continue
+        verdict = tracks(run_steps(fresh, reg, steps), ref, c.watch)
+        tried.append(f"{p}->{used} islands {islands} scale {reg.scale}: {verdict}")
+        works = works and verdict.ok
+    if c.planted:
+        out["advice_works"] = works
+        out["advice_tried"] = tried
+    return out
+
+
+def _forward_ranges(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Per module name: (file, first line, last line) of its class's forward."""
+    spans = {}
+    for name, m in model.named_modules():
+        fn = type(m).forward
+        try:
+            lines, first = inspect.getsourcelines(fn)
+            spans[name] = (inspect.getsourcefile(fn), first, first + len(lines) - 1)
+        except (OSError, TypeError):
+            continue
+    return spans
+
+
+def _innermost_module(trace: str, spans: Mapping[str, tuple[str, int, int]]) -> set[str]:
+    """The modules whose forward holds the innermost frame of trace that lies in any module's forward (a class's
+    instances cannot be told apart from a traceback: all of them are returned)."""
+    frames = [(os.path.realpath(f), int(n)) for f, n in re.findall(r'File "([^"]+)", line (\d+)', trace)]
+    for file, line in reversed(frames):
+        hit = {n for n, (sf, a, b) in spans.items() if os.path.realpath(sf) == file and a <= line <= b}
+        if hit:
+            return hit
+    return set()
+
+
+def _peer_regimens(c: Case) -> list[tuple[str, Regimen]]:
+    """The runs a peer watches: the planted precision(s) of a planted case, fp16 and bf16 of a healthy one."""
+    return [(p, c.regimen(p)) for p in c.precisions]
+
+
+def judge_anomaly(c: Case, seed: int = 0, steps: int = 3) -> dict[str, Any]:
+    """torch.autograd.detect_anomaly on case c's runs: found = it raises; named = the forward traceback it prints
+    points into the culprit module's forward (a culprit "" cannot be named by a traceback)."""
+    out: dict[str, Any] = {"case": c.name, "found": False, "named": False, "message": ""}
+    for p, reg in _peer_regimens(c):
+        s = c.build(seed)
+        spans = _forward_ranges(s.model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    run_steps(s, reg, steps)
+            except RuntimeError as err:
+                trace = "\n".join(str(w.message) for w in caught if "Traceback of forward call" in str(w.message))
+                out.update(found=True, message=f"{p}: {str(err).splitlines()[0][:160]}")
+                hit = _innermost_module(trace, spans)
+                out["pointed_at"] = sorted(hit)
+                out["named"] = bool(c.culprit) and any(n in hit for n in c.culprits)
+                break
+    if not c.planted:
+        out["quiet"] = not out["found"]
+    return out
+
+
+def judge_debug_overflow(c: Case, seed: int = 0, steps: int = 3) -> dict[str, Any]:
+    """transformers' DebugUnderflowOverflow on case c's runs: found = it detects inf/NaN (and aborts); named = the
+    module of the frame where it detected them is the culprit (or inside it)."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+    out: dict[str, Any] = {"case": c.name, "found": False, "named": False, "pointed_at": None}
+    for p, reg in _peer_regimens(c):
+        s = c.build(seed)
+        modules = {n for n, _ in s.model.named_modules()}
+        DebugUnderflowOverflow(s.model)  # hooks stay on this throwaway model
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                run_steps(s, reg, steps)
+        except ValueError as err:
+            if "DebugUnderflowOverflow" not in str(err):
+                raise
+            heads = [m for m in re.findall(r"^ {18}(\S*) (\w+)$", buf.getvalue(), re.M)]
+            name = heads[-1][0] if heads else None
+            out.update(found=True, pointed_at=name, precision=p)
+            out["named"] = bool(c.culprit) and name is not None and _is_culprit(c, name, modules)
+            break
+    if not c.planted:
+        out["quiet"] = not out["found"]
+    return out
