@@ -73,10 +73,10 @@ def _shown(got: Any) -> Any:
     return NOT_ANSWERED if got is ... else got
 
 
-def verdict_text(title: str, expected: Any, got: Any, hint: str) -> str:
-    """The four lines of a wrong answer's verdict, wrapped between words."""
-    return "\n".join([f"❌ {title}: not yet.", _wrap(expected, "   expected: "), _wrap(_shown(got), "   got:      "),
-                      _wrap(hint, "   hint:     ")])
+def verdict_text(title: str, expected: Any, got: Any, hint: str, wrap: bool = True) -> str:
+    """The four lines of a wrong answer's verdict, wrapped between words (wrap=False: one line each)."""
+    fields = [("   expected: ", expected), ("   got:      ", _shown(got)), ("   hint:     ", hint)]
+    return "\n".join([f"❌ {title}: not yet."] + [_wrap(v, k) if wrap else f"{k}{v}" for k, v in fields])
 
 
 def passed(title: str, detail: str = "") -> None:
@@ -88,9 +88,8 @@ def passed(title: str, detail: str = "") -> None:
 def failed(title: str, expected: Any, got: Any, hint: str) -> None:
     """Print what went wrong and raise ExerciseError."""
     _last_title[:] = [title]
-    msg = verdict_text(title, expected, got, hint)
-    print(msg)
-    raise ExerciseError(msg)
+    print(verdict_text(title, expected, got, hint))
+    raise ExerciseError(verdict_text(title, expected, got, hint, wrap=False))  # unwrapped: for code that reads it
 
 
 def call_learner(title: str, fn: Callable, *args) -> Any:
