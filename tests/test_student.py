@@ -188,8 +188,9 @@ def test_every_chapter_gets_a_learner_copy(student_dir):
 def test_learner_copy_changes_only_solutions_and_outputs(path, student_dir):
     full, learner = read(path), read(student_dir / path.name)
     assert learner.metadata.language_info == make_student.kernel_language_info()  # opens unmodified in JupyterLab
-    assert {k: v for k, v in learner.metadata.items() if k != "language_info"} == {
-        k: v for k, v in full.metadata.items() if k != "language_info"}
+    assert learner.metadata.kernelspec == make_student.KERNELSPEC  # the course's kernel, as `make lab` installs it
+    assert {k: v for k, v in learner.metadata.items() if k not in ("language_info", "kernelspec")} == {
+        k: v for k, v in full.metadata.items() if k not in ("language_info", "kernelspec")}
     assert (learner.nbformat, learner.nbformat_minor) == (full.nbformat, full.nbformat_minor)
     notes = [c for c in learner.cells if NOTE_TAG in c.metadata.get("tags", [])]
     assert len(notes) == 1 and f"../chapters/{path.name}" in notes[0].source  # the solutions stay one click away

@@ -16,13 +16,18 @@ Every rule is a plain function or class here, so tests use them without a server
 from __future__ import annotations
 
 import os
-from pathlib import PurePosixPath
+import sys
+from pathlib import Path, PurePosixPath
 from urllib.parse import quote
 
 READ_ONLY_DIRS = ("chapters",)  # relative to the server's root (the repository)
 INDEX = "00_index.ipynb"
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-KERNEL = "python3"  # the name the chapters' metadata asks for; `make lab` installs it as "ampcourse"
+TOOLS = Path(__file__).resolve().parent  # Jupyter sets __file__ for a config file; Binder's exec passes it
+sys.path.insert(0, str(TOOLS))
+import nbtool  # noqa: E402  (the one home of the notebook rules: kernelspec, widget views)
+
+WIDGET_VIEW = nbtool.WIDGET_VIEW
+KERNEL = nbtool.KERNELSPEC["name"]  # the name every notebook asks for; `make lab` installs it as "ampcourse"
 
 
 def is_read_only(path: str) -> bool:
@@ -50,9 +55,8 @@ def strip_widget_views(nb: dict) -> int:
     dropped = 0
     for cell in nb.get("cells") or []:
         for out in cell.get("outputs") or []:
-            data = out.get("data")
-            if isinstance(data, dict) and WIDGET_VIEW in data and len(data) > 1:
-                del data[WIDGET_VIEW]
+            if isinstance(out.get("data"), dict) and WIDGET_VIEW in out["data"]:
+                nbtool.clean_widget_output(out)  # as `nbtool.py clean` stores a chapter's widget outputs
                 dropped += 1
     return dropped
 

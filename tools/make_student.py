@@ -17,7 +17,7 @@ solution would otherwise reach the learner verbatim.
 
 Every code cell loses its outputs and execution count, except in a notebook without exercises (the
 index), which is for reading and keeps its stored tables; ``language_info`` becomes this interpreter's
-kernel's, so the copy opens unmodified in the learner's JupyterLab. Cells are added: a note at the top
+kernel's and the kernelspec the course's (``nbtool.KERNELSPEC``), so the copy opens unmodified in the learner's JupyterLab. Cells are added: a note at the top
 (whose copy it is, where the full chapter with solutions is, how to get a fresh copy), after the last
 cell ``exercises.summary([...])`` with the checkers the notebook calls, and at the very end a link to
 the next chapter. Nothing else changes: markdown, tags and the other metadata stay as they are, so a
@@ -39,7 +39,7 @@ from pathlib import Path
 import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtool import kernel_language_info  # noqa: E402
+from nbtool import KERNELSPEC, kernel_language_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / "workspace"
@@ -248,6 +248,7 @@ def learner_copy(nb: nbformat.NotebookNode, name: str | None = None,
     # JupyterLab marks a notebook modified on open unless its language_info is exactly what the
     # kernel reports: this interpreter's, the one `make lab` (and Binder) run the kernel with.
     copy.metadata["language_info"] = kernel_language_info()
+    copy.metadata["kernelspec"] = dict(KERNELSPEC)  # the course's kernel, as `make lab` installs it
     if next_chapter is not None:
         copy.cells.append(next_cell(*next_chapter))
     if name is not None:  # under the title, if the notebook starts with one
