@@ -238,10 +238,22 @@ def open_and_run_all(page, lab: Lab, notebook: str, timeout_ms: int = 120_000, b
         arg=n_code, timeout=timeout_ms)
 
 
-def save_and_wait(page) -> None:
-    """Ctrl+S in the notebook (autosave does the same), then give the server a moment to write."""
-    page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
-    page.keyboard.press("Control+s")
+def save_and_wait(page, read_only: bool = False) -> None:
+    """File > Save (what autosave does), then give the server a moment to write.
+
+    read_only: JupyterLab must offer no save for this notebook (the item is disabled): check that instead.
+    """
+    from playwright.sync_api import expect
+
+    page.get_by_role("menuitem", name="File", exact=True).click()
+    save = page.locator('.lm-Menu-item[data-command="docmanager:save"]')
+    if read_only:
+        expect(save).to_have_attribute("aria-disabled", "true")
+        page.keyboard.press("Escape")
+        page.keyboard.press("Control+s")  # the shortcut too: a notification, no write
+    else:
+        expect(save).not_to_have_attribute("aria-disabled", "true")
+        save.click()
     time.sleep(2.0)
 
 
@@ -414,9 +426,7 @@ def test_widget_works_in_a_real_browser(case, request):
     try:
         open_and_run_all(page, lab, chapter)
         case.drive(page, shoot)
-        save_and_wait(page)  # what autosave does ~2 min after a Run All
-        assert page.locator(".jp-NotebookPanel-toolbar").get_by_text("Read-only").count() >= 1, \
-            "the full chapter does not show JupyterLab's read-only mark"
+        save_and_wait(page, read_only=True)  # what autosave would do ~2 min after a Run All: refused
         assert (lab.root / chapter).read_bytes() == on_disk, "a Run All in chapters/ was saved over the chapter"
     except BaseException:
         page.screenshot(path=str(ARTIFACTS / f"{stem}-failure.png"))
@@ -499,6 +509,9 @@ def test_learner_copy_opens_unmodified_and_run_all_reaches_the_summary(request):
         page.screenshot(path=str(ARTIFACTS / "student-01-run-all.png"), full_page=False)
         before = (lab.root / notebook).read_bytes()
         save_and_wait(page)  # as autosave would: the learner's outputs are kept in the copy
+        deadline = time.monotonic() + 30
+        while (lab.root / notebook).read_bytes() == before and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert (lab.root / notebook).read_bytes() != before, "the learner copy was not saved"
     except BaseException:
         page.screenshot(path=str(ARTIFACTS / "student-01-failure.png"))

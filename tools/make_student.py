@@ -254,6 +254,9 @@ def learner_copy(nb: nbformat.NotebookNode, name: str | None = None,
     if name is not None:  # under the title, if the notebook starts with one
         title = bool(copy.cells) and copy.cells[0].cell_type == "markdown" and copy.cells[0].source.startswith("# ")
         copy.cells.insert(1 if title else 0, note_cell(name, has_exercises))
+    if (copy.nbformat, copy.nbformat_minor) < (4, 5):  # cell ids arrived in 4.5: an added cell's id is invalid here
+        for cell in copy.cells:
+            cell.pop("id", None)
     return copy
 
 
