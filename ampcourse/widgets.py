@@ -695,6 +695,23 @@ def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
     return out
 
 
+def simulation_benchmark(repeats: int = 20, steps: int = 20000) -> dict[str, float]:
+    """Milliseconds (median) of the scaler simulator's simulation alone, per step (scaling.simulate_scale) vs per
+    event (_scale_trajectory), interleaved on the same 20k-step pattern and a growth_interval drag."""
+    repeats = _args.integer(repeats, "repeats", low=1)
+    over = scaler_simulator(steps=steps)._pattern()
+    times: dict[str, list[float]] = {"per step": [], "per event": []}
+    for i in range(repeats):
+        interval = 100 + 5 * (i % 60)
+        t = time.perf_counter()
+        scaling.simulate_scale(over.tolist(), 2.0**16, 2.0, 0.5, interval)
+        times["per step"].append(1000 * (time.perf_counter() - t))
+        t = time.perf_counter()
+        _scale_trajectory(over, 2.0**16, 2.0, 0.5, interval)
+        times["per event"].append(1000 * (time.perf_counter() - t))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def _main(argv: list[str] | None = None) -> int:
     """python -m ampcourse.widgets --bench: print the widget update benchmark as a Markdown table."""
     import argparse
@@ -716,6 +733,9 @@ def _main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for name, r in benchmark(args.repeats).items():
         print(f"| {name} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['full_redraw_median_ms']:.1f} | {r['speedup']:.1f}x |")
+    sim = simulation_benchmark(args.repeats)
+    print(f"\nscaler_simulator, 20k steps, the simulation alone (median): per step {sim['per step']:.1f} ms, "
+          f"per event {sim['per event']:.2f} ms ({sim['per step'] / sim['per event']:.0f}x)")
     return 0
 
 

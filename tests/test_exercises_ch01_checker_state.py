@@ -104,3 +104,22 @@ def test_verdict_lines_wrap_between_words(capsys):
     hint = " ".join(line.strip() for line in lines[3:]).removeprefix("hint:").strip()
     assert hint == long_hint  # every word whole, none broken across lines
     assert all(re.fullmatch(r" {13}\S.*", line) for line in lines[4:])  # continuation lines under the text
+
+
+def test_in_a_kernel_a_learner_function_that_never_returns_gets_a_verdict_and_the_next_cell_runs(tmp_path):
+    """The bound works where learners run checkers: in a Jupyter kernel (cells run in its main thread)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    code = nbformat.v4.new_code_cell
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [code("import time\nfrom ampcourse import exercises\nfrom ampcourse.exercises import _core\n"
+                     "_core.TIME_LIMIT_S = 1.0\n"
+                     "def fp16_ulp(x):\n    time.sleep(120)\n"
+                     "exercises.check_fp16_ulp(fp16_ulp)"),
+                code("import sys\nexercises.check_fp16_ulp(lambda x: sys.exit(3))"),
+                code("print('next cell ran')")]
+    NotebookClient(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    texts = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells]
+    assert "still running" in texts[0] and "sys.exit(3)" in texts[1] and texts[2] == "next cell ran\n"
+    assert not any(o.output_type == "error" for c in nb.cells for o in c.outputs)
