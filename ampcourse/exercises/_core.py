@@ -198,8 +198,9 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     def alarm(signum, frame):
         if time.monotonic() >= deadline - 1e-3:
             raise _TimeLimit()
-        if callable(previous):  # the outer timer's turn came first
+        if callable(previous):  # the outer timer's turn came first: its handler, then our own deadline again
             previous(signum, frame)
+        signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 1e-3))
 
     previous = signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, max(min(deadline, outer_deadline) - now, 1e-3))
