@@ -637,7 +637,7 @@ def launch(args: Sequence[str] = (), *, timeout: float = 120.0, cwd: str | os.Pa
     timeout = _args.real(timeout, "timeout", positive=True, what="a finite number of seconds > 0")
     status = _LaunchStatus(int(command.get("nproc_per_node", 2)), progress)  # this node's workers
     start = time.perf_counter()
-    seen: dict[int, str] = {}  # the sessions of torchrun and its workers: what is left in them is stopped after
+    seen: set[int] = set()  # the sessions of torchrun and its workers: what is left in them is stopped after
     with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
         def output() -> tuple[str, str]:
             out_file.seek(0)
@@ -686,13 +686,13 @@ def _stat(pid: int) -> list[str]:
         return []
 
 
-def _family(pid: int) -> dict[int, str]:
-    """{session id: ''} of `pid` and its descendants now: torchrun and each worker run in a session of their own,
+def _family(pid: int) -> set[int]:
+    """The session ids of `pid` and its descendants now: torchrun and each worker run in a session of their own,
     and what a worker starts inherits the worker's (empty where /proc does not exist)."""
-    return {int(f[3]): "" for p in [pid, *_descendants(pid)] if len(f := _stat(p)) > 3}
+    return {int(f[3]) for p in [pid, *_descendants(pid)] if len(f := _stat(p)) > 3}
 
 
-def _stop_orphans(sessions: Mapping[int, str]) -> None:
+def _stop_orphans(sessions: set[int]) -> None:
     """SIGKILL every process still in one of the job's sessions (a helper a worker started and left behind)."""
     if not sessions:
         return
