@@ -37,6 +37,7 @@ def test_only_the_full_chapters_are_read_only(path, read_only):
 def test_lab_opens_on_the_learners_index(tmp_path):
     assert lab_config.default_url(str(tmp_path / "workspace"), str(tmp_path)) == "/lab/tree/workspace/00_index.ipynb"
     assert lab_config.default_url(str(tmp_path / "my work"), str(tmp_path)) == "/lab/tree/my%20work/00_index.ipynb"
+    assert lab_config.default_url("workspace", str(tmp_path)) == "/lab/tree/workspace/00_index.ipynb"  # under root
     assert lab_config.default_url("/elsewhere", str(tmp_path)) == "/lab"  # outside the served folder
 
 

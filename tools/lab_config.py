@@ -37,8 +37,8 @@ def is_read_only(path: str) -> bool:
 
 
 def default_url(workspace: str, root: str = ".") -> str:
-    """The page JupyterLab opens: the learner's index in `workspace` (relative to root), or the file browser."""
-    rel = os.path.relpath(os.path.abspath(workspace), os.path.abspath(root))
+    """The page JupyterLab opens: the learner's index in `workspace` (a relative one is under root), or the file browser."""
+    rel = os.path.relpath(os.path.join(os.path.abspath(root), workspace), os.path.abspath(root))
     if rel.startswith(".."):  # a workspace outside the served folder cannot be opened from it
         return "/lab"
     return "/lab/tree/" + quote(PurePosixPath(*rel.split(os.sep), INDEX).as_posix())
