@@ -15,25 +15,29 @@ help:  ## list the targets
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[lab,test]'
-	$(BIN)/python -m ipykernel install --sys-prefix --name ampcourse --display-name "ampcourse (.venv)" --env OMP_NUM_THREADS 1
 	touch $(STAMP)
 
-setup: $(STAMP)  ## create .venv with pinned dependencies, ampcourse (editable) and a Jupyter kernel
+setup: $(STAMP)  ## create .venv with pinned dependencies and ampcourse (editable)
 
 # JupyterLab listens on loopback only; as root (containers) it needs --allow-root to start at all.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # The learner's own copies (git ignores them): made on the first `make lab`, never overwritten after;
-# a chapter added later is copied in. JupyterLab opens at the repository root, in workspace/, so the
-# full chapters (solutions, stored outputs) stay one folder away and are never written by a run.
+# a chapter added later is copied in. JupyterLab (tools/lab_config.py) serves the repository root and
+# opens on $(WORKSPACE)/00_index.ipynb; the full chapters (solutions, stored outputs) are read-only there,
+# so a Run All in chapters/ is never written to disk and `git pull` never conflicts.
+# WORKSPACE may hold spaces: every use below is quoted.
 WORKSPACE ?= workspace
 # Kernels inherit the server's environment: one OpenMP thread, as under `make test` (TEST_ENV below),
 # so a busy machine does not slow a chapter tenfold (benchmarks/README.md, "Busy machine").
 LAB_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
-lab: setup  ## set up, copy the chapters you have no copy of yet into workspace/, open JupyterLab there
-	$(BIN)/python tools/make_student.py -o $(WORKSPACE)
-	$(LAB_ENV) $(BIN)/jupyter lab --notebook-dir=. --LabApp.default_url=/lab/tree/$(WORKSPACE) --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) $(LAB_ARGS)
+# One kernel: "python3" (the name every notebook asks for), shown as "ampcourse", in .venv; the lab
+# config hides any other. Installed on each `make lab` (under a second): a .venv from before gets it too.
+lab: setup  ## set up, copy the chapters you have no copy of yet into workspace/, open JupyterLab on its index
+	$(BIN)/python tools/make_student.py -o "$(WORKSPACE)"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name ampcourse --env OMP_NUM_THREADS 1 >/dev/null
+	AMPCOURSE_WORKSPACE="$(WORKSPACE)" $(LAB_ENV) $(BIN)/jupyter lab --config=tools/lab_config.py --notebook-dir=. --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) $(LAB_ARGS)
 
 # Tests run with one OpenMP thread per process unless OMP_NUM_THREADS is set: the course's models are
 # tiny, and on a busy 2-core machine two spinning OpenMP threads per process made chapter 2 take 148 s
@@ -56,7 +60,7 @@ nbclean: setup  ## strip noisy metadata from the chapters without executing them
 	$(BIN)/python tools/nbtool.py clean chapters/*.ipynb
 
 student: setup  ## learner copies in workspace/ (solutions stubbed, outputs cleared); existing copies are kept
-	$(BIN)/python tools/make_student.py -o $(WORKSPACE)
+	$(BIN)/python tools/make_student.py -o "$(WORKSPACE)"
 
 # GPU_PYTHON=python3: use a Python that already has torch (CUDA) instead of building .venv; GPU_WHEELS=.whl: first
 # install those wheels (tools/gpu_wheels.sh) into GPU_SITE and put it on PYTHONPATH: for GPU machines without

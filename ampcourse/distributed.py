@@ -468,29 +468,129 @@ def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def launch(args: Sequence[str] = (), *, timeout: float = 120.0, cwd: str | os.PathLike | None = None,
-           env: Mapping[str, str] | None = None, **command: Any) -> LaunchResult:
+           env: Mapping[str, str] | None = None, progress: bool | None = None, **command: Any) -> LaunchResult:
     """Run torchrun (built by :func:`torchrun_command` from `command`) as a subprocess and wait for it.
 
     The subprocess gets its own session; on `timeout` the whole group (torchrun and its workers) gets
-    SIGKILL and LaunchTimeout is raised with the output so far.
+    SIGKILL and LaunchTimeout is raised with the output so far. An interrupt (Ctrl-C, a notebook's stop
+    button) stops them the same way and raises a one-line KeyboardInterrupt. Processes the workers
+    started and left behind are stopped too, and never delay the result (the output goes to files,
+    which they cannot hold open the way they would hold a pipe). progress: a live status line (elapsed
+    time, workers running, the job's latest line) while it runs; None: only in a Jupyter kernel.
     """
     cmd = torchrun_command(args, **command)
     # checked before anything starts: a timeout of 0 or less would kill the job it just launched
     timeout = _args.real(timeout, "timeout", positive=True, what="a finite number of seconds > 0")
+    status = _LaunchStatus(int(command.get("nproc_per_node", 2)), progress)  # this node's workers
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env=launch_env(env), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, err = proc.communicate()
-        raise LaunchTimeout(f"torchrun did not finish in {timeout:g} s and was killed: {shlex.join(cmd)}\n"
-                            f"--- stdout (tail) ---\n{out[-2000:]}\n--- stderr (tail) ---\n{err[-2000:]}") from None
-    except BaseException:
-        _kill_group(proc)  # an interrupted notebook cell must not leave workers behind
-        raise
+    seen: set[int] = set()  # the sessions of torchrun and its workers: what is left in them is stopped after
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+        def output() -> tuple[str, str]:
+            out_file.seek(0)
+            err_file.seek(0)
+            return out_file.read().decode(errors="replace"), err_file.read().decode(errors="replace")
+
+        proc = subprocess.Popen(cmd, stdout=out_file, stderr=err_file, text=True, cwd=cwd, env=launch_env(env),
+                                start_new_session=True)
+        try:
+            while not _exited(proc, 0.5):
+                seen.update(_family(proc.pid))
+                status.show(time.perf_counter() - start, max(len(seen) - 1, 0), out_file, err_file)
+                if time.perf_counter() - start > timeout:
+                    _kill_group(proc)
+                    proc.wait()
+                    out, err = output()
+                    raise LaunchTimeout(f"torchrun did not finish in {timeout:g} s and was killed: {shlex.join(cmd)}\n"
+                                        f"--- stdout (tail) ---\n{out[-2000:]}\n--- stderr (tail) ---\n{err[-2000:]}")
+        except KeyboardInterrupt:
+            _kill_group(proc)  # an interrupted notebook cell must not leave workers behind
+            raise KeyboardInterrupt("torchrun was interrupted; it and its workers were stopped") from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            _stop_orphans(seen)
+            status.close()
+        out, err = output()
     return LaunchResult(cmd, proc.returncode, out, err, time.perf_counter() - start)
+
+
+def _exited(proc: subprocess.Popen, seconds: float) -> bool:
+    """Wait up to `seconds` for proc; whether it has exited."""
+    try:
+        proc.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...); [] if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _family(pid: int) -> set[int]:
+    """The session ids of `pid` and its descendants now: torchrun and each worker run in a session of their own,
+    and what a worker starts inherits the worker's (empty where /proc does not exist)."""
+    return {int(f[3]) for p in [pid, *_descendants(pid)] if len(f := _stat(p)) > 3}
+
+
+def _stop_orphans(sessions: set[int]) -> None:
+    """SIGKILL every process still in one of the job's sessions (a helper a worker started and left behind)."""
+    if not sessions:
+        return
+    own = os.getsid(0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat(int(stat.parent.name))
+        if len(fields) > 3 and int(fields[3]) in sessions and int(fields[3]) != own:
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class _LaunchStatus:
+    """A one-line live status of a launch in a Jupyter output (a display that is updated in place).
+
+    The line shown at the start and left at the end is the same, so a stored notebook's output does not
+    depend on timing (nbval compares the first display; nbclient stores the last).
+    """
+
+    def __init__(self, nproc: int, enabled: bool | None):
+        self.handle = None
+        self.resting = f"torchrun: {nproc} worker process{'es' if nproc != 1 else ''} (live status here while it runs)"
+        ipython = sys.modules.get("IPython")
+        shell = ipython.get_ipython() if ipython is not None else None
+        if enabled is False or (enabled is None and getattr(shell, "kernel", None) is None):
+            return
+        from IPython.display import display
+
+        self.handle = display({"text/plain": self.resting}, raw=True, display_id=True)
+        self._shown = ""
+
+    def show(self, seconds: float, started: int, *files) -> None:
+        """Update the line: elapsed time, workers started (sessions), the job's latest line of output."""
+        if self.handle is None:
+            return
+        latest = ""
+        for f in files:
+            f.seek(0, os.SEEK_END)
+            skip = int(f.tell() > 2000)  # the first line read may be cut: leave it out
+            f.seek(max(f.tell() - 2000, 0))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines()[skip:] if line.strip()]
+            latest = lines[-1][:140] if lines else latest
+        text = f"torchrun running: {seconds:.0f} s, {started} workers started" + (f" | {latest}" if latest else "")
+        if text != self._shown:
+            self.handle.update({"text/plain": text}, raw=True)
+            self._shown = text
+
+    def close(self) -> None:
+        """Back to the resting line."""
+        if self.handle is not None:
+            self.handle.update({"text/plain": self.resting}, raw=True)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -517,6 +617,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
     orphan them. Where /proc lists them we SIGKILL torchrun's group and each descendant; elsewhere we
     SIGTERM torchrun (it then stops its workers) and SIGKILL it if it has not exited after 10 s.
     """
+    if Path("/proc").is_dir():  # frozen, torchrun cannot start a worker between our look at /proc and the kill
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGSTOP)
     family = _descendants(proc.pid)
     if not family and not Path("/proc").is_dir():
         try:

@@ -13,9 +13,14 @@ __all__ = ["bit_layouts", "ulp_staircase", "relative_error", "gradient_histogram
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
 
-def bit_layouts(fmts=("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")) -> plt.Figure:
-    """One row of coloured boxes per format: sign, exponent and mantissa bits to scale."""
-    specs = [formats.spec(f) for f in fmts]
+def _sixteen_bit() -> tuple[str, ...]:
+    """The 16-bit formats of the registry (fp16, bf16): the ones AMP chooses between."""
+    return tuple(n for n in formats.names() if formats.spec(n).bits == 16)
+
+
+def bit_layouts(fmts=None) -> plt.Figure:
+    """One row of coloured boxes per format: sign, exponent and mantissa bits to scale (default: formats.names())."""
+    specs = [formats.spec(f) for f in (formats.names() if fmts is None else fmts)]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(specs) + 0.6), dpi=80)
     for row, f in enumerate(specs):
         y = len(specs) - 1 - row
@@ -34,8 +39,10 @@ def bit_layouts(fmts=("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")) -> plt.Fi
     return fig
 
 
-def ulp_staircase(fmts=("fp16", "bf16", "fp32"), lo: float = 2.0**-26, hi: float = 2.0**17) -> plt.Figure:
-    """The gap to the next representable value (ulp) across magnitudes, one staircase per format."""
+def ulp_staircase(fmts=None, lo: float = 2.0**-26, hi: float = 2.0**17) -> plt.Figure:
+    """The gap to the next representable value (ulp) across magnitudes, one staircase per format (default: the
+    16-bit formats and fp32)."""
+    fmts = (*_sixteen_bit(), "fp32") if fmts is None else fmts
     x = np.geomspace(lo, hi, 2000)
     fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80, layout="constrained")
     for f in fmts:
@@ -50,8 +57,10 @@ def ulp_staircase(fmts=("fp16", "bf16", "fp32"), lo: float = 2.0**-26, hi: float
     return fig
 
 
-def relative_error(fmts=("fp16", "bf16"), lo: float = 1e-9, hi: float = 1e6, n: int = 4000, seed: int = 0) -> plt.Figure:
-    """Relative rounding error of random values across magnitudes: flat for normals, rising for subnormals."""
+def relative_error(fmts=None, lo: float = 1e-9, hi: float = 1e6, n: int = 4000, seed: int = 0) -> plt.Figure:
+    """Relative rounding error of random values across magnitudes: flat for normals, rising for subnormals
+    (default: the 16-bit formats)."""
+    fmts = _sixteen_bit() if fmts is None else fmts
     rng = np.random.default_rng(seed)
     x = np.exp(rng.uniform(np.log(lo), np.log(hi), n))
     fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80, layout="constrained")

@@ -135,7 +135,8 @@ class _Guarded:
 class FormatExplorer(_Guarded, W.VBox):
     """Type or slide a value; see its bits, rounded value and error in every format."""
 
-    def __init__(self, value: float = 1.0001, fmts: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")):
+    def __init__(self, value: float = 1.0001, fmts: tuple[str, ...] | None = None):
+        fmts = tuple(formats.names()) if fmts is None else fmts  # the registry's training formats
         fmts = (fmts,) if isinstance(fmts, str) else fmts  # one name alone, not its letters
         if not isinstance(fmts, (tuple, list)) or not fmts:
             raise ValueError(f"fmts must be a non-empty tuple of format names ({', '.join(formats.FORMATS)}), got {fmts!r}")
@@ -208,20 +209,32 @@ def _row(x: float, fmt: str) -> dict:
             "overflow": d.overflow, "underflow": d.underflow, "html": _bits_html(d)}
 
 
+#: Cell padding for the widgets' HTML tables: without it JupyterLab sets the columns edge to edge.
+_CELL = 'style="padding:2px 14px 2px 0;text-align:left"'
+_NUM = 'style="padding:2px 14px 2px 0;text-align:right"'
+
+
+def _note(fmt: str, r: dict) -> str:
+    """What happened to x in this format: a saturating format clamps (its max is a value, not an overflow)."""
+    if r["overflow"]:
+        return "saturated (clamped to the largest value)" if formats.spec(fmt).saturates else "overflow"
+    return "flushed to zero" if r["underflow"] else r["kind"]
+
+
 def _table_html(x: float, rows: dict[str, dict]) -> str:
     """An HTML table: format, bits, stored value, relative error, what happened."""
-    head = "<tr><th>format</th><th>sign exponent mantissa</th><th>stored value</th><th>rel. error</th><th>note</th></tr>"
+    head = "".join(f"<th {_CELL}>{h}</th>" for h in ("format", "sign exponent mantissa", "stored value", "rel. error",
+                                                     "note"))
     body = []
     for f, r in rows.items():
-        note = "overflow" if r["overflow"] else "flushed to zero" if r["underflow"] else r["kind"]
         err = "" if math.isnan(r["rel_error"]) else f"{r['rel_error']:.2e}"
-        body.append(f"<tr><td>{f}</td><td>{r['html']}</td><td><code>{_fmt(r['value'])}</code></td>"
-                    f"<td>{err}</td><td>{note}</td></tr>")
-    return f"<b>x = {html.escape(_fmt(x))}</b><table>{head}{''.join(body)}</table>"
+        body.append(f"<tr><td {_CELL}>{f}</td><td {_CELL}>{r['html']}</td><td {_CELL}><code>{_fmt(r['value'])}</code></td>"
+                    f"<td {_NUM}>{err}</td><td {_CELL}>{_note(f, r)}</td></tr>")
+    return f"<b>x = {html.escape(_fmt(x))}</b><table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def format_explorer(value: float = 1.0001, fmts: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")) -> FormatExplorer:
-    """A bit explorer: type or slide a value, see how each format stores it."""
+def format_explorer(value: float = 1.0001, fmts: tuple[str, ...] | None = None) -> FormatExplorer:
+    """A bit explorer: type or slide a value, see how each format stores it (default: formats.names())."""
     return FormatExplorer(value, fmts)
 
 
@@ -349,7 +362,8 @@ class RangeExplorer(_Guarded, W.VBox):
         hist, _ = np.histogram(np.log2(nz) if nz.size else nz, self._edges)
         self._percent = 100 * hist / max(self.values.size, 1)
 
-        names = list(dict.fromkeys([self.fmt, "fp16", "bf16", "fp8_e5m2", "fp8_e4m3"]))
+        # the registry's training formats narrower than fp32: the ones a loss scale is for
+        names = list(dict.fromkeys([self.fmt, *(n for n in formats.names() if formats.spec(n).bits < 32)]))
         self.fmt_select = W.Dropdown(options=names, value=self.fmt, description="format", layout={"width": "12em"})
         self.slider = W.IntSlider(value=0, min=-24, max=40, description="log2 scale", continuous_update=True,
                                   style=_LABEL, layout=_WIDE)
@@ -465,6 +479,33 @@ def parse_steps(text: str, n_steps: int) -> list[int]:
     return sorted(s for s in steps if 1 <= s <= n_steps)
 
 
+def _scale_trajectory(overflows: np.ndarray, init_scale: float, growth_factor: float, backoff_factor: float,
+                      growth_interval: int) -> np.ndarray:
+    """scaling.simulate_scale's scales (same float32 values), one update per event instead of one per step.
+
+    The scale changes only at an overflow and at every growth_interval-th clean step in a row; between those
+    it stays put. So this jumps from event to event and applies ``scaling._next_scale`` (the one home of the
+    update rule) at each: a 20k-step drag costs a few hundred updates instead of 20k (benchmarks/README.md).
+    """
+    n = len(overflows)
+    out = np.empty(n, dtype=np.float64)
+    scale, tracker, i = scaling._float32(init_scale), 0, 0
+    rule = dict(growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
+    for nxt in [*np.flatnonzero(overflows).tolist(), n]:  # each overflow, then the end of the run
+        while i < nxt:  # clean steps up to the next overflow: the scale grows every growth_interval of them
+            grow_at = i + growth_interval - tracker - 1
+            if grow_at >= nxt:
+                out[i:nxt], tracker, i = scale, tracker + (nxt - i), nxt
+                break
+            out[i:grow_at] = scale
+            scale, tracker = scaling._next_scale(scale, growth_interval - 1, False, **rule)
+            out[grow_at], i = scale, grow_at + 1
+        if i < n:
+            scale, tracker = scaling._next_scale(scale, tracker, True, **rule)
+            out[i], i = scale, i + 1
+    return out
+
+
 def _check_simulator_args(steps: int, probability: float, seed: int) -> None:
     """ValueError naming the argument unless each fits its control (a slider would clamp it without a word)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or not 10 <= steps <= 20000:
@@ -542,12 +583,16 @@ class ScalerSimulator(_Guarded, W.VBox):
 
     def pattern(self) -> list[bool]:
         """The overflow pattern: random overflows with P(overflow), plus the scripted burst."""
+        return self._pattern().tolist()
+
+    def _pattern(self) -> np.ndarray:
+        """pattern() as a boolean array."""
         n = self.steps.value
         rng = np.random.default_rng(self.seed.value)
         over = rng.random(n) < self.probability.value
         burst = np.asarray([s for s in self._burst_steps if s <= n], dtype=np.int64)
         over[burst - 1] = True
-        return over.tolist()
+        return over
 
     def _check_controls(self) -> None:
         """ValueError naming the control whose value (typed, or set from code) the simulation cannot use."""
@@ -558,14 +603,15 @@ class ScalerSimulator(_Guarded, W.VBox):
     def _update(self) -> None:
         """Simulate GradScaler's scale for the pattern and redraw."""
         self._check_controls()
-        self.overflows = self.pattern()
-        self.scales = scaling.simulate_scale(self.overflows, 2.0 ** self.init_log2.value, self.growth_factor.value,
-                                             self.backoff_factor.value, self.growth_interval.value)
-        steps = np.arange(1, len(self.scales) + 1)
+        skipped = self._pattern()
+        self.overflows = skipped.tolist()
+        scales = _scale_trajectory(skipped, 2.0 ** self.init_log2.value, self.growth_factor.value,
+                                   self.backoff_factor.value, self.growth_interval.value)
+        self.scales = scales.tolist()
+        steps = np.arange(1, len(scales) + 1)
         with np.errstate(divide="ignore"):
-            y = np.log2(np.asarray(self.scales, dtype=np.float64))
+            y = np.log2(scales)
         y = np.maximum(y, -160.0)  # a scale that collapsed to 0 is drawn at the bottom, not dropped
-        skipped = np.asarray(self.overflows, dtype=bool)
         # A step plot only needs the steps where the scale changes (usually a few hundred of thousands).
         change = np.flatnonzero(np.diff(y, prepend=np.nan, append=np.nan) != 0)
         change = change[change < len(y)]
@@ -630,7 +676,8 @@ def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
              "scaler_simulator: backoff_factor": (scaler_simulator(), "backoff_factor", drag(0.05, 0.95, 0.05)),
              "scaler_simulator: growth_interval": (scaler_simulator(), "growth_interval", drag(1500, 2100, 10)),
              "scaler_simulator, 20k steps: growth_interval": (scaler_simulator(steps=20000), "growth_interval",
-                                                              drag(100, 400, 5))}
+                                                              drag(100, 400, 5)),
+             "outlier_explorer: log2 outlier slider": (outlier_explorer(), "magnitude", drag(0, 16, 1))}
     out = {}
     for name, (w, attr, values) in cases.items():
         control, times = getattr(w, attr), {"cached": [], "full": []}
@@ -646,6 +693,23 @@ def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
         out[name] = {"median_ms": med["cached"], "p90_ms": float(np.percentile(times["cached"], 90)),
                      "full_redraw_median_ms": med["full"], "speedup": med["full"] / med["cached"], "moves": repeats}
     return out
+
+
+def simulation_benchmark(repeats: int = 20, steps: int = 20000) -> dict[str, float]:
+    """Milliseconds (median) of the scaler simulator's simulation alone, per step (scaling.simulate_scale) vs per
+    event (_scale_trajectory), interleaved on the same 20k-step pattern and a growth_interval drag."""
+    repeats = _args.integer(repeats, "repeats", low=1)
+    over = scaler_simulator(steps=steps)._pattern()
+    times: dict[str, list[float]] = {"per step": [], "per event": []}
+    for i in range(repeats):
+        interval = 100 + 5 * (i % 60)
+        t = time.perf_counter()
+        scaling.simulate_scale(over.tolist(), 2.0**16, 2.0, 0.5, interval)
+        times["per step"].append(1000 * (time.perf_counter() - t))
+        t = time.perf_counter()
+        _scale_trajectory(over, 2.0**16, 2.0, 0.5, interval)
+        times["per event"].append(1000 * (time.perf_counter() - t))
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -669,6 +733,9 @@ def _main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for name, r in benchmark(args.repeats).items():
         print(f"| {name} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['full_redraw_median_ms']:.1f} | {r['speedup']:.1f}x |")
+    sim = simulation_benchmark(args.repeats)
+    print(f"\nscaler_simulator, 20k steps, the simulation alone (median): per step {sim['per step']:.1f} ms, "
+          f"per event {sim['per event']:.2f} ms ({sim['per step'] / sim['per event']:.0f}x)")
     return 0
 
 
@@ -679,7 +746,8 @@ if __name__ == "__main__":
 # --- chapter 9: one outlier against the scaling granularity ---------------------------------------------
 # Appended as its own section (imports local to it) so edits to the widgets above merge cleanly.
 
-_OUTLIER_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
+#: Element formats to scale: every signed format of 8 bits or fewer in the registry (fp8, fp6, fp4).
+_OUTLIER_ELEMENTS = tuple(n for n, f in formats.FORMATS.items() if f.signed and f.bits <= 8)
 
 
 class OutlierExplorer(_Guarded, W.VBox):
@@ -689,6 +757,7 @@ class OutlierExplorer(_Guarded, W.VBox):
         >>> w.magnitude.value = 10          # the outlier becomes 2**10
         >>> w.block.value = 16              # blocks of 16 for the two block schemes
         >>> w.results["tensor"]["rel_error"], w.results["block e8m0"]["underflowed"]
+        >>> w.results["tensor"]["median_rel_error"]  # the typical element: 1.0 when flushed to zero
 
     Schemes (keys of ``results``): "tensor", "row", "block fp32" (fp32 scale per block), "block e8m0"
     (MX: power-of-two scale per block), and "nvfp4" when the element format is fp4_e2m1.
@@ -752,22 +821,29 @@ class OutlierExplorer(_Guarded, W.VBox):
         self.results = {}
         for name, (gran, size) in schemes.items():
             r = fp8.quantize_scaled(x, el, gran, block_size=size)
-            self.results[name] = {"rel_error": fp8.relative_error(x, r.values), "sqnr_db": fp8.sqnr_db(x, r.values),
+            self.results[name] = {"rel_error": fp8.relative_error(x, r.values),
+                                  "median_rel_error": fp8.median_relative_error(x, r.values),
+                                  "sqnr_db": fp8.sqnr_db(x, r.values),
                                   "underflowed": r.underflowed, "saturated": r.saturated}
         self.table.value = self._table_html()
 
     def _table_html(self) -> str:
-        """The results as an HTML table with a bar per scheme (longer bar = larger error)."""
-        worst = max(r["rel_error"] for r in self.results.values()) or 1.0
+        """The results as an HTML table, 9.3's columns, with a bar per scheme: the typical element's error (1 = flushed).
+
+        Two errors, as in 9.3: ``relative error`` (||x - q|| / ||x||) is dominated by the largest values, so it
+        can fall while the outlier grows; ``typical`` (the median of |x_i - q_i| / |x_i|) is what an ordinary
+        element suffers, and it is what jumps when a coarse scale flushes the rest of the tensor to zero.
+        """
         rows = []
         for name, r in self.results.items():
-            width = int(200 * r["rel_error"] / worst)
-            rows.append(f"<tr><td>{html.escape(name)}</td><td>{r['rel_error']:.4f}</td><td>{r['sqnr_db']:.1f}</td>"
-                        f"<td>{r['underflowed']:,}</td><td>{r['saturated']:,}</td>"
-                        f'<td><div style="background:#d62728;height:10px;width:{width}px"></div></td></tr>')
-        head = ("<tr><th>scheme</th><th>relative error</th><th>SQNR dB</th><th>flushed to 0</th>"
-                "<th>saturated</th><th></th></tr>")
-        return f"<table>{head}{''.join(rows)}</table>"
+            width = int(160 * min(r["median_rel_error"], 1.0))
+            rows.append(f"<tr><td {_CELL}>{html.escape(name)}</td><td {_NUM}>{r['median_rel_error']:.4f}</td>"
+                        f"<td {_NUM}>{r['rel_error']:.4f}</td><td {_NUM}>{r['sqnr_db']:.1f}</td>"
+                        f"<td {_NUM}>{r['underflowed']:,}</td><td {_NUM}>{r['saturated']:,}</td>"
+                        f'<td {_CELL}><div style="background:#d62728;height:10px;width:{width}px"></div></td></tr>')
+        head = "".join(f"<th {_CELL}>{h}</th>" for h in ("scheme", "typical error", "relative error", "SQNR dB",
+                                                         "flushed to 0", "saturated", "typical error (bar: 1 = all lost)"))
+        return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def outlier_explorer(x=None, element: str = "fp4_e2m1", magnitude: int = 8, position: int = 5,

@@ -12,7 +12,13 @@ To add a widget chapter: write a `drive_*` function and add a BrowserCase to ALL
 as soon as its notebook exists in chapters/ (test_every_widget_chapter_has_a_browser_case insists).
 
 One case runs a learner copy (`tools/make_student.py`, as `make lab` writes it to workspace/): it must
-open unmodified, and Run All must reach the summary cell with every checker's verdict and no traceback.
+open unmodified, and Run All must reach the summary cell with every checker's verdict and no traceback;
+saved and reopened without its kernel, its widget says "run this cell", not "model not found".
+
+The server runs with the course's own settings (tools/lab_config.py, as `make lab` and Binder do) on a
+folder laid out like the repository: the widget chapters in chapters/ (read-only: a Run All and a save
+there leave the file as it was), learner copies in workspace/, and it opens on workspace/00_index.ipynb
+with the index's tables shown and one kernel.
 """
 
 from __future__ import annotations
@@ -39,11 +45,12 @@ import make_student  # noqa: E402
 import nbtool  # noqa: E402
 
 STUDENT_CHAPTER = "01_precision_basics.ipynb"  # the learner copy run to the end: quick, with 3 exercises
+INDEX = "00_index.ipynb"
 ARTIFACTS = ROOT / "artifacts" / "browser"
 CHROMIUM = Path(os.environ.get("AMPCOURSE_CHROMIUM", "/usr/bin/chromium"))  # another Chromium/Chrome: set this
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+KERNELSPEC = nbtool.KERNELSPEC  # the course's kernel (shown as "ampcourse"), with no kernel chooser dialog
 TOKEN = "ampcourse-browser-test"  # the server listens on 127.0.0.1 only, for the length of the test
 # JupyterLab user settings for the test: no news or update prompts over the notebook, and every
 # cell attached to the DOM (the default windowing leaves cells outside the viewport out of it).
@@ -151,25 +158,33 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
     """JupyterLab on 127.0.0.1 (free port, known token), serving copies of the chapters under test."""
     home = tmp_path_factory.mktemp("jupyter")
     root = home / "notebooks"
-    root.mkdir()
-    for case in CASES:
-        copy_without_outputs(CHAPTERS / case.notebook, root / case.notebook)
-    if (CHAPTERS / STUDENT_CHAPTER).exists():  # the learner copy, where `make lab` puts it
-        make_student.make_student([CHAPTERS / STUDENT_CHAPTER], root / "workspace")
+    (root / "chapters").mkdir(parents=True)
+    for case in CASES:  # the full chapters, as in the repository (read-only in this JupyterLab)
+        copy_without_outputs(CHAPTERS / case.notebook, root / "chapters" / case.notebook)
+    if (CHAPTERS / STUDENT_CHAPTER).exists():  # the learner copies, where `make lab` puts them
+        make_student.make_student([CHAPTERS / INDEX, CHAPTERS / STUDENT_CHAPTER], root / "workspace")
         # the chapter as stored in git after `nbtool.py clean`, outputs and all (never run in this test)
         stored = nbtool.clean(nbformat.read(CHAPTERS / STUDENT_CHAPTER, as_version=4))
         (root / "stored").mkdir()
+        # the kernel `make lab` installs (python3, shown as "ampcourse"), here in this test's own data folder
+        kernels = home / "data" / "kernels"
+        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(home / "prefix"), "--name",
+                        nbtool.KERNELSPEC["name"], "--display-name", nbtool.KERNELSPEC["display_name"]],
+                       check=True, capture_output=True)
+        kernels.parent.mkdir(parents=True, exist_ok=True)
+        (home / "prefix" / "share" / "jupyter" / "kernels").rename(kernels)
         nbformat.write(stored, root / "stored" / STUDENT_CHAPTER)
     port = free_port()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     log = ARTIFACTS / "jupyterlab.log"
     cmd = [sys.executable, "-m", "jupyterlab", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            "--ServerApp.port_retries=0", f"--IdentityProvider.token={TOKEN}", "--ServerApp.open_browser=False",
-           f"--ServerApp.root_dir={root}"]
+           f"--ServerApp.root_dir={root}", f"--config={ROOT / 'tools' / 'lab_config.py'}"]
     if os.geteuid() == 0:
         cmd.append("--allow-root")
+    env = dict(lab_env(home), AMPCOURSE_WORKSPACE=str(root / "workspace"), AMPCOURSE_LAB_ROOT=str(root))
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=lab_env(home), stdout=out, stderr=subprocess.STDOUT, cwd=home)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=home)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_server(proc, url, log)
@@ -221,6 +236,25 @@ def open_and_run_all(page, lab: Lab, notebook: str, timeout_ms: int = 120_000, b
         """n => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]
                 .filter(p => /\\[\\d+\\]/.test(p.textContent)).length >= n""",
         arg=n_code, timeout=timeout_ms)
+
+
+def save_and_wait(page, read_only: bool = False) -> None:
+    """File > Save (what autosave does), then give the server a moment to write.
+
+    read_only: JupyterLab must offer no save for this notebook (the item is disabled): check that instead.
+    """
+    from playwright.sync_api import expect
+
+    page.get_by_role("menuitem", name="File", exact=True).click()
+    save = page.locator('.lm-Menu-item[data-command="docmanager:save"]')
+    if read_only:
+        expect(save).to_have_attribute("aria-disabled", "true")
+        page.keyboard.press("Escape")
+        page.keyboard.press("Control+s")  # the shortcut too: a notification, no write
+    else:
+        expect(save).not_to_have_attribute("aria-disabled", "true")
+        save.click()
+    time.sleep(2.0)
 
 
 def rendered_widget(page, selector: str, what: str):
@@ -283,7 +317,13 @@ def drive_format_explorer(page, shoot: Shoot) -> None:
     expect(heading).to_have_text("x = 70000")
     expect(fp16_stored).to_have_text("inf")
     expect(table_cell(table, "fp16", 4)).to_have_text("overflow")
+    expect(table_cell(table, "fp8_e4m3", 2)).to_have_text("448")
+    expect(table_cell(table, "fp8_e4m3", 4)).to_contain_text("saturated")  # a clamp, not an overflow
     expect(table_cell(table, "bf16", 2)).to_have_text("70144")
+    gap = table.evaluate("""t => { const c = t.querySelectorAll('tr')[1].querySelectorAll('td');
+                                   return c[3].getBoundingClientRect().left - c[2].getBoundingClientRect().right
+                                          + parseFloat(getComputedStyle(c[2]).paddingRight); }""")
+    assert gap >= 8, f"the explorer's columns touch ({gap:.1f} px between stored value and rel. error)"
     expect(text_box).to_have_value("70000")
     shoot("typed-70000")
 
@@ -339,6 +379,7 @@ def drive_outlier_explorer(page, shoot: Shoot) -> None:
     out = rendered_widget(page, ".ampcourse-outlier-table", "outlier_explorer")
     table = out.locator(".ampcourse-outlier-table").first
     expect(table).to_contain_text("block e8m0")
+    expect(table).to_contain_text("typical error")  # 9.3's column: what jumps as the outlier grows
     before = table.inner_text()
     shoot("rendered")
     drag_slider(page, out, label="outlier")
@@ -380,9 +421,13 @@ def test_widget_works_in_a_real_browser(case, request):
         """Save a screenshot of the page as a test artifact."""
         page.screenshot(path=str(ARTIFACTS / f"{stem}-{next(shots)}-{step}.png"))
 
+    chapter = f"chapters/{case.notebook}"
+    on_disk = (lab.root / chapter).read_bytes()
     try:
-        open_and_run_all(page, lab, case.notebook)
+        open_and_run_all(page, lab, chapter)
         case.drive(page, shoot)
+        save_and_wait(page, read_only=True)  # what autosave would do ~2 min after a Run All: refused
+        assert (lab.root / chapter).read_bytes() == on_disk, "a Run All in chapters/ was saved over the chapter"
     except BaseException:
         page.screenshot(path=str(ARTIFACTS / f"{stem}-failure.png"))
         raise
@@ -462,9 +507,68 @@ def test_learner_copy_opens_unmodified_and_run_all_reaches_the_summary(request):
         texts = outputs.all_inner_texts()
         assert not [t for t in texts if "Traceback" in t or "ExerciseError" in t], "a traceback in the learner copy"
         page.screenshot(path=str(ARTIFACTS / "student-01-run-all.png"), full_page=False)
+        before = (lab.root / notebook).read_bytes()
+        save_and_wait(page)  # as autosave would: the learner's outputs are kept in the copy
+        deadline = time.monotonic() + 30
+        while (lab.root / notebook).read_bytes() == before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (lab.root / notebook).read_bytes() != before, "the learner copy was not saved"
     except BaseException:
         page.screenshot(path=str(ARTIFACTS / "student-01-failure.png"))
         raise
+    finally:
+        context.close()
+        shut_down_kernels(lab)
+    reopen_shows_the_run_this_cell_hint(lab, browser, notebook)
+
+
+def reopen_shows_the_run_this_cell_hint(lab: Lab, browser, notebook: str) -> None:
+    """A saved learner copy reopened in a new session (no kernel state): the course's hint, not a widget error."""
+    from playwright.sync_api import expect
+
+    from ampcourse.widgets import STORED_HINT
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        page.goto(f"{lab.url}/lab/workspaces/reopened/tree/{notebook}?token={TOKEN}")
+        expect(page.get_by_text("| Idle")).to_be_visible(timeout=60_000)
+        hint = page.locator(".jp-OutputArea-output").filter(has_text=STORED_HINT)
+        expect(hint).to_have_count(1, timeout=20_000)
+        hint.first.scroll_into_view_if_needed()
+        time.sleep(1.0)  # the widget manager would have put its error up by now
+        assert page.get_by_text("Error displaying widget").count() == 0
+        assert page.get_by_text("Exercises done: 0 of 3").count() == 1  # the learner's outputs are still there
+        page.screenshot(path=str(ARTIFACTS / "student-01-reopened.png"))
+    finally:
+        context.close()
+        shut_down_kernels(lab)
+
+
+@pytest.mark.timeout(180)
+def test_lab_opens_on_the_learners_index_with_its_tables_and_one_kernel(request):
+    """`make lab`'s first page: the learner's index (tables shown before anything runs), no Launcher, one kernel."""
+    from playwright.sync_api import expect
+
+    require_browser()
+    lab, browser = request.getfixturevalue("lab"), request.getfixturevalue("browser")
+    with urllib.request.urlopen(f"{lab.url}/api/kernelspecs?token={TOKEN}", timeout=10) as resp:
+        assert list(json.load(resp)["kernelspecs"]) == ["python3"], "more than one kernel on the Launcher"
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        page.goto(f"{lab.url}/?token={TOKEN}")  # where `make lab` sends the browser
+        expect(page.locator(".lm-TabBar-tab.jp-mod-current")).to_contain_text(INDEX, timeout=60_000)
+        assert "/lab/tree/workspace/00_index.ipynb" in page.url
+        tables = page.locator(".jp-OutputArea-output table")
+        expect(tables.first).to_be_visible(timeout=30_000)
+        assert tables.count() >= 3, "the index's chapter, outline and glossary tables are not shown"
+        expect(tables.first).to_contain_text("01_precision_basics.ipynb")
+        note = page.locator(".jp-MarkdownCell").filter(has_text="Your copy").first
+        expect(note).to_contain_text("make student")
+        assert "solutions" not in note.inner_text()  # the index has no exercises
+        assert page.locator(".jp-Launcher").count() == 0
+        page.screenshot(path=str(ARTIFACTS / "index-opened.png"))
     finally:
         context.close()
         shut_down_kernels(lab)

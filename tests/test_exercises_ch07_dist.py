@@ -220,3 +220,138 @@ def test_one_process_per_gpu_when_cuda_is_there(monkeypatch):
     assert default_nproc(None) == (2, "cpu")
     with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or None"):
         default_nproc("tpu")
+
+
+# --- a learner's code that leaves, exits or calls a collective alone (issue 21, defect 14) ------------------
+
+ORPHAN = '''def rank_step(model, loss_fn, x, y, optimizer, scaler):
+    import subprocess
+    subprocess.Popen(["sleep", "317"])  # a helper process that outlives this rank and holds its stdout/stderr
+    raise ValueError("boom")
+'''
+EXITS = '''def rank_step(model, loss_fn, x, y, optimizer, scaler):
+    import sys
+    if dist.get_rank() == 1:
+        sys.exit(0)
+'''
+ALONE = '''def rank_step(model, loss_fn, x, y, optimizer, scaler):
+    if dist.get_rank() == 0:
+        dist.barrier()
+'''
+
+
+def processes_with(arg: bytes) -> set[int]:
+    """PIDs of live processes whose command line holds `arg`."""
+    pids = set()
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if arg in cmd.read_bytes().split(b"\0"):
+                pids.add(int(cmd.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def leaving_launch():
+    """One launch: a solution that leaves a helper process behind, and one that calls sys.exit(0) on rank 1."""
+    import time
+
+    start = time.monotonic()
+    res = run_on_ranks("7.3", "ampcourse.exercises.ch07:_run_dp", {"orphan": (ORPHAN, "rank_step"),
+                                                                   "exits": (EXITS, "rank_step")}, timeout=60)
+    return res, time.monotonic() - start
+
+
+def test_an_orphan_helper_process_does_not_turn_a_finished_run_into_a_hang(leaving_launch, capsys):
+    res, seconds = leaving_launch
+    assert seconds < 55, f"the launch waited {seconds:.0f} s for a helper process holding its output"
+    rejects(ch07.judge_rank_step, res, "orphan", r"rank 0 raised ValueError: boom", capsys)
+    assert not processes_with(b"317"), "the helper process a worker left behind is still running"
+
+
+def test_sys_exit_on_one_rank_gets_its_own_verdict(leaving_launch, capsys):
+    res, _ = leaving_launch
+    with pytest.raises(ExerciseError, match=r"rank 1: your function called sys.exit\(0\)"):
+        ch07.judge_rank_step("exits", res, "exits")
+    assert "return from your function" in capsys.readouterr().out
+
+
+def test_workers_print_no_runpy_warning(leaving_launch):
+    res, _ = leaving_launch
+    assert "RuntimeWarning" not in res.stderr and "runpy" not in res.stderr, res.stderr[-1500:]
+
+
+def test_a_collective_on_rank_0_only_gets_the_matching_collectives_hint(capsys):
+    res = run_on_ranks("7.3", "ampcourse.exercises.ch07:_run_dp", {"yours": (ALONE, "rank_step")}, timeout=60,
+                       dist_timeout=20)
+    with pytest.raises(ExerciseError, match="every rank to call the same collectives"):
+        ch07.judge_rank_step("7.3", res, "yours")
+    out = capsys.readouterr().out
+    assert "rank 1 never called" in out and "same collectives in the same order" in out
+
+
+def test_an_interrupted_launch_stops_its_workers_with_a_short_error():
+    """Ctrl-C in a notebook: a one-line KeyboardInterrupt (not one through subprocess.py), no worker left."""
+    import signal
+    import time
+    import traceback
+
+    src = inspect.getsource(ch07.reference_rank_step).replace(
+        "    optimizer.zero_grad(set_to_none=True)\n", "    __import__('time').sleep(600)\n")
+    before = running_workers()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 8)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="it and its workers were stopped") as err:
+            run_on_ranks("7.3", "ampcourse.exercises.ch07:_run_dp", {"yours": (src, "reference_rank_step")},
+                         timeout=120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    frames = traceback.extract_tb(err.value.__traceback__)
+    assert not [f for f in frames if f.filename.endswith("subprocess.py")]
+    assert err.value.__context__ is None or err.value.__suppress_context__
+    deadline = time.monotonic() + 10  # SIGKILL is delivered at once, the process table catches up
+    while running_workers() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not (running_workers() - before), "workers left running after the interrupt"
+
+
+def test_a_launch_in_a_notebook_shows_a_live_status_that_ends_as_it_began(monkeypatch):
+    """The status line changes while torchrun runs and returns to the line it started with (stored outputs stay
+    the same whatever the timing)."""
+    import json
+    import tempfile
+
+    import IPython.display
+
+    from ampcourse import distributed
+
+    shown: list[str] = []
+
+    class Handle:
+        def update(self, data, raw=True):
+            shown.append(data["text/plain"])
+
+    def display(data, raw=True, display_id=True):
+        shown.append(data["text/plain"])
+        return Handle()
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    src = inspect.getsource(ch07.reference_rank_step)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"runner": "ampcourse.exercises.ch07:_run_dp", "device": "cpu", "dist_timeout": 30, "params": {},
+                "solutions": {"r": {"source": src, "function": "reference_rank_step"}}}
+        Path(tmp, "spec.json").write_text(json.dumps(spec))
+        run = distributed.launch(["spec.json"], module="ampcourse.exercises._torchrun", nproc_per_node=2, cwd=tmp,
+                                 timeout=120, progress=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert shown[0] == shown[-1] == "torchrun: 2 worker processes (live status here while it runs)"
+    live = shown[1:-1]
+    assert live and all(s.startswith("torchrun running: ") for s in live)
+    assert any("2 workers started" in s for s in live)

@@ -1,21 +1,89 @@
 """The README's first command, `make lab`: learner copies in workspace/, JupyterLab at the repository root
-(workspace/ and chapters/ side by side), listening on loopback, kernels with one OpenMP thread.
+(workspace/ and chapters/ side by side) opening on the learner's index, the full chapters read-only, one kernel,
+listening on loopback, kernels with one OpenMP thread. The rules themselves (tools/lab_config.py) are tested
+without a server first.
 
 It runs the real target, so it makes workspace/ in this checkout if it is missing, exactly as a
 learner's first `make lab` does (copies that exist are kept).
 """
 
+import asyncio
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import nbformat
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import lab_config  # noqa: E402
+
+
+@pytest.mark.parametrize("path, read_only", [("chapters/01_x.ipynb", True), ("/chapters", True), ("chapters", True),
+                                             ("workspace/01_x.ipynb", False), ("chapters_old/x.ipynb", False),
+                                             ("", False), ("workspace/chapters/x.ipynb", False)])
+def test_only_the_full_chapters_are_read_only(path, read_only):
+    assert lab_config.is_read_only(path) is read_only
+
+
+def test_lab_opens_on_the_learners_index(tmp_path):
+    assert lab_config.default_url(str(tmp_path / "workspace"), str(tmp_path)) == "/lab/tree/workspace/00_index.ipynb"
+    assert lab_config.default_url(str(tmp_path / "my work"), str(tmp_path)) == "/lab/tree/my%20work/00_index.ipynb"
+    assert lab_config.default_url("workspace", str(tmp_path)) == "/lab/tree/workspace/00_index.ipynb"  # under root
+    assert lab_config.default_url("/elsewhere", str(tmp_path)) == "/lab"  # outside the served folder
+
+
+def test_saving_without_widget_state_keeps_the_run_this_cell_hint():
+    from ampcourse.widgets import STORED_HINT, format_explorer
+
+    data = format_explorer()._repr_mimebundle_()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("w", outputs=[nbformat.v4.new_output("display_data", data=data)])]
+    model = {"type": "notebook", "content": json.loads(nbformat.writes(nb))}
+    lab_config.pre_save(model, "workspace/01.ipynb")
+    kept = model["content"]["cells"][0]["outputs"][0]["data"]
+    assert lab_config.WIDGET_VIEW not in kept and STORED_HINT in kept["text/plain"]
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}  # saved on purpose
+    nb.cells[0].outputs[0].data = data
+    assert lab_config.strip_widget_views(json.loads(nbformat.writes(nb))) == 0
+
+
+def test_the_contents_manager_refuses_to_write_the_chapters(tmp_path):
+    from tornado.web import HTTPError
+
+    (tmp_path / "chapters").mkdir()
+    (tmp_path / "workspace").mkdir()
+    nb = nbformat.v4.new_notebook()
+    nbformat.write(nb, tmp_path / "chapters" / "01.ipynb")
+    before = (tmp_path / "chapters" / "01.ipynb").read_bytes()
+    manager = lab_config.course_contents_manager()(root_dir=str(tmp_path))
+
+    async def scenario():
+        model = await manager.get("chapters/01.ipynb")
+        assert model["writable"] is False
+        listing = await manager.get("")
+        assert {c["name"]: c["writable"] for c in listing["content"]} == {"chapters": False, "workspace": True}
+        for call in (manager.save({"type": "notebook", "content": model["content"], "format": "json"}, "chapters/01.ipynb"),
+                     manager.rename_file("chapters/01.ipynb", "chapters/02.ipynb"),
+                     manager.delete_file("chapters/01.ipynb"),
+                     manager.save({"type": "file", "content": "x", "format": "text"}, "chapters/new.txt")):
+            with pytest.raises(HTTPError) as err:
+                await call
+            assert err.value.status_code == 403
+        saved = await manager.save({"type": "notebook", "content": model["content"], "format": "json"}, "workspace/01.ipynb")
+        assert saved["writable"] is True
+
+    asyncio.run(scenario())
+    assert (tmp_path / "chapters" / "01.ipynb").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "chapters").iterdir()) == ["01.ipynb"]
 
 
 def free_port() -> int:
@@ -52,7 +120,9 @@ def test_make_lab_serves_the_workspace_and_chapters_on_loopback(tmp_path):
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
     # An empty token (and no XSRF check) lets the test call the REST API; a learner's `make lab` keeps both.
     env.pop("OMP_NUM_THREADS", None)  # what a learner's shell has: make lab must set it for the kernels
-    proc = subprocess.Popen(["make", "-s", "lab", f"PORT={port}", "LAB_ARGS=--no-browser --ServerApp.token= --ServerApp.disable_check_xsrf=True"],
+    venv = Path(sys.prefix)  # the environment running this test: make must not rebuild it (-o: take it as built)
+    proc = subprocess.Popen(["make", "-s", "-o", f"{venv}/.ampcourse-installed", "lab", f"VENV={venv}", f"PORT={port}",
+                             "LAB_ARGS=--no-browser --ServerApp.token= --ServerApp.disable_check_xsrf=True"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -70,6 +140,12 @@ def test_make_lab_serves_the_workspace_and_chapters_on_loopback(tmp_path):
         copies = {item["name"] for item in api(port, "/api/contents/workspace")["content"]}
         chapters = {p.name for p in (ROOT / "chapters").glob("*.ipynb")}
         assert chapters <= copies, f"learner copies missing: {chapters - copies}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as resp:  # where the browser lands
+            assert resp.url.endswith("/lab/tree/workspace/00_index.ipynb"), resp.url
+        specs = api(port, "/api/kernelspecs")
+        assert list(specs["kernelspecs"]) == ["python3"], "one kernel on the Launcher"
+        assert specs["kernelspecs"]["python3"]["spec"]["display_name"] == "ampcourse"
+        assert api(port, "/api/contents/chapters/01_precision_basics.ipynb?content=0")["writable"] is False
         kernel = api(port, "/api/kernels", "POST")  # the kernel a notebook gets in this JupyterLab
         if Path("/proc/self/environ").exists():
             assert kernel_environ(kernel["id"], time.monotonic() + 60).get("OMP_NUM_THREADS") == "1"

@@ -8,6 +8,7 @@ chapter's own solutions is what nbval proves on the chapters (their stored check
 """
 
 import importlib
+import os
 import pkgutil
 import subprocess
 import sys
@@ -21,8 +22,8 @@ from nbclient.exceptions import CellExecutionError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import make_student  # noqa: E402
-from make_student import (NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerError, exercise_cells, is_solution,  # noqa: E402
-                          learner_copy, stub_source)
+from make_student import (NEXT_TAG, NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerError, exercise_cells,  # noqa: E402
+                          is_solution, learner_copy, stub_source)
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 NUMBERED = [p for p in CHAPTERS if int(p.name[:2]) > 0]  # 00 is the index, not a chapter
@@ -46,8 +47,8 @@ def stdout(cell: nbformat.NotebookNode) -> str:
 
 
 def added(cell: nbformat.NotebookNode) -> bool:
-    """Whether a cell is one of the two a learner copy adds (the note on top, the summary at the end)."""
-    return bool({NOTE_TAG, SUMMARY_TAG} & set(cell.metadata.get("tags", [])))
+    """Whether a cell is one a learner copy adds (the note on top, the summary and the next-chapter link at the end)."""
+    return bool({NOTE_TAG, SUMMARY_TAG, NEXT_TAG} & set(cell.metadata.get("tags", [])))
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,83 @@ def test_unpaired_markers_are_an_error(bad):
         stub_source(bad)
 
 
+@pytest.mark.parametrize("source", [
+    "def f(x):\n    ### BEGIN SOLUTION\n    return x + 1\n    ### END SOLUTION\n",  # balanced: would leak
+    "### BEGIN SOLUTION\nx = 1\n",                                                   # unbalanced
+    "x = 1\n  ### END SOLUTION",
+])
+def test_markers_in_a_cell_without_the_solution_tag_are_an_error(source, tmp_path, capsys):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# T"), nbformat.v4.new_code_cell(source, metadata={"tags": ["other"]})]
+    with pytest.raises(SolutionMarkerError, match="not tagged 'solution'"):
+        learner_copy(nb)
+    nbformat.write(nb, tmp_path / "leaky.ipynb")
+    assert make_student.main([str(tmp_path / "leaky.ipynb"), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "leaky.ipynb: cell 1" in err
+    assert not (tmp_path / "out" / "leaky.ipynb").exists()
+
+
+def test_an_output_that_is_a_file_or_read_only_is_a_one_line_error(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert make_student.main([str(CHAPTERS[1]), "-o", str(a_file)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "is a file" in err and "Traceback" not in err
+    assert a_file.read_text() == "mine"
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as root: a read-only folder is writable anyway")
+        assert make_student.main([str(CHAPTERS[1]), "-o", str(locked)]) == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "read-only" in err
+        assert make_student.main([str(CHAPTERS[1]), "-o", str(locked / "sub")]) == 1
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_read_only_workspace_as_root_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """The same refusal where the OS says so at write time (root passes os.access, a read-only mount does not)."""
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "ws" / "README.md"))
+    monkeypatch.setattr(Path, "write_text", refuse)
+    assert make_student.main([str(CHAPTERS[1]), "-o", str(tmp_path / "ws")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "permission denied" in err
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"cells": 3}'])
+def test_an_unreadable_learner_copy_is_kept_and_named(content, tmp_path, capsys):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / CHAPTERS[1].name).write_bytes(content)
+    assert make_student.main([str(CHAPTERS[1]), "-o", str(ws)]) == 0
+    assert (ws / CHAPTERS[1].name).read_bytes() == content  # kept: it may be the learner's work
+    err = capsys.readouterr().err
+    assert f"{CHAPTERS[1].name} is unreadable" in err and "make student" in err
+
+
+def test_make_student_takes_a_workspace_path_with_a_space(tmp_path):
+    venv = Path(sys.prefix)
+    ws = tmp_path / "my work space"
+    # -o: the venv is already built (do not let make rebuild it); VENV: this interpreter's environment
+    run = subprocess.run(["make", "-s", "-o", f"{venv}/.ampcourse-installed", "student", f"VENV={venv}",
+                          f"WORKSPACE={ws}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in ws.glob("*.ipynb")) == sorted(p.name for p in CHAPTERS)
+
+
+def test_next_chapter_links_follow_the_chapter_order(student_dir):
+    for path, nxt in zip(CHAPTERS, CHAPTERS[1:]):
+        cell = read(student_dir / path.name).cells[-1]
+        title = make_student.chapter_title(read(nxt))
+        assert title and cell.source == f"**Next:** [{title}]({nxt.name})"
+
+
 def test_cli_reports_a_broken_solution_cell(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("### BEGIN SOLUTION\nx = 1", metadata={"tags": ["solution"]})]
@@ -110,20 +188,28 @@ def test_every_chapter_gets_a_learner_copy(student_dir):
 def test_learner_copy_changes_only_solutions_and_outputs(path, student_dir):
     full, learner = read(path), read(student_dir / path.name)
     assert learner.metadata.language_info == make_student.kernel_language_info()  # opens unmodified in JupyterLab
-    assert {k: v for k, v in learner.metadata.items() if k != "language_info"} == {
-        k: v for k, v in full.metadata.items() if k != "language_info"}
+    assert learner.metadata.kernelspec == make_student.KERNELSPEC  # the course's kernel, as `make lab` installs it
+    assert {k: v for k, v in learner.metadata.items() if k not in ("language_info", "kernelspec")} == {
+        k: v for k, v in full.metadata.items() if k not in ("language_info", "kernelspec")}
     assert (learner.nbformat, learner.nbformat_minor) == (full.nbformat, full.nbformat_minor)
     notes = [c for c in learner.cells if NOTE_TAG in c.metadata.get("tags", [])]
     assert len(notes) == 1 and f"../chapters/{path.name}" in notes[0].source  # the solutions stay one click away
+    assert "make student" in notes[0].source and "make lab" not in notes[0].source.split("never overwrites")[-1]
+    assert ("solutions" in notes[0].source) == bool(exercise_cells(full))  # the index has none to point to
     summaries = [i for i, c in enumerate(learner.cells) if SUMMARY_TAG in c.metadata.get("tags", [])]
-    assert summaries == ([len(learner.cells) - 1] if exercise_cells(full) else [])
+    nexts = [i for i, c in enumerate(learner.cells) if NEXT_TAG in c.metadata.get("tags", [])]
+    last = len(learner.cells) - 1
+    assert nexts == ([] if path == CHAPTERS[-1] else [last])  # every chapter but the last links to the next
+    assert summaries == ([last - len(nexts)] if exercise_cells(full) else [])
     kept = [c for c in learner.cells if not added(c)]
     assert len(kept) == len(full.cells)
     checker_of = dict(exercise_cells(full))
     for i, (a, b) in enumerate(zip(full.cells, kept)):
         assert b.cell_type == a.cell_type and b.metadata == a.metadata, f"cell {i}"
-        if a.cell_type == "code":
+        if a.cell_type == "code" and exercise_cells(full):
             assert b.outputs == [] and b.execution_count is None, f"cell {i} keeps outputs"
+        elif a.cell_type == "code":  # the index: for reading, its tables shipped as stored
+            assert b.outputs == a.outputs, f"cell {i} lost its outputs"
         if is_solution(a):
             check = full.cells[checker_of[i]].source if i in checker_of else None
             assert b.source == stub_source(a.source, check) and "SOLUTION" not in b.source, f"cell {i}"
@@ -167,8 +253,8 @@ def learner_copy_problems(full: nbformat.NotebookNode, learner: nbformat.Noteboo
             problems.append(f"cell {i}: checker did not reject the stub with a verdict: {cell.outputs}")
         elif "expected:" not in stdout(cell) or "hint:" not in stdout(cell):
             problems.append(f"cell {i}: verdict without expected/hint: {stdout(cell)!r}")
-    last = learner.cells[-1]
-    if n_exercises and (SUMMARY_TAG not in last.metadata.get("tags", [])
+    last = next((c for c in reversed(learner.cells) if NEXT_TAG not in c.metadata.get("tags", [])), None)
+    if n_exercises and (last is None or SUMMARY_TAG not in last.metadata.get("tags", [])
                         or f"Exercises done: 0 of {n_exercises}" not in stdout(last)):
         problems.append(f"summary cell: {last.outputs}")
     return problems

@@ -12,17 +12,26 @@ In a cell tagged ``solution``, every region from a ``### BEGIN SOLUTION`` line t
 function, ``raise NotImplementedError("your code here")`` (the ``def`` line and docstring stay); at the
 top level, ``name = ...  # your code here`` for each name the region defines and the checker cell
 uses, so the cell runs and the checker prints its verdict instead of a NameError stopping "Run All".
-Every code cell loses its outputs and execution count; ``language_info`` becomes this interpreter's
-kernel's, so the copy opens unmodified in the learner's JupyterLab. Two cells are added: a note at the top (where
-the full chapter with solutions is) and, after the last cell, ``exercises.summary([...])`` with the
-checkers the notebook calls. Nothing else changes: markdown, tags and the other metadata stay as
-they are, so a learner copy differs from its chapter only where a learner has work to do.
+The markers anywhere else (a code cell without the tag) are an error, as are unpaired markers: the
+solution would otherwise reach the learner verbatim.
+
+Every code cell loses its outputs and execution count, except in a notebook without exercises (the
+index), which is for reading and keeps its stored tables; ``language_info`` becomes this interpreter's
+kernel's and the kernelspec the course's (``nbtool.KERNELSPEC``), so the copy opens unmodified in the learner's JupyterLab. Cells are added: a note at the top
+(whose copy it is, where the full chapter with solutions is, how to get a fresh copy), after the last
+cell ``exercises.summary([...])`` with the checkers the notebook calls, and at the very end a link to
+the next chapter. Nothing else changes: markdown, tags and the other metadata stay as they are, so a
+learner copy differs from its chapter only where a learner has work to do.
+
+A copy that exists but cannot be read (empty, corrupt JSON) is kept, as every existing copy is, and
+named in a warning. A folder that cannot be written, or an ``-o`` that is a file, is a one-line error.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 import sys
 from pathlib import Path
@@ -30,7 +39,7 @@ from pathlib import Path
 import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtool import kernel_language_info  # noqa: E402
+from nbtool import KERNELSPEC, kernel_language_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / "workspace"
@@ -39,14 +48,23 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("your code here")'
 ANSWER_STUB = "{name} = ...  # your code here"
 TOP_STUB = "# your code here"  # a top-level region that defines nothing the checker reads
-NOTE_TAG, SUMMARY_TAG = "learner-note", "learner-summary"  # the two cells a learner copy adds
+NOTE_TAG, SUMMARY_TAG, NEXT_TAG = "learner-note", "learner-summary", "learner-next"  # the cells a learner copy adds
 _BEGIN_LINE = re.compile(r"^([ \t]*)### BEGIN SOLUTION[ \t]*$")
 _END_LINE = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
 _CHECKER_CALL = re.compile(r"\bexercises\.(check_\w+)\s*\(")
 
 
 class SolutionMarkerError(ValueError):
-    """A solution cell whose BEGIN/END markers do not pair up."""
+    """A solution cell whose BEGIN/END markers do not pair up, or markers in a cell not tagged `solution`."""
+
+
+class WorkspaceError(OSError):
+    """The learner copies cannot be written where asked (a file, a read-only folder)."""
+
+
+def has_markers(source: str) -> bool:
+    """Whether code holds a BEGIN or END SOLUTION marker line."""
+    return any(_BEGIN_LINE.match(line) or _END_LINE.match(line) for line in source.split("\n"))
 
 
 def is_solution(cell: nbformat.NotebookNode) -> bool:
@@ -143,13 +161,53 @@ def stub_source(source: str, checker_source: str | None = None) -> str:
     return "\n".join(out)
 
 
-def note_cell(name: str) -> nbformat.NotebookNode:
-    """The markdown cell at the top of a learner copy: whose copy it is and where the solutions are."""
+FRESH_COPY = "For a fresh copy, delete this file and run `make student` (it takes seconds; the lab can stay open)."
+
+
+def note_cell(name: str, has_exercises: bool = True) -> nbformat.NotebookNode:
+    """The markdown cell at the top of a learner copy: whose copy it is, where the solutions are, how to start afresh."""
+    full = f"[`chapters/{name}`](../chapters/{name})"
+    where = (f"The exercises' solutions are in the full chapter, {full} (read-only in JupyterLab)." if has_exercises
+             else f"The original is {full} (read-only in JupyterLab).")
     return nbformat.v4.new_markdown_cell(
         f"**Your copy** (in `workspace/`, which git ignores: your edits and outputs stay yours, and "
-        f"`make lab` never overwrites them). The exercises' solutions are in the full chapter, "
-        f"[`chapters/{name}`](../chapters/{name}). Delete this file and run `make lab` again for a fresh copy.",
+        f"`make lab` never overwrites them). {where} {FRESH_COPY}",
         metadata={"tags": [NOTE_TAG]})
+
+
+def chapter_title(nb: nbformat.NotebookNode) -> str:
+    """A notebook's title: its first markdown heading without the '# ' (or '')."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return ""
+
+
+def next_chapter_markdown(name: str, title: str) -> str:
+    """The closing line that links a chapter to the next one (the same line fits a full chapter's last cell)."""
+    return f"**Next:** [{title or name}]({name})"
+
+
+def next_cell(name: str, title: str) -> nbformat.NotebookNode:
+    """The markdown cell at the end of a learner copy: a link to the next chapter's copy (same folder)."""
+    return nbformat.v4.new_markdown_cell(next_chapter_markdown(name, title), metadata={"tags": [NEXT_TAG]})
+
+
+def next_chapters(notebooks: list[Path]) -> dict[Path, tuple[str, str]]:
+    """{notebook: (file name, title) of the one after it} among the numbered notebooks of each one's folder."""
+    out: dict[Path, tuple[str, str]] = {}
+    for path in notebooks:
+        siblings = sorted(path.parent.glob("[0-9][0-9]_*.ipynb"))
+        if path in siblings and siblings.index(path) + 1 < len(siblings):
+            nxt = siblings[siblings.index(path) + 1]
+            try:
+                title = chapter_title(nbformat.read(nxt, as_version=4))
+            except Exception:  # noqa: BLE001 (an unreadable neighbour: link by its file name)
+                title = ""
+            out[path] = (nxt.name, title)
+    return out
 
 
 def summary_cell(checkers: list[str]) -> nbformat.NotebookNode:
@@ -161,15 +219,22 @@ def summary_cell(checkers: list[str]) -> nbformat.NotebookNode:
         metadata={"tags": [SUMMARY_TAG]})
 
 
-def learner_copy(nb: nbformat.NotebookNode, name: str | None = None) -> nbformat.NotebookNode:
-    """A copy of a chapter with solutions stubbed, outputs cleared, a note on top (if named) and a summary cell."""
+def learner_copy(nb: nbformat.NotebookNode, name: str | None = None,
+                 next_chapter: tuple[str, str] | None = None) -> nbformat.NotebookNode:
+    """A copy of a chapter with solutions stubbed, outputs cleared, a note on top (if named), a summary cell and a
+    link to the next chapter (next_chapter: its file name and title)."""
     copy = nbformat.from_dict(nb)  # deep copy: the chapter itself is left alone
     checker_of = dict(exercise_cells(nb))
+    has_exercises = any(is_solution(c) for c in nb.cells)
     checkers: list[str] = []
     for i, cell in enumerate(copy.cells):
         if cell.cell_type != "code":
             continue
-        cell.outputs, cell.execution_count = [], None
+        if not is_solution(cell) and has_markers(cell.source):
+            raise SolutionMarkerError(f"cell {i}: {BEGIN}/{END} markers in a cell not tagged {SOLUTION_TAG!r}: "
+                                      f"tag it {SOLUTION_TAG!r} (or remove the markers), else the solution is copied as is")
+        if has_exercises:  # a notebook without exercises (the index) keeps its tables: it is for reading
+            cell.outputs, cell.execution_count = [], None
         if is_solution(cell):
             check_src = copy.cells[checker_of[i]].source if i in checker_of else None
             try:
@@ -183,9 +248,15 @@ def learner_copy(nb: nbformat.NotebookNode, name: str | None = None) -> nbformat
     # JupyterLab marks a notebook modified on open unless its language_info is exactly what the
     # kernel reports: this interpreter's, the one `make lab` (and Binder) run the kernel with.
     copy.metadata["language_info"] = kernel_language_info()
+    copy.metadata["kernelspec"] = dict(KERNELSPEC)  # the course's kernel, as `make lab` installs it
+    if next_chapter is not None:
+        copy.cells.append(next_cell(*next_chapter))
     if name is not None:  # under the title, if the notebook starts with one
         title = bool(copy.cells) and copy.cells[0].cell_type == "markdown" and copy.cells[0].source.startswith("# ")
-        copy.cells.insert(1 if title else 0, note_cell(name))
+        copy.cells.insert(1 if title else 0, note_cell(name, has_exercises))
+    if (copy.nbformat, copy.nbformat_minor) < (4, 5):  # cell ids arrived in 4.5: an added cell's id is invalid here
+        for cell in copy.cells:
+            cell.pop("id", None)
     return copy
 
 
@@ -196,30 +267,74 @@ Learner copies of the chapters: the exercises' solutions are replaced by stubs, 
 and the last cell sums up which exercises pass. Edit and run them freely: git ignores this folder,
 and `make lab` never overwrites a copy that exists (a chapter added later is copied in).
 
-The full chapters, with solutions and stored outputs, are in `../chapters/`. To start a chapter
-afresh, delete its copy here and run `make lab` (or `make student`) again.
+The full chapters, with solutions and stored outputs, are in `../chapters/` (read-only in the course's
+JupyterLab: a Run All there is never saved). To start a chapter afresh, delete its copy here and run
+`make student` (seconds; the lab can stay open).
 """
 
 
-def make_student(notebooks: list[Path], outdir: Path, overwrite: bool = False) -> list[Path]:
-    """Write a learner copy of each notebook into outdir (same names), keeping existing copies; return those written."""
-    outdir.mkdir(parents=True, exist_ok=True)
-    readme = outdir / "README.md"
-    if not readme.exists():
-        readme.write_text(WORKSPACE_README)
+def unreadable(path: Path) -> str | None:
+    """Why a learner copy cannot be opened as a notebook (empty, not JSON, not a notebook), or None if it can."""
+    try:
+        if path.stat().st_size == 0:
+            return "empty file"
+        nbformat.read(path, as_version=4)
+    except Exception as err:  # noqa: BLE001 (any reason it cannot be read is the answer)
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120] if str(err).strip() else ''}"
+    return None
+
+
+def _writable_dir(outdir: Path) -> None:
+    """Make outdir (or say in one line why it cannot be the workspace)."""
+    if outdir.exists() and not outdir.is_dir():
+        raise WorkspaceError(f"{outdir} is a file, not a folder: give -o a folder for the learner copies")
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise WorkspaceError(f"cannot create {outdir}: {err.strerror or err}; give -o a folder you can write") from None
+    if not os.access(outdir, os.W_OK | os.X_OK):
+        raise WorkspaceError(f"cannot write in {outdir} (read-only); make it writable or give -o another folder")
+
+
+def make_student(notebooks: list[Path], outdir: Path, overwrite: bool = False,
+                 warnings: list[str] | None = None) -> list[Path]:
+    """Write a learner copy of each notebook into outdir (same names), keeping existing copies; return those written.
+
+    warnings: if given, gets one line for each existing copy that cannot be read (kept, as every existing copy).
+    """
+    _writable_dir(outdir)
+    nexts = next_chapters(notebooks)
     written = []
-    for path in notebooks:
-        target = outdir / path.name
-        if target.exists() and not overwrite:  # the learner's work: never replaced
-            continue
-        try:
-            copy = learner_copy(nbformat.read(path, as_version=4), name=path.name)
-        except SolutionMarkerError as err:
-            raise SolutionMarkerError(f"{path}: {err}") from None
-        tmp = target.with_name(f".{target.name}.tmp")  # a crash mid-write leaves no half copy behind
-        nbformat.write(copy, tmp)
-        tmp.replace(target)
-        written.append(target)
+    try:
+        readme = outdir / "README.md"
+        if not readme.exists():
+            readme.write_text(WORKSPACE_README)
+        for path in notebooks:
+            target = outdir / path.name
+            if target.exists() and not overwrite:  # the learner's work: never replaced
+                why = unreadable(target)
+                if why and warnings is not None:
+                    warnings.append(f"{target} is unreadable ({why}); kept as it is. Delete it and run "
+                                    "`make student` for a fresh copy")
+                continue
+            try:
+                copy = learner_copy(nbformat.read(path, as_version=4), name=path.name, next_chapter=nexts.get(path))
+            except SolutionMarkerError as err:
+                raise SolutionMarkerError(f"{path}: {err}") from None
+            tmp = target.with_name(f".{target.name}.tmp")  # a crash mid-write leaves no half copy behind
+            try:
+                nbformat.write(copy, tmp)
+                tmp.replace(target)
+            finally:
+                tmp.unlink(missing_ok=True)
+            written.append(target)
+    except PermissionError as err:
+        raise WorkspaceError(f"cannot write {err.filename or outdir}: permission denied; make {outdir} writable "
+                             "or give -o another folder") from None
+    except OSError as err:
+        if isinstance(err, WorkspaceError):
+            raise
+        raise WorkspaceError(f"cannot write {err.filename or outdir}: {err.strerror or err}") from None
     return written
 
 
@@ -234,13 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     if not notebooks:
         print("no notebooks found in chapters/", file=sys.stderr)
         return 1
+    warnings: list[str] = []
     try:
-        written = make_student(notebooks, args.outdir, overwrite=args.overwrite)
-    except SolutionMarkerError as err:
+        written = make_student(notebooks, args.outdir, overwrite=args.overwrite, warnings=warnings)
+    except (SolutionMarkerError, WorkspaceError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     for path in written:
         print(f"wrote {path}")
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
     kept = len(notebooks) - len(written)
     if kept:
         print(f"{args.outdir}: kept {kept} existing learner cop{'y' if kept == 1 else 'ies'} (yours; delete one for a fresh copy)")

@@ -27,7 +27,10 @@ from pathlib import Path
 
 import nbformat
 
-KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+# The course's one kernel: "python3" (the name Jupyter and nbclient know everywhere), shown as "ampcourse";
+# `make lab` and Binder install it under that display name, so a notebook opens unmodified in the course's
+# JupyterLab (JupyterLab rewrites a kernelspec that differs from the kernel's and marks the notebook modified).
+KERNELSPEC = {"display_name": "ampcourse", "language": "python", "name": "python3"}
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 KEEP_CELL_METADATA = ("tags",)
 # Absolute paths of the machine that ran the notebook have no place in the course.

@@ -11,6 +11,12 @@ depends on where it runs (:func:`checker` wraps every exported ``check_*``):
   no outputs, so a checker that rejects a chapter's own solution must fail the cell), the ExerciseError
   propagates, so tests can prove that every checker rejects wrong answers.
 
+Every checker also runs in a known state, whatever the learner's notebook did before (:func:`checker`):
+torch's default dtype float32, gradients on, autocast off (restored afterwards, so the learner's state
+is left as it was); a placeholder answer (``...``) is "not answered yet"; a learner function that calls
+``sys.exit()`` or runs longer than the checker's time limit (``time_limit_s``, default
+:data:`TIME_LIMIT_S`) gets a verdict instead of escaping the checker or blocking the notebook.
+
 Each checker's latest verdict is kept (per process) for :func:`summary`.
 """
 
@@ -20,11 +26,28 @@ import contextlib
 import functools
 import math
 import os
+import signal
 import sys
+import textwrap
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["ExerciseError", "passed", "failed", "call_learner", "same_float", "number_list", "checker", "raising", "summary"]
+__all__ = ["ExerciseError", "passed", "failed", "call_learner", "same_float", "number_list", "checker", "raising", "summary",
+           "known_torch_state", "time_limit", "TIME_LIMIT_S", "NOT_ANSWERED"]
+
+#: Seconds an in-process checker (with the learner's code it calls) may run before the verdict says so.
+#: Generous: the slowest in-process checker takes a few seconds on a busy 2-core machine. A checker sets
+#: its own with a ``time_limit_s`` attribute (None: unbounded, e.g. the torchrun checkers, which bound
+#: their launches themselves).
+TIME_LIMIT_S = 120.0
+#: What "got" says for a placeholder answer (the learner copy's ``name = ...`` stub).
+NOT_ANSWERED = "not answered yet (still `...`)"
+#: Verdict lines are wrapped at this width, between words: JupyterLab breaks longer lines anywhere,
+#: even mid-word ("befor e").
+_WIDTH = 100
+_INDENT = " " * 13  # under the text after "   expected: "
 
 
 class ExerciseError(AssertionError):
@@ -37,18 +60,39 @@ _last_title: list[str] = []      # the title of the latest passed()/failed(), re
 _force_raise = 0                 # > 0 inside `with raising():`
 
 
+def _wrap(text: str, first: str, indent: str = _INDENT) -> str:
+    """`first` + text, each line wrapped at _WIDTH between words (lines the text breaks itself are kept)."""
+    lines = str(text).split("\n")
+    out = [textwrap.fill(lines[0], _WIDTH, initial_indent=first, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False) if lines[0] else first.rstrip()]
+    out += [textwrap.fill(line, _WIDTH, initial_indent="" if line.startswith(" ") else indent,
+                          subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+            for line in lines[1:]]
+    return "\n".join(out)
+
+
+def _shown(got: Any) -> Any:
+    """What the verdict prints for an answer: a placeholder `...` reads as not answered."""
+    return NOT_ANSWERED if got is ... else got
+
+
+def verdict_text(title: str, expected: Any, got: Any, hint: str, wrap: bool = True) -> str:
+    """The four lines of a wrong answer's verdict, wrapped between words (wrap=False: one line each)."""
+    fields = [("   expected: ", expected), ("   got:      ", _shown(got)), ("   hint:     ", hint)]
+    return "\n".join([f"❌ {title}: not yet."] + [_wrap(v, k) if wrap else f"{k}{v}" for k, v in fields])
+
+
 def passed(title: str, detail: str = "") -> None:
     """Print the success line."""
     _last_title[:] = [title]
-    print(f"✅ {title}: correct." + (f" {detail}" if detail else ""))
+    print(_wrap(f"✅ {title}: correct." + (f" {detail}" if detail else ""), "", "   "))
 
 
 def failed(title: str, expected: Any, got: Any, hint: str) -> None:
     """Print what went wrong and raise ExerciseError."""
     _last_title[:] = [title]
-    msg = f"❌ {title}: not yet.\n   expected: {expected}\n   got:      {got}\n   hint:     {hint}"
-    print(msg)
-    raise ExerciseError(msg)
+    print(verdict_text(title, expected, got, hint))
+    raise ExerciseError(verdict_text(title, expected, got, hint, wrap=False))  # unwrapped: for code that reads it
 
 
 def call_learner(title: str, fn: Callable, *args) -> Any:
@@ -108,8 +152,108 @@ def _label(fn: Callable) -> str:
     return first.split(":")[0] if first.startswith("Exercise") else fn.__name__
 
 
+@contextlib.contextmanager
+def known_torch_state() -> Iterator[None]:
+    """Run a block with torch's defaults (float32 default dtype, grad mode on, autocast off), then restore the caller's.
+
+    A learner's notebook may have called ``torch.set_default_dtype(torch.float64)``,
+    ``torch.set_grad_enabled(False)`` or left a ``torch.autocast`` open: a checker's reference values
+    and the learner's correct answer must not change with that.
+
+        >>> torch.set_grad_enabled(False)
+        >>> with known_torch_state():
+        ...     assert torch.is_grad_enabled()
+        >>> torch.is_grad_enabled()
+        False
+    """
+    import torch  # here, not at import: `from ampcourse import exercises` stays cheap
+
+    dtype = torch.get_default_dtype()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        for device in ("cpu", "cuda"):  # only where autocast is on: CUDA's needs no GPU to be switched off
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        torch.set_default_dtype(torch.float32)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(dtype)
+
+
+class _TimeLimit(BaseException):
+    """Raised inside the learner's code when a checker ran past its time limit (a BaseException, so a learner's
+    `except Exception:` cannot swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise _TimeLimit in this block after `seconds` (None: no limit).
+
+    Uses SIGALRM, so it bounds only code running in the main thread on Unix (a Jupyter kernel runs cells
+    there); elsewhere the block runs unbounded. A timer already running (pytest-timeout's, a learner's)
+    keeps its deadline and its handler: it is put back afterwards with the time it had left.
+    """
+    if seconds is None or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    now = time.monotonic()
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_deadline = now + outer_left if outer_left > 0 else math.inf
+    deadline = now + seconds
+
+    def alarm(signum, frame):
+        if time.monotonic() >= deadline - 1e-3:
+            raise _TimeLimit()
+        if callable(previous):  # the outer timer's turn came first: its handler, then our own deadline again
+            previous(signum, frame)
+        signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 1e-3))
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(min(deadline, outer_deadline) - now, 1e-3))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_deadline < math.inf:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_deadline - time.monotonic(), 1e-3), outer_interval)
+
+
+def _placeholder(value: Any, depth: int = 0) -> bool:
+    """Whether an answer is (or holds) the learner copy's `...` placeholder."""
+    if value is ...:
+        return True
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return any(_placeholder(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(_placeholder(v, depth + 1) for v in value.values())
+    return False
+
+
+def _judged(fn: Callable[..., Any], title: Callable[[], str], args: tuple, kwargs: dict) -> Any:
+    """Call checker fn in a known torch state, turning a placeholder, sys.exit() and a run past the limit into verdicts."""
+    if any(_placeholder(a) for a in (*args, *kwargs.values())):
+        failed(title(), "your answer", NOT_ANSWERED, "replace the `...` with your answer and run the cell again")
+    limit = getattr(fn, "time_limit_s", TIME_LIMIT_S)
+    try:
+        with known_torch_state(), time_limit(limit):
+            return fn(*args, **kwargs)
+    except SystemExit as stop:
+        failed(title(), "your function to return", f"sys.exit({stop.code!r}) (SystemExit)",
+               "return the answer instead of exiting: sys.exit() / exit() would end a script, not a function")
+    except _TimeLimit:
+        failed(title(), f"an answer within {limit:g} s", "your code was still running",
+               "look for a loop that never ends, a sleep or an input() in your function, then run the cell again")
+
+
 def checker(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a check_* function: record its verdict, and in a notebook show a failure without raising."""
+    """Wrap a check_* function: record its verdict, and in a notebook show a failure without raising.
+
+    The wrapped checker runs in a known torch state, bounded in time, and a placeholder answer, a
+    sys.exit() or a learner function that never returns gets a verdict (see the module docstring).
+    """
     if getattr(fn, "_ampcourse_checker", False):
         return fn
 
@@ -118,7 +262,7 @@ def checker(fn: Callable[..., Any]) -> Callable[..., Any]:
         name = fn.__name__
         _last_title.clear()
         try:
-            out = fn(*args, **kwargs)
+            out = _judged(fn, lambda: _last_title[0] if _last_title else _label(fn), args, kwargs)
         except ExerciseError:  # the verdict is already printed
             _results[name] = False
             _titles[name] = _last_title[0] if _last_title else _label(fn)
@@ -133,8 +277,7 @@ def checker(fn: Callable[..., Any]) -> Callable[..., Any]:
             hint = ("replace the `raise NotImplementedError` stub with your code" if isinstance(err, NotImplementedError)
                     else "replace the `...` with your answer" if any(a is ... for a in (*args, *kwargs.values()))
                     else "check the type and shape of what you passed")
-            print(f"❌ {_titles[name]}: not yet.\n   expected: an answer the checker can use\n"
-                  f"   got:      {type(err).__name__}: {err}\n   hint:     {hint}")
+            print(verdict_text(_titles[name], "an answer the checker can use", f"{type(err).__name__}: {err}", hint))
             return None
         _results[name] = True
         _titles[name] = _last_title[0] if _last_title else _label(fn)

@@ -1,11 +1,19 @@
 """Chapter 7 exercises: data parallelism by hand with a consistent skip, bytes per GPU under DDP vs FSDP2, and
-four exercises whose solutions run on N ranks under torchrun (7.3-7.6; see _torchrun.py)."""
+four exercises whose solutions run on N ranks under torchrun (7.3-7.6; see _torchrun.py).
+
+`_torchrun` is imported where a launch happens, never at import: torchrun runs it as a script
+(``-m ampcourse.exercises._torchrun``), and a module the package already imported would make runpy warn
+in every worker, on every launch.
+"""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -13,7 +21,9 @@ import torch.nn as nn
 from .. import distributed
 from ..distributed import memory_per_gpu
 from ._core import failed, passed
-from ._torchrun import RankResults, learner_source, run_on_ranks
+
+if TYPE_CHECKING:
+    from ._torchrun import RankResults
 
 __all__ = ["check_data_parallel_step", "check_state_bytes", "check_rank_step", "check_compressed_ddp",
            "check_fsdp_policy", "check_restartable"]
@@ -185,6 +195,46 @@ _RUNNERS = "ampcourse.exercises.ch07"
 ULPS = 4
 
 
+def _launch_and_judge(title: str, fn: Callable, runner: str, judge: Callable[[str, RankResults, str], None], *,
+                      reference: Callable | None = None, nproc: int | None, device: str | None, **launch) -> None:
+    """The steps every torchrun checker takes: the learner's source, one launch of `runner` on N ranks (with the
+    package's `reference` solution in the same launch, if given), then `judge`'s verdict on the learner's run."""
+    from ._torchrun import learner_source, run_on_ranks
+
+    solutions = {"yours": (learner_source(title, fn), fn.__name__)}
+    if reference is not None:
+        solutions = {"reference": (inspect.getsource(reference), reference.__name__), **solutions}
+    judge(title, run_on_ranks(title, f"{_RUNNERS}:{runner}", solutions, nproc=nproc, device=device, **launch), "yours")
+
+
+def _no_time_limit(check: Callable) -> Callable:
+    """Mark a torchrun checker: its launch bounds itself (run_on_ranks' timeout), so _core adds no limit."""
+    check.time_limit_s = None  # type: ignore[attr-defined]
+    return check
+
+
+class LearnerExit(RuntimeError):
+    """The learner's function called sys.exit() on a rank (reported as that rank's error)."""
+
+
+def _guarded(fn: Callable) -> Callable:
+    """The learner's function, with sys.exit() turned into an error of that rank: otherwise the worker would end
+    without a result, and the verdict would blame a crash outside the learner's code."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit as stop:
+            raise LearnerExit(f"your function called sys.exit({stop.code!r})") from None
+    return run
+
+
+#: What a rank reports when the rank it waits for in a collective has left (gloo) or never came (timeouts).
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker|Broken pipe|"
+                        r"timed? ?out|Timeout", re.IGNORECASE)
+
+
 def _tiny_model(device: torch.device, seed: int = 0) -> nn.Module:
     """The same small MLP on every rank (seeded), in fp32 on `device`."""
     with torch.random.fork_rng(devices=[]):
@@ -229,6 +279,19 @@ def _rank_errors(title: str, res: RankResults, name: str, hint: str) -> None:
     errors = res.errors(name)
     if errors:
         rank, text = errors[0]
+        if "LearnerExit" in text:
+            failed(title, "your function to return on every rank", f"rank {rank}: {text.split(': ', 1)[-1]}",
+                   "return from your function instead: sys.exit() ends that rank's process, and the other ranks "
+                   "then wait for it in their next collective")
+        if _PEER_GONE.search(text):
+            from ._torchrun import _hang_hint
+
+            clean = [r for r in range(res.nproc) if r not in {e[0] for e in errors}]
+            failed(title, "every rank to call the same collectives",
+                   f"rank {rank} waited in a collective that " + (f"rank{'s' if len(clean) > 1 else ''} "
+                   f"{', '.join(map(str, clean))} never called (it finished and left)" if clean else
+                   "another rank never reached") + f" ({text.split(': ', 1)[0]}: {_PEER_GONE.search(text).group(0)})",
+                   _hang_hint(title))
         if "NotImplementedError" in text:
             failed(title, "an implementation", "NotImplementedError",
                    "replace the `raise NotImplementedError` stub with your code")
@@ -265,6 +328,7 @@ def reference_rank_step(model, loss_fn, x, y, optimizer, scaler):
 
 def _run_dp(fn: Callable, ctx, params: dict) -> dict:
     """Worker side of 7.3: _DP_STEPS steps of fn on this rank; the last rank's backward overflows in one step."""
+    fn = _guarded(fn)
     import torch.distributed as dist
 
     model = _tiny_model(ctx.device)
@@ -295,15 +359,12 @@ def _dp_hint(ratio: float, world: int) -> str:
             "average every gradient, then scaler.step(optimizer) and scaler.update()")
 
 
+@_no_time_limit
 def check_rank_step(rank_step: Callable, nproc: int | None = None, device: str | None = None) -> None:
     """Exercise 7.3: rank_step(model, loss_fn, x, y, optimizer, scaler) is one fp16 AMP step of data
     parallelism without DDP, run on every rank; checked on N ranks under torchrun."""
-    title = "Exercise 7.3 (data parallelism by hand on real ranks, with a consistent skip)"
-    source = learner_source(title, rank_step)
-    res = run_on_ranks(title, f"{_RUNNERS}:_run_dp", {
-        "reference": (inspect.getsource(reference_rank_step), "reference_rank_step"),
-        "yours": (source, rank_step.__name__)}, nproc=nproc, device=device)
-    judge_rank_step(title, res, "yours")
+    _launch_and_judge("Exercise 7.3 (data parallelism by hand on real ranks, with a consistent skip)", rank_step,
+                      "_run_dp", judge_rank_step, reference=reference_rank_step, nproc=nproc, device=device)
 
 
 def judge_rank_step(title: str, res: RankResults, name: str) -> None:
@@ -380,6 +441,7 @@ def reference_compressed_ddp(model):
 
 def _run_compress(fn: Callable, ctx, params: dict) -> dict:
     """Worker side of 7.4: one backward through plain DDP (fp32 all-reduce) and one through fn's model."""
+    fn = _guarded(fn)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -409,14 +471,12 @@ def _run_compress(fn: Callable, ctx, params: dict) -> dict:
             "n_params": sum(p.numel() for p in net.parameters())}
 
 
+@_no_time_limit
 def check_compressed_ddp(compressed_ddp: Callable, nproc: int | None = None, device: str | None = None) -> None:
     """Exercise 7.4: compressed_ddp(model) returns DDP(model) whose gradient all-reduce sends bf16; checked on
     N ranks: the averaged gradient, its error against DDP's fp32 all-reduce, and the bytes sent."""
-    title = "Exercise 7.4 (gradients all-reduced in bf16)"
-    source = learner_source(title, compressed_ddp)
-    res = run_on_ranks(title, f"{_RUNNERS}:_run_compress", {"yours": (source, compressed_ddp.__name__)},
-                       nproc=nproc, device=device)
-    judge_compressed_ddp(title, res, "yours")
+    _launch_and_judge("Exercise 7.4 (gradients all-reduced in bf16)", compressed_ddp, "_run_compress",
+                      judge_compressed_ddp, nproc=nproc, device=device)
 
 
 def judge_compressed_ddp(title: str, res: RankResults, name: str) -> None:
@@ -511,6 +571,7 @@ def _fsdp_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _run_fsdp(fn: Callable, ctx, params: dict) -> dict:
     """Worker side of 7.5: the fp32 run (unsharded, whole batch on every rank) and fn's sharded run."""
+    fn = _guarded(fn)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -564,15 +625,12 @@ def _local_bytes(t: torch.Tensor) -> int:
     return (t.to_local() if hasattr(t, "to_local") else t).nbytes
 
 
+@_no_time_limit
 def check_fsdp_policy(shard: Callable, nproc: int | None = None, device: str | None = None) -> None:
     """Exercise 7.5: shard(model, mesh) applies FSDP2 with a MixedPrecisionPolicy to a ShardMe; checked on N ranks
     against the fp32 run (tolerance) and against the bytes per rank of the reference policy (memory bound)."""
-    title = "Exercise 7.5 (FSDP2 MixedPrecisionPolicy: accuracy and memory)"
-    source = learner_source(title, shard)
-    res = run_on_ranks(title, f"{_RUNNERS}:_run_fsdp", {
-        "reference": (inspect.getsource(reference_shard), "reference_shard"),
-        "yours": (source, shard.__name__)}, nproc=nproc, device=device)
-    judge_fsdp_policy(title, res, "yours")
+    _launch_and_judge("Exercise 7.5 (FSDP2 MixedPrecisionPolicy: accuracy and memory)", shard, "_run_fsdp",
+                      judge_fsdp_policy, reference=reference_shard, nproc=nproc, device=device)
 
 
 def judge_fsdp_policy(title: str, res: RankResults, name: str) -> None:
@@ -647,6 +705,7 @@ def reference_train_restartable(model, optimizer, scaler, run_step, steps, path)
 
 def _run_restartable(fn: Callable, ctx, params: dict) -> dict:
     """Worker side of 7.6: the uninterrupted run, then fn; the last rank SIGKILLs itself in round `kill_round`."""
+    fn = _guarded(fn)
     import io
     import json
     import os
@@ -730,14 +789,12 @@ def _run_restartable(fn: Callable, ctx, params: dict) -> dict:
             "savers": sorted({int(r) for r in savers.read_text().split()}) if savers.exists() else []}
 
 
+@_no_time_limit
 def check_restartable(train_restartable: Callable, nproc: int | None = None, device: str | None = None) -> None:
     """Exercise 7.6: train_restartable(model, optimizer, scaler, run_step, steps, path) checkpoints on rank 0 and
     resumes; checked under torchrun --max-restarts 1 with one rank killed mid-run."""
-    title = "Exercise 7.6 (restartable training: rank-0 checkpoints and resume)"
-    source = learner_source(title, train_restartable)
-    res = run_on_ranks(title, f"{_RUNNERS}:_run_restartable", {"yours": (source, train_restartable.__name__)},
-                       nproc=nproc, device=device, max_restarts=1)
-    judge_restartable(title, res, "yours")
+    _launch_and_judge("Exercise 7.6 (restartable training: rank-0 checkpoints and resume)", train_restartable,
+                      "_run_restartable", judge_restartable, nproc=nproc, device=device, max_restarts=1)
 
 
 def judge_restartable(title: str, res: RankResults, name: str) -> None:
