@@ -39,6 +39,7 @@ import re
 import shlex
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 from collections.abc import Mapping, Sequence

@@ -13,7 +13,7 @@ import torch
 from ampcourse import exercises
 from ampcourse.exercises import ExerciseError, _core
 
-from test_exercises import right_fp16_ulp
+from test_exercises_ch01 import right_fp16_ulp
 from test_exercises_ch03 import RIGHT as RIGHT_AUTOCAST
 from test_exercises_ch05 import _square
 

@@ -1,7 +1,6 @@
 """Chapter 2 checkers accept right answers and reject wrong ones with feedback."""
 
 import pytest
-import torch
 
 from ampcourse import exercises
 from ampcourse.exercises import ExerciseError

@@ -32,7 +32,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
