@@ -102,3 +102,36 @@ def test_prose_does_not_type_format_limits_that_code_prints(path):
             if token.replace(",", "") in limits:
                 found.append(f"cell {i}: {token}")
     assert not found, f"{path.name} types format limits in prose (print them from code instead): {found}"
+
+
+def _workspace_folder() -> str:
+    """The folder `make lab` / `make student` copy the chapters into (the Makefile's WORKSPACE)."""
+    return re.search(r"^WORKSPACE \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def _reader_text(path: Path) -> str:
+    """What a reader sees of a notebook (every cell's source) or a Markdown file."""
+    if path.suffix == ".ipynb":
+        return "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)
+    return path.read_text()
+
+
+@pytest.mark.parametrize("path", CHAPTERS + [ROOT / "README.md"], ids=lambda p: p.name)
+def test_learner_copies_are_named_by_the_folder_make_writes(path):
+    """The learner copies live where the Makefile puts them; a folder that does not exist (`student/`,
+    the target's name rather than its folder) sends a learner looking for nothing."""
+    workspace = _workspace_folder()
+    text = _reader_text(path)
+    folders = set(re.findall(r"`(\w+)/`", text)) - {"chapters", "tests", "tools", "binder", "examples", "benchmarks",
+                                                    "ampcourse", "runs", "shared"}
+    assert folders <= {workspace}, f"{path.name} names {sorted(folders - {workspace})}/: the copies are in {workspace}/"
+    assert not re.search(r"(?<![\w_-])student/", text), f"{path.name} names student/: the copies are in {workspace}/"
+
+
+def test_readme_and_index_binder_badges_open_the_same_notebook():
+    """One story: the README's badge and the index's open the same notebook (the learner's copy of the index)."""
+    badge = re.compile(r"https://mybinder\.org/v2/gh/[^)\s]+")
+    readme = set(badge.findall((ROOT / "README.md").read_text()))
+    index = set(badge.findall(_reader_text(ROOT / "chapters" / "00_index.ipynb")))
+    assert len(readme) == 1 and readme == index, f"README {readme} vs index {index}"
+    assert f"labpath={_workspace_folder()}%2F00_index.ipynb" in readme.pop()

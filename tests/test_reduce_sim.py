@@ -72,3 +72,16 @@ def test_rounding_steps():
 def test_bad_input_says_what_to_pass(call, error):
     with pytest.raises(error, match="must be"):
         call()
+
+
+def test_exercise_7_4_tolerance_counts_one_rounding_per_ring_addition():
+    """7.4's checker allows one half-ulp per share plus one per addition: it widens with the world size."""
+    from ampcourse.exercises.ch07 import _bf16_tolerance
+
+    assert _bf16_tolerance(2) == 2.0**-7  # the cast of each share, and one addition
+    assert _bf16_tolerance(8) == 8 * 2.0**-8
+    # and the simulated worst case on 8 ranks stays inside it
+    grads = torch.randn(8, 4096, generator=torch.Generator().manual_seed(3))
+    exact = grads.double().mean(0)
+    err = (simulate_reduction(grads).double() - exact).abs().max() / exact.abs().max()
+    assert err <= _bf16_tolerance(8)
