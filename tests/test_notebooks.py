@@ -135,3 +135,16 @@ def test_readme_and_index_binder_badges_open_the_same_notebook():
     index = set(badge.findall(_reader_text(ROOT / "chapters" / "00_index.ipynb")))
     assert len(readme) == 1 and readme == index, f"README {readme} vs index {index}"
     assert f"labpath={_workspace_folder()}%2F00_index.ipynb" in readme.pop()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+def test_a_forced_exit_in_an_example_says_why_with_its_cause(path):
+    """Examples are code learners copy: os._exit (no atexit handlers, no flushes) only with the measured cause
+    and the upstream issue next to it, and with the streams flushed by hand."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "os._exit(" in line:
+            before = "\n".join(lines[max(0, i - 14):i])
+            assert re.search(r"pytorch/pytorch#\d+", before) and "measured" in before, \
+                f"{path.name}:{i + 1}: os._exit without the measured cause and the upstream issue beside it"
+            assert "sys.stdout.flush()" in before and "sys.stderr.flush()" in before, f"{path.name}: flush before os._exit"
