@@ -148,3 +148,50 @@ def test_a_forced_exit_in_an_example_says_why_with_its_cause(path):
             assert re.search(r"pytorch/pytorch#\d+", before) and "measured" in before, \
                 f"{path.name}:{i + 1}: os._exit without the measured cause and the upstream issue beside it"
             assert "sys.stdout.flush()" in before and "sys.stderr.flush()" in before, f"{path.name}: flush before os._exit"
+
+
+# Claims an expert review found wrong (issue 20), each with the live computation that now stands in its place.
+# Prose must not come back to the wrong claim; the cell that computes the right one must stay.
+WRONG_CLAIMS = [
+    ("03_torch_amp_api", r"do \*?not\*? promote by themselves \(they raise",
+     "autocast's promote lists hold ops that promote natively too (addcmul, atan2): the chapter runs them"),
+    ("07_multi_gpu", r"keeps bf16's 8 significant bits|8 significant bits per averaged",
+     "a bf16 all-reduce rounds at every addition; the error grows with the world size"),
+    ("04_amp_training_loop", r"50264 is the classic fix",
+     "nanoGPT pads 50257 to 50304, a multiple of 64; multiples of 8 were old cuBLAS's fp16 rule"),
+    ("05_custom_precision", r"is the standard example",
+     "the built-in RMSNorm upcasts; a hand-written one is an example, not the standard"),
+    ("*", r"bf16 on (a )?CPUs?\b|bf16 on CPUs and",
+     "pick() decides a CPU's precision by its units and prints why: no blanket 'bf16 on CPUs'"),
+]
+LIVE_CHECKS = [
+    ("03_torch_amp_api", ["PROMOTE_LISTS", "_dispatch_has_kernel_for_dispatch_key", "mixed_dtype("]),
+    ("03_torch_amp_api", ["create_selective_checkpoint_contexts", "cache_enabled=False"]),
+    ("04_amp_training_loop", ["pad_to(GPT2_VOCAB, 64) == 50304"]),
+    ("05_custom_precision", ["F.rms_norm(", "'aten::rms_norm'"]),
+    ("07_multi_gpu", ["reduction_error(", "rounding_steps("]),
+]
+
+
+def _cells(stem: str, kind: str) -> list[str]:
+    return [c.source for c in nbformat.read(ROOT / "chapters" / f"{stem}.ipynb", as_version=4).cells if c.cell_type == kind]
+
+
+@pytest.mark.parametrize("stem,pattern,why", WRONG_CLAIMS, ids=[f"{s}:{p[:20]}" for s, p, _ in WRONG_CLAIMS])
+def test_prose_does_not_bring_back_a_corrected_claim(stem, pattern, why):
+    stems = [p.stem for p in CHAPTERS] if stem == "*" else [stem]
+    hits = [(s, m.group(0)) for s in stems for md in _cells(s, "markdown") for m in re.finditer(pattern, md)]
+    assert not hits, f"{hits}: {why}"
+
+
+@pytest.mark.parametrize("stem,snippets", LIVE_CHECKS, ids=[s for s, _ in LIVE_CHECKS])
+def test_corrected_claims_stay_computed_live(stem, snippets):
+    code = "\n".join(_cells(stem, "code"))
+    missing = [s for s in snippets if s not in code]
+    assert not missing, f"{stem}: the cell computing the claim is gone ({missing})"
+
+
+def test_chapter_3_cites_the_recompute_issues_it_demonstrates():
+    text = "\n".join(_cells("03_torch_amp_api", "markdown"))
+    for issue in ("pytorch/pytorch#193338", "pytorch/pytorch#148831", "pytorch/pytorch#182580"):
+        assert issue in text, issue
