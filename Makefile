@@ -58,12 +58,18 @@ nbclean: setup  ## strip noisy metadata from the chapters without executing them
 student: setup  ## learner copies in workspace/ (solutions stubbed, outputs cleared); existing copies are kept
 	$(BIN)/python tools/make_student.py -o $(WORKSPACE)
 
-# GPU_PYTHON=python3: use a Python that already has torch (CUDA) and the test wheels instead of building .venv;
-# for GPU machines without network (tools/gpu_wheels.sh says how to bring the wheels).
+# GPU_PYTHON=python3: use a Python that already has torch (CUDA) instead of building .venv; GPU_WHEELS=.whl: first
+# install those wheels (tools/gpu_wheels.sh) into GPU_SITE and put it on PYTHONPATH: for GPU machines without
+# network. The one prepared command of a device session (tools/gpu_test.py's docstring; under 8 minutes):
+#   make gpu-test GPU_PYTHON=python3 GPU_WHEELS=.whl GPU_TEST_ARGS="--require-cuda --out /tmp/gpu-evidence --archive $OUT/gpu-evidence.tar.gz"
 GPU_PYTHON ?=
+GPU_WHEELS ?=
+GPU_SITE   ?= /tmp/ampcourse-gpu-site
+GPU_PY     := $(or $(GPU_PYTHON),$(BIN)/python)
+GPU_INSTALL := $(if $(GPU_WHEELS),$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$(GPU_SITE)" "$(GPU_WHEELS)"/*.whl && PYTHONPATH="$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH}" ,)
 
-gpu-test: $(if $(GPU_PYTHON),,setup)  ## on a CUDA machine: all notebooks (nbval lax) + GPU-only tests + benchmark, report in benchmarks/gpu/ (else a dry run)
-	$(or $(GPU_PYTHON),$(BIN)/python) tools/gpu_test.py $(GPU_TEST_ARGS)
+gpu-test: $(if $(GPU_PYTHON),,setup)  ## on a CUDA machine: smoke, GPU-only tests, notebooks (nbval lax), benchmark; evidence + report in benchmarks/gpu/ (else a dry run)
+	$(GPU_INSTALL)$(GPU_PY) tools/gpu_test.py $(GPU_TEST_ARGS)
 
 clean:  ## remove the virtual environment and build leftovers
 	rm -rf $(VENV) build *.egg-info

@@ -41,7 +41,7 @@ from .device import AmpSetup, cpu_flags, native_bf16, pick
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
            "overhead_clock", "fraction_of_peak", "fp32_math", "tf32_settings", "BareLoop", "paired_step_times",
            "trainer_overhead", "saved_bytes",
-           "run", "plot", "plot_matmul", "load_gpu_report", "gpu_report_lines", "GPU_REPORT", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
+           "run_config", "run", "plot", "plot_matmul", "load_gpu_report", "gpu_report_lines", "GPU_REPORT", "plot_saved", "saver_group", "speedup_sentence", "summary", "main"]
 
 SCHEMA = "ampcourse.bench/1"
 #: Bytes saved for backward under AMP, as a fraction of fp32, that the transformer should reach.
@@ -112,23 +112,43 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor, min_run_time: float) -> float
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
+#: The new-API fields that decide TF32 for CUDA fp32 math (torch >= 2.9): cuBLAS matmuls, cuDNN convolutions and RNNs.
+_TF32_FIELDS = (("cuda.matmul", "matmul"), ("cudnn.conv", "cudnn_conv"), ("cudnn.rnn", "cudnn_rnn"))
+
+
+def _backend(path: str):
+    """torch.backends.<path> ('cuda.matmul' -> torch.backends.cuda.matmul), or None where this torch lacks it."""
+    obj = torch.backends
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def _new_tf32_api() -> bool:
-    """torch >= 2.9 has backends.*.fp32_precision; mixing it with the legacy flags raises, so use one or the other."""
+    """torch >= 2.9 has backends.*.fp32_precision (and reading the legacy flags after a mix of the two raises)."""
+    return all(hasattr(_backend(path), "fp32_precision") for path, _ in _TF32_FIELDS)
+
+
+def _legacy_tf32() -> tuple[bool, bool] | None:
+    """(cuda.matmul.allow_tf32, cudnn.allow_tf32), or None where this state cannot be read through the legacy flags
+    (torch raises when the new API has set values they cannot express, e.g. cuDNN conv and RNN apart)."""
     try:
-        torch.backends.cuda.matmul.fp32_precision  # noqa: B018 (an attribute read that raises on older torch)
-        torch.backends.cudnn.conv.fp32_precision  # noqa: B018
-    except AttributeError:
-        return False
-    return True
+        return bool(torch.backends.cuda.matmul.allow_tf32), bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return None
 
 
 def tf32_settings() -> dict:
-    """Whether fp32 matmuls (cuBLAS) and cuDNN convolutions may use TF32 tensor cores: what bench.json records."""
-    if _new_tf32_api():
-        return {"api": "fp32_precision", "matmul": torch.backends.cuda.matmul.fp32_precision,
-                "cudnn_conv": torch.backends.cudnn.conv.fp32_precision}
-    return {"api": "allow_tf32", "matmul": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
-            "cudnn_conv": "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"}
+    """Whether fp32 matmuls (cuBLAS), cuDNN convolutions and cuDNN RNNs may use TF32: what bench.json records.
+
+    "tf32" or "ieee" per field; where the new API is set per field ("none": inherit from the parent setting),
+    its own values.
+    """
+    legacy = _legacy_tf32()
+    if legacy is not None:
+        matmul, cudnn = ("tf32" if flag else "ieee" for flag in legacy)
+        return {"api": "allow_tf32", "matmul": matmul, "cudnn_conv": cudnn, "cudnn_rnn": cudnn}
+    return {"api": "fp32_precision", **{key: _backend(path).fp32_precision for path, key in _TF32_FIELDS}}
 
 
 def _parse_device(device) -> torch.device:
@@ -142,33 +162,47 @@ def _parse_device(device) -> torch.device:
 
 @contextlib.contextmanager
 def fp32_math(tf32: bool, device: str | torch.device = "cuda"):
-    """On CUDA, let fp32 matmuls and cuDNN convolutions use TF32 (tf32=True) or not (true fp32); restore after.
+    """On CUDA, let fp32 matmuls, cuDNN convolutions and cuDNN RNNs use TF32 (tf32=True) or not (true fp32); restore after.
 
     cuDNN allows TF32 convolutions by default, so without this an "fp32" CNN baseline is really TF32 and
-    the AMP speedup is understated. Uses torch's fp32_precision API where it exists (torch >= 2.9: reading
-    the legacy get_float32_matmul_precision() after the new API was used raises), else the allow_tf32 flags.
-    Does nothing off CUDA.
+    the AMP speedup is understated. Every field is set (matmul, conv and RNN), and set and restored through
+    one API: torch >= 2.9 raises when code reads the legacy flags (``allow_tf32``,
+    ``get_float32_matmul_precision()``) after the two APIs were mixed, e.g. after setting conv through
+    ``fp32_precision`` while the RNN field kept its default. So: the legacy flags where the caller's state
+    can be read through them (they keep both APIs readable inside and after the block), else the new
+    API's fields, each restored to its own value. Does nothing off CUDA.
+
+    Args:
+        tf32: True to allow TF32, False for IEEE fp32 math.
+        device: the device the block runs on; off CUDA the block changes nothing.
+
+    Example::
+
+        >>> with fp32_math(tf32=False, device="cuda"):
+        ...     fp32_ms = time_step()  # true fp32, the baseline an AMP speedup is measured against
     """
     tf32 = _args.flag(tf32, "tf32")
     if _parse_device(device).type != "cuda":
         yield
         return
-    mode = "tf32" if tf32 else "ieee"
-    if _new_tf32_api():
-        matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-        previous = (matmul.fp32_precision, conv.fp32_precision)
-        matmul.fp32_precision, conv.fp32_precision = mode, mode
+    legacy = _legacy_tf32()
+    if legacy is not None or not _new_tf32_api():
+        previous = legacy if legacy is not None else (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32  # cudnn's covers conv and RNN
         try:
             yield
         finally:
-            matmul.fp32_precision, conv.fp32_precision = previous
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
         return
-    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    backends = [_backend(path) for path, _ in _TF32_FIELDS]
+    previous = [b.fp32_precision for b in backends]
+    for b in backends:
+        b.fp32_precision = "tf32" if tf32 else "ieee"
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+        for b, value in zip(backends, previous):
+            b.fp32_precision = value
 
 
 def _measure(a: torch.Tensor, b: torch.Tensor, min_run_time: float, budget_s: float,
@@ -580,6 +614,22 @@ def _targets(report: dict) -> list[dict]:
     return out
 
 
+def run_config(dev: torch.device, precision: str, quick: bool, seed: int) -> dict:
+    """What run() measures on this device: tiny models on a CPU; on CUDA the reference models at size="large"
+    (batch 64), because tiny ones are launch-bound there and would show a speedup near 1x."""
+    gpu = dev.type == "cuda"
+    return {"quick": quick, "precision": precision, "seed": seed,
+            "models": (["transformer"] if gpu else ["mlp"]) if quick else list(models.MODELS),
+            "saved_sizes": ["tiny"] if quick else ["tiny", "small"],
+            "step_size": "large" if gpu else "tiny",
+            "batch": 64 if gpu else 32, "steps": 3 if quick else 20, "repeats": 2 if quick else (5 if gpu else 7),
+            "matmul_sizes": list(matmul_sizes(dev, quick)), "matmul_min_run_time": 0.01 if quick else 0.05,
+            "matmul_repeats": 1 if quick else 3,
+            "overhead_models": (["transformer"] if gpu else ["mlp"]) if quick else ["mlp", "transformer"],
+            "overhead_steps": 6 if quick else (30 if gpu else 60), "overhead_warmup": 2 if quick else 5,
+            "overhead_repeats": 2 if quick else (5 if gpu else 15)}
+
+
 def run(device: str | torch.device | None = None, precision: str | None = None, quick: bool = False,
         seed: int = 0) -> dict:
     """Run every measurement and return the report (see the module docstring for its schema)."""
@@ -588,16 +638,7 @@ def run(device: str | torch.device | None = None, precision: str | None = None, 
     if not amp.enabled:
         raise ValueError("the benchmark compares fp32 with AMP: pass precision='fp16' or 'bf16'")
     dev = amp.device
-    config = {"quick": quick, "precision": amp.precision, "seed": seed,
-              "models": ["mlp"] if quick else list(models.MODELS),
-              "saved_sizes": ["tiny"] if quick else ["tiny", "small"],
-              "step_size": "tiny" if dev.type == "cpu" else "small",
-              "batch": 32, "steps": 3 if quick else 20, "repeats": 2 if quick else 7,
-              "matmul_sizes": list(matmul_sizes(dev, quick)), "matmul_min_run_time": 0.01 if quick else 0.05,
-              "matmul_repeats": 1 if quick else 3,
-              "overhead_models": ["mlp"] if quick else ["mlp", "transformer"],
-              "overhead_steps": 6 if quick else 60, "overhead_warmup": 2 if quick else 5,
-              "overhead_repeats": 2 if quick else 15}
+    config = run_config(dev, amp.precision, quick, seed)
     torch.manual_seed(seed)
     report = {"schema": SCHEMA, "env": _env(dev), "config": config}
     report["matmul"] = matmul_tflops(dev, sizes=config["matmul_sizes"], min_run_time=config["matmul_min_run_time"],

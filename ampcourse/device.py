@@ -7,10 +7,18 @@
     ...     ...
     >>> scaler = amp.make_scaler()        # torch.amp.GradScaler(device), enabled only for fp16
 
-Defaults: bf16 on CUDA GPUs with native bf16 tensor cores (compute capability >= 8.0: Ampere and
-later; no GradScaler needed), fp16 + GradScaler on older GPUs (Volta, Turing: bf16 there is emulated),
-bf16 on CPU (CPU fp16 autocast exists but has no fast kernels on most CPUs), fp16 on Apple MPS.
-Chapters that teach the GradScaler ask for fp16 explicitly: ``pick(precision="fp16")``.
+Defaults, decided by the units the hardware has (``AmpSetup.summary()`` says which, and why):
+
+- CUDA GPUs with native bf16 tensor cores (compute capability >= 8.0: Ampere and later): bf16, no GradScaler;
+- older GPUs (Volta, Turing: bf16 there is emulated): fp16 + GradScaler;
+- CPUs with AMX or AVX512-BF16 (``/proc/cpuinfo`` flags ``amx_bf16``, ``avx512_bf16``): bf16;
+- other CPUs (AVX2 only, or flags unknown): **fp32**. Without those units a bf16 matmul is emulated and
+  10-200x slower than fp32 (benchmarks/README.md), so low precision would only cost there;
+- Apple MPS: fp16.
+
+``pick(precision="amp")`` asks for this device's autocast dtype even where it is not the fast choice
+(bf16 on any CPU): what a chapter needs to *show* autocast on a CPU without bf16 units. Chapters that
+teach the GradScaler ask for fp16 explicitly: ``pick(precision="fp16")``.
 
 Native bf16 is decided by the compute capability of the device picked, not by
 ``torch.cuda.is_bf16_supported()``: that defaults to ``including_emulation=True`` (True on a T4 or
@@ -26,10 +34,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PRECISIONS", "AmpSetup", "pick", "parse_precision", "cpu_flags", "native_bf16", "NATIVE_BF16_CAPABILITY"]
+__all__ = ["PRECISIONS", "AmpSetup", "pick", "parse_precision", "cpu_flags", "native_bf16", "NATIVE_BF16_CAPABILITY",
+           "CPU_BF16_FLAGS", "AMP_REQUEST"]
 
 #: The first CUDA compute capability with bf16 (and tf32) tensor cores: Ampere, sm_80.
 NATIVE_BF16_CAPABILITY = (8, 0)
+
+#: CPU flags of units that multiply bf16 natively (Intel AMX tiles; AVX512-BF16 on Intel and AMD Zen 4+).
+CPU_BF16_FLAGS = {"amx_bf16": "AMX bf16 tiles", "avx512_bf16": "AVX512-BF16"}
+
+#: The precision request that means "this device's autocast dtype, fast or not" (see the module docstring).
+AMP_REQUEST = "amp"
 
 #: Precision names the course accepts, mapped to the autocast dtype (None: autocast off).
 PRECISIONS: dict[str, torch.dtype | None] = {
@@ -92,10 +107,9 @@ def _native_units(device: torch.device, precision: str) -> tuple[bool, str]:
         return True, "Apple GPU"
     flags = cpu_flags()
     if precision == "bf16":
-        if "amx_bf16" in flags:
-            return True, "AMX bf16 tiles"
-        if "avx512_bf16" in flags:
-            return True, "AVX512-BF16"
+        for flag, units in CPU_BF16_FLAGS.items():
+            if flag in flags:
+                return True, units
     if precision == "fp16" and "amx_fp16" in flags:
         return True, "AMX fp16 tiles"
     return False, f"no native {precision} units"
@@ -109,6 +123,7 @@ class AmpSetup:
     precision: str  # "fp32", "fp16" or "bf16"
     native: bool  # the hardware has fast units for `precision`
     units: str  # what those units are (or that there are none)
+    reason: str = ""  # why pick() chose this precision when none was asked for, where that needs saying
 
     @property
     def device_type(self) -> str:
@@ -152,7 +167,7 @@ class AmpSetup:
     def summary(self) -> str:
         """One line a notebook prints: device, precision, scaler, and what to expect."""
         if not self.enabled:
-            return f"{self.describe_device()}, fp32 (autocast off, no GradScaler)"
+            return f"{self.describe_device()}, fp32 (autocast off, no GradScaler)" + (f": {self.reason}" if self.reason else "")
         scaler = " + GradScaler" if self.use_scaler else ", no GradScaler needed"
         speed = "expect AMP to be faster here" if self.native else "expect AMP to be slower here"
         return f"{self.describe_device()}, {self.precision} autocast{scaler}; {self.units}: {speed}"
@@ -168,15 +183,41 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _default_precision(device: torch.device) -> str:
-    """bf16 on CPU and on CUDA GPUs with native bf16 (no scaler needed); fp16 on older GPUs and on MPS."""
+def _amp_precision(device: torch.device) -> str:
+    """This device's autocast dtype, fast or not: bf16 on CPUs and on GPUs with native bf16, fp16 on older GPUs and MPS."""
     if device.type == "cuda":
         return "bf16" if native_bf16(device) else "fp16"
     return "bf16" if device.type == "cpu" else "fp16"
 
 
+def _default_precision(device: torch.device) -> tuple[str, str]:
+    """The precision to use by default, and why where it needs saying: the AMP dtype where the hardware has units
+    for it; fp32 on a CPU without bf16 units (emulated bf16 is many times slower than fp32 there)."""
+    if device.type != "cpu":
+        return _amp_precision(device), ""
+    flags = cpu_flags()
+    if any(flag in flags for flag in CPU_BF16_FLAGS):
+        return "bf16", ""
+    seen = "no CPU flags readable here" if not flags else (
+        "flags: " + (", ".join(f for f in ("avx512f", "avx2", "avx") if f in flags) or "no AVX"))
+    return "fp32", (f"this CPU has no AMX or AVX512-BF16 units ({seen}), so bf16 matmuls would be emulated, "
+                    "10-200x slower than fp32; pick(precision='bf16') runs autocast anyway")
+
+
 def pick(device: str | torch.device | None = None, precision: str | torch.dtype | None = None) -> AmpSetup:
-    """Choose device (default: best available) and precision (default: that device's AMP dtype)."""
+    """Choose the device and the precision, and say what the hardware does with them.
+
+    Args:
+        device: 'cpu', 'cuda', 'cuda:N', 'mps', a torch.device, or None/'auto' for the best available.
+        precision: 'fp32', 'fp16', 'bf16' (or a dtype); None for the device's default (the module docstring's
+            table: fp32 on a CPU without bf16 units); 'amp' for the device's autocast dtype even there.
+
+    Example::
+
+        >>> amp = pick()                       # e.g. cuda:0, bf16 on an H100; fp32 on an AVX2-only CPU
+        >>> print(amp.summary())               # what was chosen, on which units, and what to expect
+        >>> show = pick(precision="amp")       # autocast on any device, to see what it does
+    """
     if device is None or device == "auto":
         dev = _default_device()
     else:
@@ -197,8 +238,14 @@ def pick(device: str | torch.device | None = None, precision: str | torch.dtype 
         if dev.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"device {str(device)!r} requested but Apple MPS is not available here; "
                              "use device=None (the best available) or 'cpu'")
-    prec = _default_precision(dev) if precision is None else parse_precision(precision)
-    # An explicit bf16 on a pre-Ampere GPU is allowed (torch emulates it, so it runs), but it is marked
-    # not native: the summary then says to expect it to be slow.
+    reason = ""
+    if precision is None:
+        prec, reason = _default_precision(dev)
+    elif isinstance(precision, str) and precision.strip().lower() == AMP_REQUEST:
+        prec = _amp_precision(dev)
+    else:
+        prec = parse_precision(precision)
+    # An explicit bf16 on a pre-Ampere GPU or a CPU without bf16 units is allowed (torch emulates it, so it
+    # runs), but it is marked not native: the summary then says to expect it to be slow.
     native, units = _native_units(dev, prec)
-    return AmpSetup(dev, prec, native, units)
+    return AmpSetup(dev, prec, native, units, reason)

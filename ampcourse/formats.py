@@ -128,7 +128,13 @@ FORMATS: dict[str, FormatSpec] = {
     "fp6_e2m3": FormatSpec("fp6_e2m3", 2, 3, has_inf=False, saturates=True, has_nan=False),
     "fp6_e3m2": FormatSpec("fp6_e3m2", 3, 2, has_inf=False, saturates=True, has_nan=False),
     "fp4_e2m1": FormatSpec("fp4_e2m1", 2, 1, has_inf=False, saturates=True, has_nan=False),
+    # TF32: how Ampere+ tensor cores read fp32 matmul inputs when TF32 is allowed (fp32's range, fp16's 10
+    # mantissa bits); a compute format, never stored, so names() does not list it (chapter 2 uses it)
+    "tf32": FormatSpec("tf32", 8, 10),
 }
+
+#: Formats that exist only inside the hardware's arithmetic: spec()/quantize() know them, names() does not list them.
+_COMPUTE_ONLY = ("tf32",)
 
 #: The formats training runs in and torch can cast to; names() lists only these unless asked.
 _CLASSIC = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
@@ -146,6 +152,7 @@ _ALIASES = {
     "float32": "fp32", "float": "fp32", "single": "fp32",
     "float16": "fp16", "half": "fp16",
     "bfloat16": "bf16",
+    "tensorfloat32": "tf32",
     "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
     "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
     "e8m0": "fp8_e8m0", "float8_e8m0fnu": "fp8_e8m0", "fp8_e8m0fnu": "fp8_e8m0",
@@ -157,7 +164,7 @@ _ALIASES = {
 
 def names(narrow: bool = False) -> list[str]:
     """The canonical format names, widest first; narrow=True adds e8m0, fp6 and fp4 (OCP MX)."""
-    return list(FORMATS) if narrow else list(_CLASSIC)
+    return [n for n in FORMATS if n not in _COMPUTE_ONLY] if narrow else list(_CLASSIC)
 
 
 def spec(fmt: str | torch.dtype | FormatSpec) -> FormatSpec:

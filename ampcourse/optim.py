@@ -71,7 +71,38 @@ def _settings(values: dict) -> dict:
 
 
 class BF16AdamW(torch.optim.Optimizer):
-    """AdamW for bf16 parameters: bf16 weights and moments, update in fp32, rounding chosen by `rounding`."""
+    """AdamW for bf16 parameters: bf16 weights and moments, the update in fp32, stored with the rounding chosen.
+
+    There is no fp32 master copy and no fp32 optimizer state (2 + 2 + 2 bytes per parameter, plus 2 for
+    ``"kahan"``'s compensation buffer). The update is AdamW's, computed in fp32 registers from the bf16
+    gradient and moments; only how its result is stored back differs:
+
+    * ``"nearest"``: round to nearest; an update below half the bf16 spacing of its weight is lost.
+    * ``"stochastic"``: round up with probability equal to the fraction of the gap (unbiased). The random
+      bits come from one generator per device, on that device (no host round trip per step); their
+      states are in :meth:`state_dict`, so a resumed run rounds exactly as the uninterrupted one.
+    * ``"kahan"``: keep each rounding error in a bf16 buffer and add it to the next update.
+
+    Args:
+        params: bf16 parameters (or parameter-group dicts), as for any torch optimizer.
+        lr: learning rate (default 1e-3).
+        betas: coefficients of the running averages of the gradient and its square (default (0.9, 0.999)).
+        eps: added to the denominator (default 1e-8).
+        weight_decay: decoupled weight decay, as in AdamW (default 0).
+        rounding: ``"nearest"``, ``"stochastic"`` or ``"kahan"`` (default).
+        seed: seed of the stochastic rounding's generators (default 0).
+
+    Example::
+
+        >>> model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+        >>> opt = BF16AdamW(model.parameters(), lr=1e-4, rounding="stochastic")
+        >>> model(torch.randn(8, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+        >>> opt.step()
+        >>> torch.save(opt.state_dict(), "opt.pt")  # moments and the rounding generators: resume is exact
+    """
+
+    #: The key under which state_dict() keeps what torch's optimizer state does not: rounding and generators.
+    EXTRA_KEY = "bf16adamw"
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, rounding: str = "kahan", seed: int = 0):
@@ -85,20 +116,70 @@ class BF16AdamW(torch.optim.Optimizer):
         params = list(params)
         if not params:
             raise ValueError(f"{what}, got an empty parameter list")
+        self.rounding, self.seed = rounding, seed
+        self._generators: dict[str, torch.Generator] = {}  # device name -> the rounding's random bits there
+        self._pending: dict[str, torch.Tensor] = {}  # generator states loaded before their device was used
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dtype != torch.bfloat16:
-                    raise TypeError(f"BF16AdamW trains bf16 parameters; got a {p.dtype} parameter of shape "
-                                    f"{tuple(p.shape)} (call model.to(torch.bfloat16) first)")
-        self.rounding = rounding
-        self.generator = torch.Generator().manual_seed(seed)  # CPU generator: reproducible on any device
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The CPU generator of stochastic rounding (the one CPU parameters use)."""
+        return self._generator(torch.device("cpu"))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The stochastic rounding's generator on `device`, made on first use (from the seed or a loaded state)."""
+        name = str(device)
+        gen = self._generators.get(name)
+        if gen is None:
+            gen = torch.Generator(device=device).manual_seed(self.seed)
+            if name in self._pending:
+                gen.set_state(self._pending.pop(name))
+            self._generators[name] = gen
+        return gen
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's add_param_group, with a group's own settings (lr, betas, eps, weight_decay) checked like the defaults."""
+        """torch's add_param_group, refusing what the constructor refuses: non-bf16 parameters, bad settings."""
         if isinstance(param_group, dict):
             param_group = {**param_group, **_settings({k: v for k, v in param_group.items() if k in _CHECKS})}
+            params = param_group.get("params")
+            if isinstance(params, Iterable) and not isinstance(params, (torch.Tensor, set)):
+                params = param_group["params"] = list(params)  # a generator is read once: keep what it gave
+            for p in [params] if isinstance(params, torch.Tensor) else params if isinstance(params, list) else []:
+                if isinstance(p, torch.Tensor) and p.dtype != torch.bfloat16:
+                    raise TypeError(f"BF16AdamW trains bf16 parameters; got a {p.dtype} parameter of shape "
+                                    f"{tuple(p.shape)} (call model.to(torch.bfloat16) first)")
         super().add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        """torch's optimizer state, plus this optimizer's rounding and its generators' states (resume is exact)."""
+        out = super().state_dict()
+        out[self.EXTRA_KEY] = {"rounding": self.rounding, "seed": self.seed,
+                               "generators": {name: g.get_state() for name, g in self._generators.items()}}
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load_state_dict, after checking the state was saved by a BF16AdamW with this rounding."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict:
+            raise ValueError(f"state_dict must be what BF16AdamW.state_dict() returns, got {_args.shown(state_dict)}")
+        extra = state_dict.get(self.EXTRA_KEY) or {}
+        saved = extra.get("rounding")
+        needed = {"step", "exp_avg", "exp_avg_sq"} | ({"compensation"} if self.rounding == "kahan" else set())
+        for key, st in state_dict["state"].items():
+            missing = needed - set(st)
+            if saved is None and "compensation" in st and self.rounding != "kahan":
+                saved = "kahan"
+            if missing and saved is None:
+                raise ValueError(f"this optimizer state does not come from BF16AdamW(rounding={self.rounding!r}): "
+                                 f"parameter {key} has no {', '.join(sorted(missing))}; load the state of a "
+                                 "BF16AdamW built with the same rounding")
+        if saved is not None and saved != self.rounding:
+            raise ValueError(f"this state was saved by BF16AdamW(rounding={saved!r}); build the optimizer with "
+                             f"rounding={saved!r} to resume it (this one has rounding={self.rounding!r})")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != self.EXTRA_KEY})
+        self._generators.clear()
+        self._pending = dict(extra.get("generators", {}))
+        if "seed" in extra:
+            self.seed = int(extra["seed"])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -112,6 +193,10 @@ class BF16AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"BF16AdamW does not support sparse gradients (a parameter of shape "
+                                       f"{tuple(p.shape)}); build the layer without sparse=True, e.g. "
+                                       "nn.Embedding(..., sparse=False)")
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
@@ -137,8 +222,7 @@ class BF16AdamW(torch.optim.Optimizer):
         if self.rounding == "nearest":
             p.copy_(w + update)
         elif self.rounding == "stochastic":
-            noise_src = (w + update).cpu() if p.device.type != "cpu" else w + update
-            p.copy_(stochastic_round(noise_src, self.generator))
+            p.copy_(stochastic_round(w + update, self._generator(p.device)))  # random bits made where p lives
         else:  # Kahan: add last step's rounding error to this update, keep the new rounding error
             comp = state["compensation"]
             corrected = update + comp.float()

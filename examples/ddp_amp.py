@@ -46,7 +46,10 @@ if ddp:
     if device_type == "cuda":
         torch.cuda.set_device(device)  # before NCCL starts: each process owns one GPU
     # A bounded timeout: a rank that dies must not leave the others waiting forever in a collective.
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120))
+    # device_id binds NCCL's communicator to this rank's GPU now (without it NCCL guesses the device at the first
+    # collective, and barrier() warns that it may hang); gloo on the CPU takes none.
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120),
+                            **({"device_id": device} if device_type == "cuda" else {}))
 
 # --- precision, chosen once: the autocast dtype, and a GradScaler that is on only for fp16 ---
 amp_dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.precision]

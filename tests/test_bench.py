@@ -138,26 +138,82 @@ def test_a_slow_first_call_is_a_warm_up_not_a_measurement(monkeypatch):
     assert all(r["seconds"] < 0.25 for r in rows)
 
 
-def test_fp32_math_uses_the_new_tf32_api_and_restores_it():
-    """On CUDA: TF32 off (ieee) for matmuls and cuDNN convs, or on; the previous values come back; no legacy mix."""
+@pytest.fixture
+def tf32_state():
+    """The process's TF32 flags, put back after the test (through the legacy setters: a consistent state)."""
     import torch
 
-    before = bench.tf32_settings()
-    assert before["api"] == "fp32_precision"  # torch >= 2.9
-    with bench.fp32_math(tf32=False, device="cuda"):
-        assert bench.tf32_settings() == {"api": "fp32_precision", "matmul": "ieee", "cudnn_conv": "ieee"}
-    with bench.fp32_math(tf32=True, device="cuda"):
-        assert bench.tf32_settings()["matmul"] == "tf32" and bench.tf32_settings()["cudnn_conv"] == "tf32"
-    assert bench.tf32_settings() == before
+    start = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = start
+
+
+def _tf32_reads() -> dict:
+    """Every way code reads the TF32 state (legacy flags, the matmul precision, the new fields), or 'raises'."""
+    import torch
+
+    reads = {"matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+             "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+             "float32_matmul_precision": torch.get_float32_matmul_precision}
+    for path in ("cuda.matmul", "cudnn.conv", "cudnn.rnn"):
+        obj = torch.backends
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        reads[path] = lambda obj=obj: obj.fp32_precision
+    out = {}
+    for name, read in reads.items():
+        try:
+            out[name] = read()
+        except RuntimeError:
+            out[name] = "raises"
+    return out
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_fp32_math_sets_every_field_and_keeps_both_apis_readable(tf32_state, tf32):
+    """Issue 19 item 11, reproduced on a CPU: the block used to set matmul and conv through fp32_precision, leaving
+    cuDNN's RNN at tf32, so reading cudnn.allow_tf32 inside raised (a mix of the APIs)."""
+    import torch
+
+    if not hasattr(torch.backends.cudnn, "rnn"):
+        pytest.skip(f"torch {torch.__version__} has no per-field fp32_precision API (2.9+)")
+    before, reads_before = bench.tf32_settings(), _tf32_reads()
+    mode = "tf32" if tf32 else "ieee"
+    with bench.fp32_math(tf32=tf32, device="cuda"):
+        inside = _tf32_reads()
+        assert "raises" not in inside.values(), inside
+        assert inside["matmul.allow_tf32"] is tf32 and inside["cudnn.allow_tf32"] is tf32
+        assert bench.tf32_settings() == {"api": "allow_tf32", "matmul": mode, "cudnn_conv": mode, "cudnn_rnn": mode}
+    after = _tf32_reads()
+    assert bench.tf32_settings() == before and "raises" not in after.values()
+    legacy = ("matmul.allow_tf32", "cudnn.allow_tf32", "float32_matmul_precision")
+    assert {k: after[k] for k in legacy} == {k: reads_before[k] for k in legacy}
+    # (a field that read "none", inherit, may read back as the value it inherited: "ieee" for cuBLAS)
     with bench.fp32_math(tf32=True, device="cpu"):  # off CUDA it changes nothing
-        assert bench.tf32_settings() == before
-    # the legacy API was never touched, so reading it still works (it raises after a mix of the two)
-    assert torch.backends.cuda.matmul.fp32_precision == before["matmul"]
+        assert _tf32_reads() == after
+
+
+def test_fp32_math_after_the_new_api_restores_each_field_through_it(tf32_state):
+    """A caller who set the fields apart with the new API (conv ieee, RNN tf32; the legacy flags cannot say that):
+    every field is set inside, and each comes back to its own value."""
+    import torch
+
+    if not hasattr(torch.backends.cudnn, "rnn"):
+        pytest.skip(f"torch {torch.__version__} has no per-field fp32_precision API (2.9+)")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cudnn.rnn.fp32_precision = "tf32"
+    fields = lambda: {k: v for k, v in _tf32_reads().items() if "." in k and "allow" not in k}  # noqa: E731
+    before = fields()
+    with bench.fp32_math(tf32=False, device="cuda"):
+        assert set(fields().values()) == {"ieee"}
+        assert bench.tf32_settings()["cudnn_rnn"] == "ieee"
+    assert fields() == before == {"cuda.matmul": "tf32", "cudnn.conv": "ieee", "cudnn.rnn": "tf32"}
 
 
 def test_bench_json_records_the_tf32_settings(quick_run):
     report = json.loads((quick_run[0] / "bench.json").read_text())
-    assert set(report["env"]["tf32"]) == {"api", "matmul", "cudnn_conv"}
+    assert set(report["env"]["tf32"]) == {"api", "matmul", "cudnn_conv", "cudnn_rnn"}
     assert all(r["fp32_math"] == "default" for r in report["train_step"])  # a CPU has no TF32
 
 
@@ -193,3 +249,51 @@ def test_the_recorded_gpu_report_is_loaded_not_typed(tmp_path):
     lines = bench.gpu_report_lines(bench.load_gpu_report(path))
     assert lines[0] == "recorded GPU run: NVIDIA H200 (sm_90), torch 2.13.0 (CUDA 12.8), 2026-12-01, status passed"
     assert lines[1:] == ["  transformer step speedup: 4.10x (goal >= 3x, met)", "  trainer overhead: not measured (goal <= 3%, -)"]
+
+
+def test_no_compared_chapter_output_depends_on_the_gpu_report():
+    """Issue 19 item 8: chapter 2 stored "No GPU report has been recorded yet", so committing a report failed strict
+    nbval until the chapter was re-run. A cell that prints from the report must not have its output compared;
+    the cell that loads it must run (and check it) whether or not a report exists."""
+    chapters = sorted((ROOT / "chapters").glob("*.ipynb"))
+    seen = 0
+    for path in chapters:
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] != "code" or not ("load_gpu_report" in source or "report_lines" in source):
+                continue
+            seen += 1
+            ignored = "nbval-ignore-output" in cell.get("metadata", {}).get("tags", [])
+            assert ignored or not cell.get("outputs"), f"{path.name}: a compared cell prints from the GPU report"
+    assert seen >= 2
+
+
+@pytest.mark.parametrize("report", [None, {"machine": {"device": "NVIDIA H200", "capability": "sm_90", "torch": "2.11.0",
+                                                       "cuda": "12.8"}, "started": "2026-12-02T10:00:00+00:00",
+                                           "status": "passed", "goals": [{"name": "g", "shown": "3.10x", "goal": ">= 3x",
+                                                                          "met": True}]}])
+def test_chapter_2_loads_the_gpu_report_whether_or_not_it_exists(monkeypatch, capsys, report):
+    cells = json.loads((ROOT / "chapters/02_why_mixed_precision.ipynb").read_text())["cells"]
+    code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    start = next(i for i, s in enumerate(code) if "load_gpu_report" in s)
+    monkeypatch.setattr(bench, "load_gpu_report", lambda path=None: report)
+    namespace = {"bench": bench}
+    for source in code[start:start + 2]:
+        exec(source, namespace)  # noqa: S102 - the chapter's own cells
+    out = capsys.readouterr().out
+    assert ("No GPU report has been recorded yet" in out) == (report is None)
+    assert report is None or "recorded GPU run: NVIDIA H200 (sm_90), torch 2.11.0" in out
+
+
+def test_tf32_keeps_fp32_range_with_fp16_precision():
+    """The format chapter 2 emulates TF32's error with (formats.spec('tf32')): fp32's exponent, fp16's mantissa."""
+    import numpy as np
+
+    from ampcourse import formats
+
+    tf32 = formats.spec("tf32")
+    assert (tf32.exponent_bits, tf32.mantissa_bits, tf32.bits) == (8, 10, 19) and tf32.torch_dtype is None
+    assert formats.spec("tensorfloat32") is tf32 and "tf32" not in formats.names(narrow=True)  # compute-only
+    q = formats.quantize(np.array([1 + 2.0**-11, 1 + 3 * 2.0**-11, 3e38, 1e-38]), "tf32")
+    assert q[:2].tolist() == [1.0, 1 + 2.0**-9]  # ties to even at fp16's spacing 2**-10
+    assert np.isfinite(q[2]) and q[3] > 0 and formats.quantize(np.array([1e5]), "fp16")[0] == np.inf  # fp32's range

@@ -7,13 +7,38 @@ from ampcourse import device
 from ampcourse.device import parse_precision, pick
 
 
-def test_cpu_defaults_to_bf16_without_scaler():
+@pytest.mark.parametrize("flags", [{"avx2", "amx_bf16", "amx_tile"}, {"avx2", "avx512f", "avx512_bf16"}])
+def test_a_cpu_with_bf16_units_defaults_to_bf16_without_scaler(monkeypatch, flags):
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
     amp = pick("cpu")
     assert amp.device == torch.device("cpu")
-    assert (amp.precision, amp.amp_dtype, amp.use_scaler, amp.enabled) == ("bf16", torch.bfloat16, False, True)
+    assert (amp.precision, amp.amp_dtype, amp.use_scaler, amp.enabled, amp.native) == ("bf16", torch.bfloat16, False, True, True)
+    assert amp.summary().endswith("expect AMP to be faster here")
 
 
-def test_auto_picks_cpu_when_no_gpu(monkeypatch):
+@pytest.mark.parametrize("flags,seen", [({"avx", "avx2", "fma"}, "flags: avx2, avx"), (set(), "no CPU flags readable here")])
+def test_a_cpu_without_bf16_units_defaults_to_fp32_and_says_why(monkeypatch, flags, seen):
+    """Issue 20 erratum 8: on an AVX2-only CPU emulated bf16 is 10-200x slower than fp32: fp32 is the honest default."""
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+    amp = pick("cpu")
+    assert (amp.precision, amp.enabled, amp.use_scaler) == ("fp32", False, False)
+    assert amp.summary() == (f"cpu ({device.platform.machine() or 'unknown'}), fp32 (autocast off, no GradScaler): this "
+                             f"CPU has no AMX or AVX512-BF16 units ({seen}), so bf16 matmuls would be emulated, 10-200x "
+                             "slower than fp32; pick(precision='bf16') runs autocast anyway")
+    asked = pick("cpu", "bf16")  # an explicit request still runs, marked slow
+    assert asked.precision == "bf16" and not asked.native and asked.summary().endswith("expect AMP to be slower here")
+    assert "AMX" not in pick("cpu", "fp32").summary()  # an explicit fp32 needs no excuse
+
+
+def test_amp_asks_for_the_devices_autocast_dtype_fast_or_not(monkeypatch):
+    """What a chapter needs to show autocast on any CPU; on GPUs the same as the default."""
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert pick("cpu", "amp").precision == "bf16" and pick("cpu", " AMP ").precision == "bf16"
+    _fake_gpu(monkeypatch, (7, 5), "Tesla T4")
+    assert pick("cuda", "amp").precision == "fp16" == pick("cuda").precision
+
+
+def test_auto_picks_cpu_when_no_gpu(monkeypatch):  # noqa: D103
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert pick().device.type == "cpu"

@@ -28,10 +28,14 @@ def test_dry_run_without_cuda_says_what_it_skips_and_exits_0(tmp_path):
     assert "dry run: no CUDA device" in run.stdout and "Skipping the GPU parts" in run.stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["status"] == "dry-run" and not report["machine"]["cuda_available"]
-    assert [s["name"] for s in report["steps"]] == ["notebooks", "gpu tests"]
-    nb_cmd, gpu_cmd = (s["command"] for s in report["steps"])
-    assert "--nbval-lax" in nb_cmd and all(str(p.relative_to(ROOT)) in nb_cmd for p in (ROOT / "chapters").glob("*.ipynb"))
-    assert "-m gpu tests/gpu" in gpu_cmd
+    names = [s["name"] for s in report["steps"]]
+    assert names == ["smoke", "gpu tests", "notebooks (riskiest: 04, 07, 09, 01)", "notebooks (the rest)", "benchmarks"]
+    commands = {s["name"]: s["command"] for s in report["steps"]}
+    assert "-m gpu tests/gpu" in commands["gpu tests"] and "--smoke" in commands["smoke"]
+    nb_cmds = commands[names[2]] + commands[names[3]]
+    assert "--nbval-lax" in nb_cmds and all(str(p.relative_to(ROOT)) in nb_cmds for p in (ROOT / "chapters").glob("*.ipynb"))
+    assert "ampcourse.bench --device cuda" in commands["benchmarks"]
+    assert str(tmp_path) not in json.dumps(report), "the report names no machine path"
     assert "Dry run" in (tmp_path / "report.md").read_text()
 
 
@@ -57,26 +61,27 @@ def test_a_step_reports_each_test_from_junit(tmp_path):
         "def test_ok(): pass\n"
         "def test_bad(): assert 1 == 2, 'one is not two'\n"
         "def test_later(): pytest.skip('not here')\n")
-    step = gpu_test.Step("sample", gpu_test.pytest_argv(str(tmp_path / "test_sample.py"), junit=tmp_path / "s.xml"),
-                         tmp_path / "s.xml")
-    result = gpu_test.run_step(step, timeout=120, workdir=tmp_path)
+    step = gpu_test.Step("gpu tests", gpu_test.pytest_argv(str(tmp_path / "test_sample.py"), junit=tmp_path / "s.xml"),
+                         120, "s.xml")
+    result = gpu_test.run_step(step, 120, tmp_path)
     assert result.returncode == 1 and result.counts == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
     assert not result.ok and "--junitxml=s.xml" in result.command and result.command.startswith("python -m pytest")
+    assert "one is not two" in (tmp_path / "gpu-tests.log").read_text()  # the output is evidence too
     bad = next(t for t in result.tests if t["name"].endswith("test_bad"))
     assert "one is not two" in bad["message"]
 
 
 def test_markdown_report_of_a_gpu_run():
-    step = gpu_test.StepResult("gpu tests", "python -m pytest -m gpu tests/gpu", 0, 12.5,
+    step = gpu_test.StepResult("gpu tests", "python -m pytest -m gpu tests/gpu", 0, 12.5, 170,
                                [{"name": "tests.gpu.test_bench::test_bench_matmul", "outcome": "passed", "seconds": 3.0, "message": ""}])
     report = {"status": "passed", "command": "python tools/gpu_test.py", "commit": "abc", "started": "now",
               "machine": {"cuda_available": True, "device": "NVIDIA H200", "capability": "sm_90", "memory_gib": 139.8,
                           "gpus": 1, "torch": "2.11.0", "cuda": "12.8", "python": "3.11.9"},
-              "budget_seconds": 480, "seconds": 12.5, "steps": [{**vars(step), "counts": step.counts, "ok": step.ok}],
+              "budget_seconds": 480, "seconds": 12.5, "steps": [step.to_json()],
               "bench": {"matmul_4096": {"what": "4096 matmul", "seconds_fp32": 0.006, "seconds_fp16": 0.002, "speedup_fp16": 3.0}}}
     md = gpu_test.markdown(report)
     assert "# GPU check: passed" in md and "NVIDIA H200 (sm_90" in md
-    assert "| gpu tests | ok | 1 | 0 | 0 | 0 | 12.5 |" in md
+    assert "| gpu tests | ok | 1 | 0 | 0 | 0 | 12.5 | 170 |" in md
     assert "| 4096 matmul | 6 | 2 | 3.00x |" in md  # only fp16 measured: one low-precision column
 
 
@@ -228,13 +233,225 @@ def test_gpu_test_puts_the_repository_on_every_steps_path(tmp_path, monkeypatch)
     probe.write_text("import os\ndef test_path():\n    assert os.environ['PYTHONPATH'].split(os.pathsep)[0] == "
                      f"{str(ROOT)!r}\n")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    step = gpu_test.Step("probe", gpu_test.pytest_argv(str(probe), junit=tmp_path / "p.xml"), tmp_path / "p.xml")
-    result = gpu_test.run_step(step, timeout=120, workdir=tmp_path)
+    step = gpu_test.Step("gpu tests", gpu_test.pytest_argv(str(probe), junit=tmp_path / "p.xml"), 120, "p.xml")
+    result = gpu_test.run_step(step, 120, tmp_path)
     assert result.ok, result.tests
 
 
 def test_the_report_names_no_machine_path_for_the_out_folder():
     assert gpu_test.shown_args(["--require-cuda", "--out", "/tmp/xyz/out"]) == ["--require-cuda", "--out", "<dir>"]
     assert gpu_test.shown_args(["--out=/tmp/out"]) == ["--out=<dir>"]
+    assert gpu_test.shown_args(["--archive", "/x/OUT/e.tar.gz"]) == ["--archive", "<dir>"]
     inside = str(ROOT / "benchmarks" / "gpu")
     assert gpu_test.shown_args(["--out", inside]) == ["--out", inside] and gpu_test.shown_args(["--out", "rel"]) == ["--out", "rel"]
+
+
+# --- the run itself, end to end, with stub steps (issue 19, part 2, items 2, 3 and 7) -------------------------
+
+STUB_JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.gpu.test_x" name="test_fast" time="0.5"/>
+<testcase classname="tests.gpu.test_x" name="test_bf16_peak" time="0.0">
+<skipped message="no bf16 tensor cores on this GPU (compute capability &lt; 8.0)"/></testcase>
+</testsuite></testsuites>"""
+
+
+def _stub_plan(tmp_path: Path) -> Path:
+    """Three stub steps: a smoke that writes smoke.json, a 'pytest' step (JUnit with a capability skip),
+    and one that starts a worker in a session of its own (as torchrun does) and then hangs past its budget."""
+    py = sys.executable
+    smoke = ("import json, sys; json.dump({'machine': {'python': '3.12', 'torch': '2.11.0', 'cuda': '12.8', "
+             "'cuda_available': True, 'gpus': 1, 'device': 'NVIDIA H200', 'capability': 'sm_90', 'memory_gib': 139.8}, "
+             "'fp8_cast_cpu': {'float8_e4m3fn': [448.0]}}, open(sys.argv[1], 'w'))")
+    tests = ("import json, os, sys; open(sys.argv[1], 'w').write(os.environ['STUB_JUNIT']); "
+             "json.dump({'host_syncs_per_step': {'fp16_fused': 1.0}}, open(sys.argv[2], 'w'))")
+    hang = ("import subprocess, sys, time; "
+            "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+            "open(sys.argv[1], 'w').write(str(w.pid)); print('worker started', flush=True); time.sleep(120)")
+    steps = [
+        {"name": "smoke", "argv": [py, "-c", smoke, str(tmp_path / "out" / "smoke.json")], "budget_s": 30},
+        {"name": "gpu tests", "argv": [py, "-c", tests, str(tmp_path / "out" / "gpu-tests.xml"),
+                                       str(tmp_path / "out" / "bench-tests.json")],
+         "budget_s": 30, "junit": "gpu-tests.xml", "env": {"STUB_JUNIT": STUB_JUNIT}},
+        {"name": "benchmarks", "argv": [py, "-c", hang, str(tmp_path / "worker.pid")], "budget_s": 60},
+        {"name": "never reached", "argv": [py, "-c", "pass"], "budget_s": 1},  # the whole run's budget is spent
+    ]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(steps))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a running (not zombie) process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_run_needs_only_the_standard_library_and_kills_a_step_at_its_budget(tmp_path):
+    """`python -I -S`: no site-packages, no PYTHONPATH, no repository on the path (the GPU image's situation,
+    where importing ampcourse in the parent lost the whole report). The steps still run and the report is built."""
+    plan = _stub_plan(tmp_path)
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "tools/gpu_test.py"), "--plan", str(plan),
+                          "--out", str(out), "--budget", "12"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr  # a step was cut at its budget: failed, but reported
+    assert "Traceback" not in run.stderr, run.stderr
+    report = json.loads((out / "report.json").read_text())
+    steps = {s["name"]: s for s in report["steps"]}
+    assert list(steps) == ["smoke", "gpu tests", "benchmarks"]
+    assert steps["smoke"]["ok"] and steps["gpu tests"]["ok"], "a capability skip is listed, not a failure"
+    assert steps["benchmarks"]["returncode"] is None and not steps["benchmarks"]["ok"]
+    cut = steps["benchmarks"]
+    assert cut["budget_s"] < 12 and cut["budget_s"] - 0.5 <= cut["seconds"] < 30, "its budget: what the run had left"
+    assert report["machine"]["device"] == "NVIDIA H200" and report["status"] == "failed"
+    worker = int((tmp_path / "worker.pid").read_text())
+    assert not _alive(worker), "a worker in its own session (torchrun's) must die with its step"
+    assert f"stopped at its {cut['budget_s']:.0f} s budget" in (out / "benchmarks.log").read_text()
+    md = (out / "report.md").read_text()
+    assert "| benchmarks | stopped at its budget |" in md
+    assert "## Skipped (listed, not failures)" in md and "(hardware capability)" in md
+    assert "| host syncs per fp16 train_step with fused AdamW | 1 | 1 | yes |" in md
+    saved = json.loads((out / "steps.json").read_text())
+    assert saved["planned"][-1] == "never reached" and [s["name"] for s in saved["steps"]] == list(steps)
+    assert report["not_run"] == ["never reached"]
+
+
+def test_the_report_is_rebuilt_from_the_evidence_on_a_cpu(tmp_path):
+    """`--report-from DIR --out D`: the evidence of a device run (its $OUT) becomes D's report, stdlib only."""
+    plan = _stub_plan(tmp_path)
+    first = tmp_path / "out"
+    subprocess.run([sys.executable, "-I", "-S", str(ROOT / "tools/gpu_test.py"), "--plan", str(plan), "--out",
+                    str(first), "--budget", "12"], capture_output=True, text=True, timeout=120)
+    (first / "report.json").unlink()
+    (first / "report.md").unlink()
+    dest = tmp_path / "committed"
+    run = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "tools/gpu_test.py"), "--report-from", str(first),
+                          "--out", str(dest)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "gpu-test: failed" in run.stdout, run.stderr
+    report = json.loads((dest / "report.json").read_text())
+    assert [s["name"] for s in report["steps"]] == ["smoke", "gpu tests", "benchmarks"]
+    assert report["not_run"] == ["never reached"] and "Not run (the run ended before them): never reached" in (
+        dest / "report.md").read_text()
+    assert (dest / "gpu-tests.xml").exists() and (dest / "smoke.json").exists()  # the evidence travels with it
+    empty = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "tools/gpu_test.py"), "--report-from",
+                            str(tmp_path / "nothing")], capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and "holds no steps.json" in empty.stderr
+
+
+def test_the_plan_runs_the_most_evidence_first_within_eight_minutes(tmp_path):
+    steps = gpu_test.plan(tmp_path)
+    assert [s.name.split(" (")[0] for s in steps] == ["smoke", "gpu tests", "notebooks", "notebooks", "benchmarks"]
+    assert steps[0].budget_s <= 45 and gpu_test.BUDGET_S <= 8 * 60
+    assert sum(s.budget_s for s in steps[:-1]) < gpu_test.BUDGET_S, "the benchmarks get the time left"
+    risky = [a for a in steps[2].argv if a.endswith(".ipynb")]
+    assert [Path(a).name[:2] for a in risky] == ["04", "07", "09", "01"]
+    rest = [a for a in steps[3].argv if a.endswith(".ipynb")]
+    assert not set(risky) & set(rest) and len(risky) + len(rest) == len(gpu_test.notebooks())
+    for nb_step in steps[2:4]:
+        assert nb_step.env == {"AMPCOURSE_CHECKERS_RAISE": "1"} and "--nbval-lax" in nb_step.argv
+    assert steps[1].env["AMPCOURSE_GPU_OUT"] == str(tmp_path)  # tests/gpu write their evidence into $OUT
+
+
+def test_a_step_passes_with_capability_skips_and_fails_when_nothing_ran():
+    skip = {"name": "t::test_bf16_peak", "outcome": "skipped", "seconds": 0,
+            "message": "no bf16 tensor cores on this GPU (compute capability < 8.0)"}
+    good = {"name": "t::test_fp16", "outcome": "passed", "seconds": 1, "message": ""}
+    t4 = gpu_test.StepResult("gpu tests", "pytest", 0, 10.0, 170, [good, skip])
+    assert t4.ok and t4.skips == [{**skip, "capability": True}]
+    assert not gpu_test.StepResult("gpu tests", "pytest", 0, 1.0, 170, [skip]).ok  # nothing passed
+    assert not gpu_test.StepResult("gpu tests", "pytest", 5, 1.0, 170, []).ok  # pytest collected nothing
+    assert not gpu_test.StepResult("gpu tests", "pytest", None, 170.0, 170, [good]).ok  # cut at its budget
+    assert gpu_test.StepResult("smoke", "python", 0, 3.0, 30, []).ok  # not a pytest step: its exit code decides
+
+
+def test_the_goals_come_from_ampcourse_bench_without_importing_it():
+    from ampcourse import bench
+
+    targets = gpu_test.bench_targets()
+    assert targets == {"BF16_PEAK_TARGET": bench.BF16_PEAK_TARGET, "GPU_STEP_SPEEDUP_TARGET": bench.GPU_STEP_SPEEDUP_TARGET,
+                       "TRAINER_OVERHEAD_TARGET": bench.TRAINER_OVERHEAD_TARGET}
+
+
+def test_the_gpu_job_keeps_its_venv_outside_the_cleaned_checkout():
+    """Issue 19 item 15: actions/checkout runs `git clean -ffdx`, deleting an ignored .venv in the workspace, so CUDA
+    torch was downloaded again on every job. The venv lives beside the workspace and make is told where."""
+    job = yaml.safe_load((ROOT / ".github/workflows/gpu.yml").read_text())["jobs"]["gpu-test"]
+    venv = job["env"]["VENV"]
+    assert venv.startswith("${{ github.workspace }}/../"), venv
+    checkout = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/checkout"))
+    assert checkout.get("with", {}).get("clean", True), "the checkout stays clean; the venv is what moved"
+    run = next(s["run"] for s in job["steps"] if s.get("run", "").startswith("make gpu-test"))
+    assert 'VENV="$VENV"' in run
+    out = _make_n("gpu-test", "VENV=/somewhere/else")
+    assert out.returncode == 0 and "/somewhere/else/bin/python tools/gpu_test.py" in out.stdout, out.stdout
+
+
+def _wheels(tmp_path: Path, torch_minor: str | None) -> tuple[subprocess.CompletedProcess, str]:
+    """tools/gpu_wheels.sh with a stub `python3` that records its pip arguments instead of downloading."""
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "python3").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/pip-args\n')
+    (stub / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "GPU_WHEELS_TORCH"}
+    env["PATH"] = f"{stub}{os.pathsep}{env['PATH']}"
+    if torch_minor:
+        env["GPU_WHEELS_TORCH"] = torch_minor
+    run = subprocess.run(["bash", str(ROOT / "tools/gpu_wheels.sh"), str(tmp_path / "whl")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    args = (tmp_path / "pip-args").read_text() if (tmp_path / "pip-args").exists() else ""
+    return run, args
+
+
+def test_the_wheels_bring_the_torchao_built_for_the_images_torch(tmp_path):
+    """Issue 19 item 6: torchao 0.18.0 (the lock's) for the torch 2.11 image; the pin follows the image's torch."""
+    run, args = _wheels(tmp_path, None)
+    assert run.returncode == 0, run.stderr
+    assert "torchao==0.17.0" in args.split() and "torch 2.11 image -> torchao 0.17.0" in run.stdout
+    lock = dict(line.split("==") for line in (ROOT / "requirements.lock").read_text().splitlines() if "==" in line)
+    assert f"nbval=={lock['nbval']}" in args.split() and "--python-version 3.12" in args
+    run, args = _wheels(tmp_path, "2.13")
+    assert run.returncode == 0 and f"torchao=={lock['torchao']}" in args.split()
+    run, _ = _wheels(tmp_path, "2.9")
+    assert run.returncode == 2 and "no torchao pin for torch 2.9" in run.stderr
+
+
+def test_a_device_run_brings_back_one_archive_and_the_report(tmp_path):
+    """A device session returns at most 8 files from $OUT: the evidence travels as one .tar.gz (refreshed after every
+    step, so a cut run still has the steps before the cut) with report.json/md beside it; a CPU rebuilds from it."""
+    import tarfile
+
+    plan = _stub_plan(tmp_path)
+    archive = tmp_path / "OUT" / "gpu-evidence.tar.gz"
+    subprocess.run([sys.executable, "-I", "-S", str(ROOT / "tools/gpu_test.py"), "--plan", str(plan), "--out",
+                    str(tmp_path / "out"), "--budget", "12", "--archive", str(archive)],
+                   capture_output=True, text=True, timeout=120)
+    assert sorted(p.name for p in archive.parent.iterdir()) == ["gpu-evidence.tar.gz", "report.json", "report.md"]
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"steps.json", "smoke.json", "gpu-tests.xml", "bench-tests.json", "benchmarks.log"} <= names
+    dest = tmp_path / "committed"
+    run = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "tools/gpu_test.py"), "--report-from", str(archive),
+                          "--out", str(dest)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and (dest / "report.md").read_text() == (archive.parent / "report.md").read_text()
+    assert (dest / "steps.json").exists()
+
+
+def test_make_gpu_test_installs_carried_wheels_first():
+    out = _make_n("gpu-test", "GPU_PYTHON=python3", "GPU_WHEELS=.whl", "GPU_TEST_ARGS=--require-cuda")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ('python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target '
+                                  '"/tmp/ampcourse-gpu-site" ".whl"/*.whl && PYTHONPATH="/tmp/ampcourse-gpu-site'
+                                  '${PYTHONPATH:+:$PYTHONPATH}" python3 tools/gpu_test.py --require-cuda'), out.stdout
+
+
+def test_the_smoke_step_records_each_probe_on_a_cpu_too(tmp_path):
+    """Without CUDA the smoke step exits 1 (the run becomes a dry run before it) but still says what it found."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, str(ROOT / "tools/gpu_test.py"), "--smoke", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert run.returncode == 1, run.stderr
+    found = json.loads((tmp_path / "s.json").read_text())
+    assert found["machine"]["cuda_available"] is False and found["imports"]["nbval"]["version"]
+    cast = found["fp8_cast_cpu"]
+    assert cast["inputs"] == [300.0, 500.0, 1e5, float("inf")] and len(cast["float8_e4m3fn"]) == 4

@@ -1,38 +1,67 @@
-"""`make gpu-test`: on a CUDA machine, every notebook through nbval (lax) and the GPU-only tests, with a report.
+"""`make gpu-test`: on a CUDA machine, collect the GPU evidence step by step, then build the report from it.
 
-    python tools/gpu_test.py                    # needs CUDA; report -> benchmarks/gpu/report.{json,md}
-    python tools/gpu_test.py --dry-run          # list what would run, run nothing
-    python tools/gpu_test.py --require-cuda     # the GPU CI job: no CUDA is a failure, not a dry run
+    python tools/gpu_test.py                        # needs CUDA; evidence + report -> benchmarks/gpu/
+    python tools/gpu_test.py --out DIR              # evidence + report -> DIR
+    python tools/gpu_test.py --dry-run              # list what would run, run nothing
+    python tools/gpu_test.py --require-cuda         # the GPU CI job: no CUDA is a failure, not a dry run
+    python tools/gpu_test.py --report-from DIR      # on any machine (a CPU is enough): rebuild DIR's report
+    python tools/gpu_test.py --report-from DIR --out benchmarks/gpu   # ... and write it (and the evidence) there
 
-On a GPU machine without network whose Python has torch but no Jupyter stack (e.g. a CUDA container image),
-bring the wheels from tools/gpu_wheels.sh and run with that Python instead of building .venv:
+On a GPU machine without network whose Python has torch but no Jupyter stack (the course's GPU image:
+Python 3.12, torch 2.11), bring the wheels from tools/gpu_wheels.sh and run with that Python. The one
+prepared command (under 8 minutes; each step writes its evidence into $OUT as soon as it ends, so a run
+cut short still leaves the steps before the cut):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS=--require-cuda
+    make gpu-test GPU_PYTHON=python3 GPU_WHEELS=.whl \
+        GPU_TEST_ARGS="--require-cuda --out /tmp/gpu-evidence --archive $OUT/gpu-evidence.tar.gz"
 
-Steps, each a pytest run with a JUnit XML file the report is built from:
-  1. notebooks: every chapters/*.ipynb through nbval in lax mode (on a GPU the numbers differ from the
-     CPU outputs stored in the notebooks, so cells must run without error, outputs are not compared);
-  2. gpu tests: tests/gpu (marker `gpu`): CUDA autocast + GradScaler, and the benchmarks, whose figures go
-     into the report with the GPU goals of benchmarks/README.md: the transformer (size="large") train step,
-     fp32 (TF32 off) vs bf16 vs fp16 AMP (speedup, goal >= 3x; interleaved); bf16 and fp16 n=4096 matmuls
-     as a fraction of a peak measured separately (the best of n = 8192..16384 in the same run; goal >= 85%);
-     ampcourse.train vs a bare loop (goal <= 3%); host syncs per fp16 step with fused AdamW (goal 1); and
-     `--strategy ddp` / `fsdp` under torchrun with one process on NCCL.
-The whole run has a budget of 8 minutes on one GPU; a step still running then is stopped and fails.
+(GPU_WHEELS: `pip install --target` of those wheels first, put on PYTHONPATH; the device session carries
+`.whl` along and brings back only a few files from $OUT, hence one archive, refreshed after every step, with
+report.json and report.md beside it.) Afterwards, on a CPU, with that archive fetched:
+
+    python tools/gpu_test.py --report-from gpu-evidence.tar.gz --out benchmarks/gpu   # evidence + report
+
+Steps, in this order (most evidence first), each in a process group of its own with its own budget; a
+step over its budget is killed with every process it started (notebook kernels, torchrun workers in
+their own sessions included) and the next step runs:
+
+  1. smoke (45 s; about 10 s on an idle machine): versions, GPU and compute capability, TF32 defaults, what an fp32 -> fp8 cast does on
+     CPU and GPU, fused vs foreach AdamW (the same steps: equal?), imports of nbval and torchao
+     -> smoke.json;
+  2. gpu tests (190 s): tests/gpu (marker `gpu`): speedup, matmul fraction of peak, trainer overhead,
+     host syncs per step, DDP/FSDP2 under torchrun on NCCL, CUDA autocast and GradScaler, the doctor on
+     CUDA -> gpu-tests.xml (JUnit), bench-tests.json (figures), doctor_*.json/txt;
+  3. notebooks, riskiest first (110 s): chapters 4, 7, 9, 1 through nbval in lax mode (numbers differ
+     from the stored CPU outputs, so cells must run without error; outputs are not compared), with
+     AMPCOURSE_CHECKERS_RAISE=1 so an exercise checker that rejects the chapter's own solution fails
+     the cell instead of printing its verdict -> notebooks-risky.xml;
+  4. notebooks, the rest (90 s) -> notebooks-rest.xml;
+  5. benchmarks (the rest of the 8 minutes): `python -m ampcourse.bench --device cuda --quick` (on CUDA the
+     large transformer, a few repeats) -> bench/bench.json. The full run (`python -m ampcourse.bench --device
+     cuda --out DIR`, all three models at size="large") needs a few minutes of its own.
+Every step's command, exit code, time, budget and whether it was cut go to steps.json (rewritten after
+each step) and its output to <step>.log. report.json and report.md are built from those files only, by
+this file's stdlib-only code (the parent process imports neither torch nor ampcourse: the image's
+Python may not have the repository on its path). A step passes when it exited 0 within its budget and
+something ran; skipped tests (e.g. bf16 on a GPU below compute capability 8.0) are listed, not failures.
 Without CUDA this is a dry run: it says what it skips and why, and exits 0 (`make test` checks that).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import json
 import os
 import platform
+import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -41,29 +70,45 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "gpu"
-BUDGET_S = 8 * 60
-CELL_TIMEOUT_S = 300
+#: The whole run, all steps together (the device sessions that run it have 8 minutes per command).
+BUDGET_S = 8 * 60 - 20
+CELL_TIMEOUT_S = 120
+#: The chapters most likely to break on a GPU, run first: 4 (bit-identical loops, fused optimizers),
+#: 7 (NCCL, ranks), 9 (fp8 on real hardware), 1 (fp8 cast behaviour, the environment check).
+RISKY_CHAPTERS = ("04", "07", "09", "01")
+#: What an exercise checker reads to raise instead of printing its verdict in a kernel (ampcourse.exercises._core).
+CHECKERS_RAISE_ENV = "AMPCOURSE_CHECKERS_RAISE"
+#: Skips that say the hardware lacks a feature: listed in the report, never a failure.
+CAPABILITY_SKIP = re.compile(r"compute capability|sm_\d\d|tensor cores|needs (an? )?(Ampere|Hopper|Ada|GPUs?)", re.I)
 
 
 @dataclass
 class Step:
-    """One pytest run of the GPU check."""
+    """One process of the GPU check: its command, its own time budget, and the evidence it writes."""
 
     name: str
     argv: list[str]
-    junit: Path
+    budget_s: float
+    junit: str | None = None  # file name in the evidence folder (pytest steps)
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def log(self) -> str:
+        """The file its stdout and stderr go to, in the evidence folder."""
+        return re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-") + ".log"
 
 
 @dataclass
 class StepResult:
-    """What one step did: exit code, time, and each test's outcome."""
+    """What one step did: exit code, time, whether it was cut at its budget, and each test's outcome."""
 
     name: str
     command: str
-    returncode: int | None  # None: stopped at the budget
+    returncode: int | None  # None: stopped at its budget
     seconds: float
+    budget_s: float
     tests: list[dict]
+    log: str = ""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -74,32 +119,63 @@ class StepResult:
         return out
 
     @property
+    def skips(self) -> list[dict]:
+        """Skipped tests, each marked whether the hardware's capability was the reason."""
+        return [{**t, "capability": bool(CAPABILITY_SKIP.search(t["message"]))} for t in self.tests
+                if t["outcome"] == "skipped"]
+
+    @property
     def ok(self) -> bool:
-        """Finished in time, exit code 0, something ran, nothing failed or skipped."""
+        """Finished in time with exit code 0, and for a pytest step something ran and nothing failed.
+
+        Skips do not fail a step (a T4 has no bf16 tensor cores to time); the report lists each with its reason.
+        """
+        if self.returncode != 0:
+            return False
+        if not self.tests:
+            return not self.name.startswith(("gpu tests", "notebooks"))  # a pytest step that ran nothing failed
         c = self.counts
-        return self.returncode == 0 and c["passed"] > 0 and c["failed"] == c["error"] == c["skipped"] == 0
+        return c["passed"] > 0 and c["failed"] == c["error"] == 0
+
+    def to_json(self) -> dict:
+        """The step as steps.json and report.json store it."""
+        return {**asdict(self), "counts": self.counts, "ok": self.ok, "skips": self.skips}
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepResult:
+        """Back from steps.json."""
+        return cls(d["name"], d["command"], d["returncode"], d["seconds"], d["budget_s"], d.get("tests", []),
+                   d.get("log", ""))
 
 
-def pytest_argv(*args: str, junit: Path) -> list[str]:
+def pytest_argv(*args: str, junit: Path | str, python: str | None = None) -> list[str]:
     """pytest with the project's addopts replaced (they select nbval strict mode and `not gpu`)."""
-    return [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rA",
+    return [python or sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rA",
             f"--junitxml={junit}", *args]
 
 
-def shown(argv: list[str], workdir: Path) -> str:
-    """A step's command as the report shows it: `python`, not this machine's interpreter path or temp folder."""
-    return shlex.join("python" if a == sys.executable else a.replace(f"{workdir}{os.sep}", "") for a in argv)
+def shown(argv: list[str], workdir: Path | None = None) -> str:
+    """A step's command as the report shows it: `python`, not this machine's interpreter or evidence folder."""
+    out = []
+    for a in argv:
+        if a == sys.executable:
+            a = "python"
+        elif workdir is not None:
+            a = a.replace(f"{workdir}{os.sep}", "").replace(str(workdir), "<out>")
+        out.append(a.replace(f"{ROOT}{os.sep}", ""))
+    return shlex.join(out)
 
 
 def shown_args(args: list[str]) -> list[str]:
-    """The command-line arguments as the report shows them: an --out folder outside the repository as <dir>."""
-    out, after_out = [], False
+    """The command-line arguments as the report shows them: a folder outside the repository as <dir>."""
+    out, after_dir = [], False
     for a in args:
-        value = a.split("=", 1)[1] if a.startswith("--out=") else (a if after_out else None)
+        flag = next((f for f in ("--out=", "--report-from=", "--archive=") if a.startswith(f)), None)
+        value = a.split("=", 1)[1] if flag else (a if after_dir else None)
         if value is not None and Path(value).is_absolute() and ROOT not in Path(value).resolve().parents:
-            a = "--out=<dir>" if a.startswith("--out=") else "<dir>"
+            a = f"{flag}<dir>" if flag else "<dir>"
         out.append(a)
-        after_out = a == "--out"
+        after_dir = a in ("--out", "--report-from", "--archive")
     return out
 
 
@@ -108,13 +184,31 @@ def notebooks() -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "chapters").glob("*.ipynb"))
 
 
-def plan(workdir: Path, bench_json: Path) -> list[Step]:
-    """The steps of a GPU check, writing their JUnit XML into workdir."""
+def risky_notebooks() -> list[str]:
+    """The chapters in RISKY_CHAPTERS order (those that exist)."""
+    by_number = {Path(nb).name[:2]: nb for nb in notebooks()}
+    return [by_number[n] for n in RISKY_CHAPTERS if n in by_number]
+
+
+def plan(out: Path, python: str | None = None) -> list[Step]:
+    """The steps of a GPU check, writing their evidence into out."""
+    py = python or sys.executable
+    nbval = ("--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT_S}")
+    risky = risky_notebooks()
+    rest = [nb for nb in notebooks() if nb not in risky]
+    raising = {CHECKERS_RAISE_ENV: "1"}
     return [
-        Step("notebooks", pytest_argv("--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT_S}",
-                                      *notebooks(), junit=workdir / "notebooks.xml"), workdir / "notebooks.xml"),
-        Step("gpu tests", pytest_argv("-m", "gpu", "tests/gpu", junit=workdir / "gpu.xml"), workdir / "gpu.xml",
-             env={"AMPCOURSE_BENCH_JSON": str(bench_json)}),
+        Step("smoke", [py, str(ROOT / "tools" / "gpu_test.py"), "--smoke", str(out / "smoke.json")], 45),
+        Step("gpu tests", pytest_argv("-m", "gpu", "tests/gpu", junit=out / "gpu-tests.xml", python=py), 190,
+             "gpu-tests.xml", {"AMPCOURSE_BENCH_JSON": str(out / "bench-tests.json"), "AMPCOURSE_GPU_OUT": str(out)}),
+        Step("notebooks (riskiest: " + ", ".join(Path(nb).name[:2] for nb in risky) + ")",
+             pytest_argv(*nbval, *risky, junit=out / "notebooks-risky.xml", python=py), 110, "notebooks-risky.xml",
+             raising),
+        Step("notebooks (the rest)", pytest_argv(*nbval, *rest, junit=out / "notebooks-rest.xml", python=py), 90,
+             "notebooks-rest.xml", raising),
+        # --quick: on CUDA the large transformer, few repeats: it fits the time left (tests/gpu measured the goals)
+        Step("benchmarks", [py, "-m", "ampcourse.bench", "--device", "cuda", "--quick", "--out", str(out / "bench")],
+             BUDGET_S),
     ]
 
 
@@ -122,8 +216,12 @@ def parse_junit(path: Path) -> list[dict]:
     """Each test case in a JUnit XML file: name, outcome, seconds, message."""
     if not path.exists():
         return []
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:  # a step killed while pytest wrote it
+        return []
     tests = []
-    for case in ET.parse(path).getroot().iter("testcase"):
+    for case in root.iter("testcase"):
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
@@ -137,32 +235,108 @@ def parse_junit(path: Path) -> list[dict]:
     return tests
 
 
-def run_step(step: Step, timeout: float, workdir: Path) -> StepResult:
-    """Run one step (cwd: the repository) within timeout seconds; its output streams through."""
-    start = time.monotonic()
+def descendants(pid: int) -> list[int]:
+    """PIDs of every descendant of pid, from /proc (Linux); empty where /proc does not exist.
+
+    torchrun starts each worker in a session of its own, so killing a step's process group alone would
+    leave them (and the GPU memory they hold) behind.
+    """
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # it ended while we looked
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Stop a step: its process group and every descendant (SIGTERM, then SIGKILL after 5 s)."""
+    family = descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, group in [(proc.pid, True)] + [(p, False) for p in family]:
+            try:
+                os.killpg(pid, sig) if group else os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        family += [p for p in descendants(proc.pid) if p not in family]
+        if sig == signal.SIGTERM and proc.poll() is not None and not any(Path(f"/proc/{p}").exists() for p in family):
+            return
+
+
+def step_env(step: Step) -> dict[str, str]:
+    """The environment of a step: ours, the step's own variables, and the repository first on PYTHONPATH."""
     env = dict(os.environ, **step.env)
-    # The repository on the path of every process a step starts (notebook kernels run in chapters/, torchrun
-    # workers anywhere): ampcourse imports without an install, e.g. with `make gpu-test GPU_PYTHON=python3`.
+    # Notebook kernels run in chapters/ and torchrun workers anywhere: ampcourse must import without an
+    # install, e.g. under `make gpu-test GPU_PYTHON=python3` with the wheels on PYTHONPATH.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    try:
-        rc: int | None = subprocess.run(step.argv, cwd=ROOT, env=env, timeout=max(timeout, 1)).returncode
-    except subprocess.TimeoutExpired:
-        rc = None
-        print(f"\n{step.name}: stopped at the {BUDGET_S // 60}-minute budget", flush=True)
-    return StepResult(step.name, shown(step.argv, workdir), rc, round(time.monotonic() - start, 1), parse_junit(step.junit))
+    return env
 
 
-def cuda_info() -> dict:
-    """torch's view of the machine: versions, and the GPU if CUDA works."""
+def run_step(step: Step, budget_s: float, out: Path) -> StepResult:
+    """Run one step (cwd: the repository) in a process group of its own; kill the group past budget_s."""
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    rc: int | None
+    with open(out / step.log, "w") as log:
+        proc = subprocess.Popen(step.argv, cwd=ROOT, env=step_env(step), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(budget_s, 1))
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            rc = None
+        except BaseException:  # Ctrl-C: no kernel or worker left on the GPU
+            kill_tree(proc)
+            raise
+        else:
+            try:  # what it started and left behind in its group (a kernel, a server) goes with it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    seconds = round(time.monotonic() - start, 1)
+    if rc is None:
+        with open(out / step.log, "a") as log:
+            log.write(f"\ngpu-test: {step.name} stopped at its {budget_s:.0f} s budget; its processes were killed\n")
+    tests = parse_junit(out / step.junit) if step.junit else []
+    return StepResult(step.name, shown(step.argv, out), rc, seconds, round(budget_s, 1), tests, step.log)
+
+
+def machine_info() -> dict:
+    """Versions, and the GPU if CUDA works: what this process's torch sees (the --probe and smoke steps)."""
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "cuda_available": torch.cuda.is_available(), "gpus": 0}
     if info["cuda_available"]:
-        major, minor = torch.cuda.get_device_capability(0)
-        info.update(gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0), capability=f"sm_{major}{minor}",
-                    memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpus=torch.cuda.device_count(), device=props.name, capability=f"sm_{props.major}{props.minor}",
+                    memory_gib=round(props.total_memory / 2**30, 1))
     return info
+
+
+def cuda_info(python: str | None = None) -> dict:
+    """machine_info() of the step's Python, asked in a child process (this one imports no torch)."""
+    argv = [python or sys.executable, str(ROOT / "tools" / "gpu_test.py"), "--probe"]
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=step_env(Step("probe", [], 0)))
+        if run.returncode == 0:
+            return json.loads(run.stdout.strip().splitlines()[-1])
+        error = (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as err:
+        error = f"{type(err).__name__}: {err}"
+    return {"python": platform.python_version(), "torch": None, "cuda": None, "cuda_available": False, "gpus": 0,
+            "error": error}
 
 
 def git_commit() -> str | None:
@@ -174,24 +348,234 @@ def git_commit() -> str | None:
         return None
 
 
+# ------------------------------------------------------------------------------------------------
+# The smoke step (runs in its own process, with torch): `gpu_test.py --smoke FILE`
+# ------------------------------------------------------------------------------------------------
+
+def _attempt(results: dict, key: str, fn) -> None:
+    """results[key] = fn(), or the error in one line: one failed probe never hides the others."""
+    try:
+        results[key] = fn()
+    except Exception as err:  # noqa: BLE001 - a smoke test records every failure as evidence
+        results[key] = {"error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"}
+
+
+def _fp8_casts(device: str) -> dict:
+    """What an fp32 -> fp8 cast gives for values past the format's max on this device (torch's behaviour moved)."""
+    import torch
+
+    values = [300.0, 500.0, 1e5, float("inf")]
+    out = {}
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        dtype = getattr(torch, name)
+        out[name] = torch.tensor(values, device=device).to(dtype).float().cpu().tolist()
+    return {"inputs": values, **out}
+
+
+def _fused_vs_foreach() -> dict:
+    """Three AdamW steps on the GPU with fused=True and foreach=True from the same start: bit-identical or not."""
+    import torch
+
+    weights = {}
+    for impl in ("fused", "foreach"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{impl: True})
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(32, 64, device="cuda", generator=gen)).square().mean().backward()
+            opt.step()
+        weights[impl] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    diff = (weights["fused"] - weights["foreach"]).abs().max().item()
+    return {"bit_identical": bool(torch.equal(weights["fused"], weights["foreach"])), "max_abs_diff": diff}
+
+
+def _tf32_defaults() -> dict:
+    """The TF32 settings a fresh process starts with (the first knob on an Ampere+ GPU; chapter 2 teaches it)."""
+    import torch
+
+    out = {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+           "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+           "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32}
+    for name, obj in (("cuda.matmul", torch.backends.cuda.matmul), ("cudnn.conv", getattr(torch.backends.cudnn, "conv", None))):
+        if obj is not None and hasattr(obj, "fp32_precision"):
+            out[f"{name}.fp32_precision"] = obj.fp32_precision
+    return out
+
+
+def _module_versions(names: tuple[str, ...]) -> dict[str, dict]:
+    """Import each module in a child process of its own, all at once (a broken extension can abort an interpreter;
+    torchao's import alone takes seconds): {name: {"version": ...} or {"error": last line}}."""
+    procs = {name: subprocess.Popen([sys.executable, "-c", f"import importlib.metadata as m, {name}; print(m.version({name!r}))"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in names}
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out[name] = {"error": "import took over 60 s"}
+            continue
+        out[name] = ({"version": stdout.strip().splitlines()[-1]} if proc.returncode == 0 else
+                     {"error": (stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]})
+    return out
+
+
+def smoke(path: Path) -> int:
+    """The smoke step: write what this machine is and does to path (JSON), rewritten after every probe, so a
+    probe that hangs past the step's budget still leaves the others' answers."""
+    import torch
+
+    start = time.monotonic()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    results: dict = {"machine": machine_info()}
+    probes = [("fp8_cast_cpu", lambda: _fp8_casts("cpu")),
+              ("imports", lambda: _module_versions(("nbval", "torchao", "ipykernel", "ipywidgets")))]
+    if torch.cuda.is_available():
+        probes[:0] = [("bf16_supported_without_emulation", lambda: torch.cuda.is_bf16_supported(including_emulation=False)),
+                      ("tf32_defaults", _tf32_defaults), ("fp8_cast_cuda", lambda: _fp8_casts("cuda")),
+                      ("adamw_fused_vs_foreach", _fused_vs_foreach)]
+    for key, probe in probes:
+        _attempt(results, key, probe)
+        results["seconds"] = round(time.monotonic() - start, 1)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0 if results["machine"]["cuda_available"] else 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The report: built from the evidence files alone (stdlib only: runs on any CPU afterwards)
+# ------------------------------------------------------------------------------------------------
+
+TARGET_NAMES = ("BF16_PEAK_TARGET", "GPU_STEP_SPEEDUP_TARGET", "TRAINER_OVERHEAD_TARGET")
+
+
+def bench_targets(source: Path = ROOT / "ampcourse" / "bench.py") -> dict[str, float]:
+    """The GPU goals as ampcourse/bench.py defines them, read from its source (no torch, no import needed)."""
+    found = {}
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in TARGET_NAMES:
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+    missing = set(TARGET_NAMES) - set(found)
+    if missing:
+        raise RuntimeError(f"{source} no longer defines {sorted(missing)} as plain numbers; update TARGET_NAMES")
+    return found
+
+
+def _goal(name: str, value: float | None, shown_value: str, goal: str, met: bool | None) -> dict:
+    """One row of the goals table (value None: not measured)."""
+    return {"name": name, "value": value, "shown": shown_value if value is not None else "", "goal": goal,
+            "met": None if value is None else met}
+
+
+def goals(bench: dict, targets: dict[str, float] | None = None) -> list[dict]:
+    """The GPU goals of benchmarks/README.md, read from the benchmark figures (value None: not measured)."""
+    t = targets or bench_targets()
+    speed, peak_goal, over_goal = t["GPU_STEP_SPEEDUP_TARGET"], t["BF16_PEAK_TARGET"], t["TRAINER_OVERHEAD_TARGET"]
+    out = []
+    step = bench.get("transformer_large_train_step", {})
+    for p in ("bf16", "fp16"):
+        v = step.get(f"speedup_{p}")
+        out.append(_goal(f"transformer (size=large) train step, {p} AMP vs fp32 (TF32 off): speedup", v,
+                         f"{v:.2f}x" if v is not None else "", f">= {speed:g}x", v is not None and v >= speed))
+    for p in ("bf16", "fp16"):
+        peak = bench.get(f"{p}_matmul_peak", {})
+        frac = peak.get("fraction_of_peak")
+        ref = (f"n={peak['reference_n']} vs the best of n={peak.get('peak_sizes', list(peak['tflops_by_n']))} "
+               f"({peak['peak_tflops']:.0f} TFLOP/s at n={peak['peak_n']})" if peak else "n=4096 vs the best larger size")
+        out.append(_goal(f"{p} matmul TFLOP/s as a fraction of a separately measured peak ({ref})", frac,
+                         f"{frac:.0%}" if frac is not None else "", f">= {peak_goal:.0%}",
+                         frac is not None and frac >= peak_goal))
+    over = bench.get("trainer_overhead", {}).get("overhead")
+    out.append(_goal("ampcourse.train vs a bare AMP loop on the GPU: per-step overhead", over,
+                     f"{over:+.1%}" if over is not None else "", f"<= {over_goal:.0%}",
+                     over is not None and over <= over_goal))
+    syncs = bench.get("host_syncs_per_step", {}).get("fp16_fused")
+    out.append(_goal("host syncs per fp16 train_step with fused AdamW", syncs, f"{syncs:g}" if syncs is not None else "",
+                     "1", syncs is not None and syncs <= 1))
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from an evidence file; {} when missing or cut short (a killed step)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def build_report(evidence: Path, targets: dict[str, float] | None = None) -> dict:
+    """report.json's content from an evidence folder (steps.json, smoke.json, JUnit files, benchmark JSON)."""
+    run = _read_json(evidence / "steps.json")
+    if not run:
+        raise FileNotFoundError(f"{evidence} holds no steps.json: give the folder a `gpu_test.py` run wrote")
+    results = [StepResult.from_json(s) for s in run.get("steps", [])]
+    for r, s in zip(results, run.get("steps", [])):  # re-read the JUnit files: they are the evidence
+        if s.get("junit") and (evidence / s["junit"]).exists():
+            r.tests = parse_junit(evidence / s["junit"])
+    smoke_data = _read_json(evidence / "smoke.json")
+    bench = _read_json(evidence / "bench-tests.json")
+    ampbench = _read_json(evidence / "bench" / "bench.json")
+    planned = run.get("planned", [s.name for s in results])
+    not_run = [name for name in planned if name not in {r.name for r in results}]
+    elapsed = run.get("seconds", sum(r.seconds for r in results))
+    ok = bool(results) and not not_run and all(r.ok for r in results)
+    return {"status": "passed" if ok else "failed", "command": run.get("command", ""), "commit": run.get("commit"),
+            "started": run.get("started", ""), "machine": smoke_data.get("machine") or run.get("machine", {}),
+            "budget_seconds": run.get("budget_seconds", BUDGET_S), "seconds": elapsed, "not_run": not_run,
+            "smoke": {k: v for k, v in smoke_data.items() if k != "machine"},
+            "steps": [r.to_json() for r in results], "bench": bench, "goals": goals(bench, targets),
+            "ampcourse_bench": ampbench}
+
+
+def _smoke_lines(smoke_data: dict) -> list[str]:
+    """The smoke step's findings as Markdown bullets."""
+    lines = []
+    for key, value in smoke_data.items():
+        if key == "seconds":
+            continue
+        if isinstance(value, dict) and set(value) == {"error"}:
+            lines.append(f"- {key}: **error** {value['error']}")
+        else:
+            lines.append(f"- {key}: `{json.dumps(value)}`")
+    return lines
+
+
 def markdown(report: dict) -> str:
-    """The report as Markdown: machine, steps, each test, benchmark figures."""
+    """The report as Markdown: machine, steps, skips, each test, goals, benchmark figures."""
     m = report["machine"]
-    gpu = f"{m.get('device')} ({m.get('capability')}, {m.get('memory_gib')} GiB), {m.get('gpus')} visible" if m.get("cuda_available") else "none"
+    gpu = (f"{m.get('device')} ({m.get('capability')}, {m.get('memory_gib')} GiB), {m.get('gpus')} visible"
+           if m.get("cuda_available") else "none")
     lines = [f"# GPU check: {report['status']}", "",
              f"- command: `{report['command']}`", f"- commit: `{report['commit']}`", f"- started: {report['started']}",
-             f"- GPU: {gpu}", f"- torch {m['torch']} (CUDA {m['cuda']}), Python {m['python']}",
+             f"- GPU: {gpu}", f"- torch {m.get('torch')} (CUDA {m.get('cuda')}), Python {m.get('python')}",
              f"- time: {report['seconds']} s of a {report['budget_seconds']} s budget", ""]
     if report["status"] == "dry-run":
         lines += [f"Dry run: {report['reason']}", "", "Would run:", ""]
-        lines += [f"- {s['name']}: `{s['command']}`" for s in report["steps"]]
+        lines += [f"- {s['name']} ({s['budget_s']:.0f} s): `{s['command']}`" for s in report["steps"]]
         return "\n".join(lines) + "\n"
-    lines += ["| step | result | passed | failed | error | skipped | seconds |", "|---|---|---|---|---|---|---|"]
+    if report.get("not_run"):
+        lines += ["Not run (the run ended before them): " + ", ".join(report["not_run"]), ""]
+    lines += ["| step | result | passed | failed | error | skipped | seconds | budget |",
+              "|---|---|---|---|---|---|---|---|"]
     for s in report["steps"]:
         c = s["counts"]
-        result = "ok" if s["ok"] else ("stopped at budget" if s["returncode"] is None else "FAILED")
-        lines.append(f"| {s['name']} | {result} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} | {s['seconds']} |")
+        result = "ok" if s["ok"] else ("stopped at its budget" if s["returncode"] is None else "FAILED")
+        lines.append(f"| {s['name']} | {result} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} "
+                     f"| {s['seconds']} | {s['budget_s']:.0f} |")
+    if report.get("smoke"):
+        lines += ["", "## Smoke", ""] + _smoke_lines(report["smoke"])
+    skips = [(s["name"], k) for s in report["steps"] for k in s.get("skips", [])]
+    if skips:
+        lines += ["", "## Skipped (listed, not failures)", ""]
+        lines += [f"- {step}: `{k['name']}`: {k['message']}" + (" (hardware capability)" if k["capability"] else "")
+                  for step, k in skips]
     for s in report["steps"]:
+        if not s["tests"]:
+            continue
         lines += ["", f"## {s['name']}", "", f"`{s['command']}`", "", "| test | outcome | seconds |", "|---|---|---|"]
         for t in s["tests"]:
             note = f" ({t['message']})" if t["message"] else ""
@@ -199,10 +583,17 @@ def markdown(report: dict) -> str:
     if report.get("goals"):
         lines += ["", "## Goals (benchmarks/README.md)", "", "| figure | measured | goal | met |", "|---|---|---|---|"]
         for g in report["goals"]:
-            shown = "not measured" if g["value"] is None else g["shown"]
+            value = "not measured" if g["value"] is None else g["shown"]
             met = "-" if g["met"] is None else ("yes" if g["met"] else "**no**")
-            lines.append(f"| {g['name']} | {shown} | {g['goal']} | {met} |")
-    bench = report.get("bench") or {}
+            lines.append(f"| {g['name']} | {value} | {g['goal']} | {met} |")
+    lines += _bench_lines(report.get("bench") or {})
+    lines += _ampcourse_bench_lines(report.get("ampcourse_bench") or {})
+    return "\n".join(lines) + "\n"
+
+
+def _bench_lines(bench: dict) -> list[str]:
+    """tests/gpu's figures (bench-tests.json) as Markdown tables."""
+    lines = []
     pairs = {k: b for k, b in bench.items() if "seconds_fp32" in b}
     if pairs:
         lows = [p for p in ("bf16", "fp16") if any(f"seconds_{p}" in b for b in pairs.values())]
@@ -233,42 +624,20 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|---|"]
         lines += [f"| `{b['what']}` | {b['backend']} | {b['precision']} | {b['steps_done']} | {b['final_loss']:.4g} |"
                   for b in runs]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def _goal(name: str, value: float | None, shown: str, goal: str, met: bool | None) -> dict:
-    """One row of the goals table (value None: not measured)."""
-    return {"name": name, "value": value, "shown": shown if value is not None else "", "goal": goal,
-            "met": None if value is None else met}
-
-
-def goals(bench: dict) -> list[dict]:
-    """The GPU goals of benchmarks/README.md, read from the benchmark figures (value None: not measured)."""
-    from ampcourse.bench import BF16_PEAK_TARGET, GPU_STEP_SPEEDUP_TARGET, TRAINER_OVERHEAD_TARGET
-
-    out = []
-    step = bench.get("transformer_large_train_step", {})
-    for p in ("bf16", "fp16"):
-        v = step.get(f"speedup_{p}")
-        out.append(_goal(f"transformer (size=large) train step, {p} AMP vs fp32 (TF32 off): speedup", v,
-                         f"{v:.2f}x" if v is not None else "", f">= {GPU_STEP_SPEEDUP_TARGET:g}x",
-                         v is not None and v >= GPU_STEP_SPEEDUP_TARGET))
-    for p in ("bf16", "fp16"):
-        peak = bench.get(f"{p}_matmul_peak", {})
-        frac = peak.get("fraction_of_peak")
-        ref = (f"n={peak['reference_n']} vs the best of n={peak.get('peak_sizes', list(peak['tflops_by_n']))} "
-               f"({peak['peak_tflops']:.0f} TFLOP/s at n={peak['peak_n']})" if peak else "n=4096 vs the best larger size")
-        out.append(_goal(f"{p} matmul TFLOP/s as a fraction of a separately measured peak ({ref})", frac,
-                         f"{frac:.0%}" if frac is not None else "", f">= {BF16_PEAK_TARGET:.0%}",
-                         frac is not None and frac >= BF16_PEAK_TARGET))
-    over = bench.get("trainer_overhead", {}).get("overhead")
-    out.append(_goal("ampcourse.train vs a bare AMP loop on the GPU: per-step overhead", over,
-                     f"{over:+.1%}" if over is not None else "", f"<= {TRAINER_OVERHEAD_TARGET:.0%}",
-                     over is not None and over <= TRAINER_OVERHEAD_TARGET))
-    syncs = bench.get("host_syncs_per_step", {}).get("fp16_fused")
-    out.append(_goal("host syncs per fp16 train_step with fused AdamW", syncs, f"{syncs:g}" if syncs is not None else "",
-                     "1", syncs is not None and syncs <= 1))
-    return out
+def _ampcourse_bench_lines(ab: dict) -> list[str]:
+    """`python -m ampcourse.bench --device cuda`'s bench.json, its train-step table."""
+    rows = ab.get("train_step") or []
+    if not rows:
+        return []
+    prec = ab.get("config", {}).get("precision", "amp")
+    lines = ["", f"## python -m ampcourse.bench --device cuda (train step, fp32 vs {prec}, ms)", "",
+             "| model | size | batch | fp32 ms | amp ms | amp / fp32 |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['size']} | {r['batch']} | {r['fp32_ms']:.3g} | {r['amp_ms']:.3g} | "
+              f"{r['amp_over_fp32']:.2f} |" for r in rows]
+    return lines
 
 
 def write_report(report: dict, out: Path) -> list[Path]:
@@ -280,54 +649,157 @@ def write_report(report: dict, out: Path) -> list[Path]:
     return paths
 
 
+def copy_evidence(src: Path, dst: Path) -> None:
+    """The evidence files of a run (not an old report) from src into dst."""
+    if src.resolve() == dst.resolve():
+        return
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.rglob("*"):
+        if p.is_file() and p.name not in ("report.json", "report.md"):
+            target = dst / p.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(p, target)
+
+
+def write_archive(evidence: Path, archive: Path) -> None:
+    """Every file of the evidence folder in one .tar.gz (replaced whole: a reader never sees half of one).
+
+    A device session brings back only a few files from $OUT (8 there), so the run keeps its evidence in a
+    folder of its own and refreshes this one file after every step.
+    """
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for p in sorted(evidence.rglob("*")):
+            if p.is_file() and p.resolve() != archive.resolve():
+                tar.add(p, arcname=str(p.relative_to(evidence)))
+    os.replace(tmp, archive)
+
+
+def unpack(archive: Path, into: Path) -> Path:
+    """A .tar.gz of evidence unpacked into `into` (plain files only, no paths outside it)."""
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts]
+        try:
+            tar.extractall(into, members=members, filter="data")  # Python >= 3.11.4: refuse links and odd modes
+        except TypeError:
+            tar.extractall(into, members=members)
+    return into
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+
+def load_plan(path: Path) -> list[Step]:
+    """Steps from a JSON list of {name, argv, budget_s, junit?, env?} (tests give stub steps this way)."""
+    return [Step(d["name"], list(d["argv"]), float(d["budget_s"]), d.get("junit"), dict(d.get("env", {})))
+            for d in json.loads(path.read_text())]
+
+
+def run_all(steps: list[Step], out: Path, header: dict, budget_s: float = BUDGET_S,
+            archive: Path | None = None) -> list[StepResult]:
+    """Run the steps in order, each within min(its budget, what is left); steps.json (and the archive) after each."""
+    start = time.monotonic()
+    results: list[StepResult] = []
+    for step in steps:
+        left = budget_s - (time.monotonic() - start)
+        if left < 5:
+            print(f"gpu-test: no time left for {step.name}", flush=True)
+            break
+        budget = min(step.budget_s, left)
+        print(f"\n=== gpu-test: {step.name} (budget {budget:.0f} s, {left:.0f} s left)\n{shown(step.argv, out)}", flush=True)
+        result = run_step(step, budget, out)
+        results.append(result)
+        c = result.counts
+        state = "ok" if result.ok else ("stopped at its budget" if result.returncode is None else "FAILED")
+        print(f"--- {step.name}: {state} in {result.seconds} s (passed {c['passed']}, failed {c['failed']}, "
+              f"error {c['error']}, skipped {c['skipped']})", flush=True)
+        if not result.ok:
+            print("".join((out / step.log).read_text(errors="replace").splitlines(True)[-15:]), flush=True)
+        record = {**header, "seconds": round(time.monotonic() - start, 1), "budget_seconds": budget_s,
+                  "planned": [s.name for s in steps],
+                  "steps": [{**r.to_json(), "junit": s.junit} for r, s in zip(results, steps)]}
+        (out / "steps.json").write_text(json.dumps(record, indent=2) + "\n")
+        if archive is not None:
+            write_archive(out, archive)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command line: run the GPU check (or a dry run) and write the report."""
+    """Command line: run the GPU check (or a dry run, or rebuild a report) and write the report."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None,
-                    help=f"report folder (default {DEFAULT_OUT.relative_to(ROOT)}; a dry run writes one only when given)")
+                    help=f"evidence and report folder (default {DEFAULT_OUT.relative_to(ROOT)}; a dry run writes "
+                         "a report only when given)")
     ap.add_argument("--dry-run", action="store_true", help="list the steps, run nothing")
     ap.add_argument("--require-cuda", action="store_true", help="exit 1 instead of a dry run when CUDA is missing")
+    ap.add_argument("--report-from", type=Path, default=None, metavar="DIR",
+                    help="build report.json/report.md from a run's evidence folder or --archive file (no GPU needed)")
+    ap.add_argument("--archive", type=Path, default=None, metavar="FILE",
+                    help="also keep the evidence in this .tar.gz, refreshed after every step, with report.json and "
+                         "report.md beside it (for a device session that brings back only a few files)")
+    ap.add_argument("--budget", type=float, default=BUDGET_S,
+                    help=f"seconds for the whole run, all steps together (default {BUDGET_S}: an 8-minute device call)")
+    ap.add_argument("--plan", type=Path, default=None, help=argparse.SUPPRESS)  # JSON steps instead of the real plan
+    ap.add_argument("--smoke", type=Path, default=None, help=argparse.SUPPRESS)  # the smoke step itself
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # machine_info() as JSON
     args = ap.parse_args(argv)
+    if args.probe:
+        print(json.dumps(machine_info()))
+        return 0
+    if args.smoke is not None:
+        return smoke(args.smoke)
+    if args.report_from is not None:
+        source = args.report_from
+        if source.is_file():  # an --archive file
+            if args.out is None:
+                ap.error("--report-from FILE (an archive) needs --out DIR for the evidence and the report")
+            source = unpack(source, Path(tempfile.mkdtemp(prefix="gpu-evidence-")))
+        out = args.out or source
+        try:
+            report = build_report(source)
+        except FileNotFoundError as err:
+            ap.error(str(err))
+        copy_evidence(source, out)
+        for p in write_report(report, out):
+            print(f"wrote {p}")
+        print(f"gpu-test: {report['status']}")
+        return 0 if report["status"] == "passed" else 1
     command = shlex.join(["python", "tools/gpu_test.py", *shown_args(argv if argv is not None else sys.argv[1:])])
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    machine = cuda_info()
-    with tempfile.TemporaryDirectory(prefix="gpu-test-") as tmp:
-        work = Path(tmp)
-        bench_json = work / "bench.json"
-        steps = plan(work, bench_json)
-        report = {"status": "", "command": command, "commit": git_commit(), "started": started, "machine": machine,
-                  "budget_seconds": BUDGET_S, "seconds": 0.0}
-        if args.dry_run or not machine["cuda_available"]:
-            reason = ("--dry-run given" if args.dry_run else
-                      f"no CUDA device (torch {machine['torch']}, built for CUDA {machine['cuda']})")
-            if not args.dry_run and args.require_cuda:
-                print(f"gpu-test: {reason}, and --require-cuda was given", file=sys.stderr)
-                return 1
-            print(f"gpu-test: dry run: {reason}. Skipping the GPU parts: nbval (lax) over {len(notebooks())} "
-                  "notebooks and the GPU-only tests (tests/gpu). Run `make gpu-test` on a machine with an NVIDIA GPU.")
-            for s in steps:
-                print(f"  would run {s.name}: {shown(s.argv, work)}")
-            report.update(status="dry-run", reason=reason,
-                          steps=[{"name": s.name, "command": shown(s.argv, work)} for s in steps])
-            if args.out is not None:
-                for p in write_report(report, args.out):
-                    print(f"wrote {p}")
-            return 0
-        start = time.monotonic()
-        results = []
-        for step in steps:
-            left = BUDGET_S - (time.monotonic() - start)
-            print(f"\n=== gpu-test: {step.name} ({left:.0f} s of the budget left)\n{shown(step.argv, work)}", flush=True)
-            results.append(run_step(step, left, work))
-        elapsed = round(time.monotonic() - start, 1)
-        bench = json.loads(bench_json.read_text()) if bench_json.exists() else {}
-    ok = all(r.ok for r in results) and elapsed <= BUDGET_S
-    report.update(status="passed" if ok else "failed", seconds=elapsed, bench=bench, goals=goals(bench),
-                  steps=[{**asdict(r), "counts": r.counts, "ok": r.ok} for r in results])
-    for p in write_report(report, args.out or DEFAULT_OUT):
+    out = args.out or DEFAULT_OUT
+    steps = load_plan(args.plan) if args.plan is not None else plan(out)
+    machine = {"python": platform.python_version(), "cuda_available": True, "note": "stub plan"} if args.plan else cuda_info()
+    header = {"command": command, "commit": git_commit(), "started": started, "machine": machine}
+    if args.dry_run or not machine["cuda_available"]:
+        reason = ("--dry-run given" if args.dry_run else
+                  f"no CUDA device (torch {machine['torch']}, built for CUDA {machine['cuda']})"
+                  + (f": {machine['error']}" if machine.get("error") else ""))
+        if not args.dry_run and args.require_cuda:
+            print(f"gpu-test: {reason}, and --require-cuda was given", file=sys.stderr)
+            return 1
+        print(f"gpu-test: dry run: {reason}. Skipping the GPU parts: the smoke step, the GPU-only tests (tests/gpu), "
+              f"nbval (lax) over {len(notebooks())} notebooks and the benchmarks. Run `make gpu-test` on a machine "
+              "with an NVIDIA GPU.")
+        for s in steps:
+            print(f"  would run {s.name} ({s.budget_s:.0f} s): {shown(s.argv, out)}")
+        report = {**header, "status": "dry-run", "reason": reason, "budget_seconds": BUDGET_S, "seconds": 0.0,
+                  "steps": [{"name": s.name, "command": shown(s.argv, out), "budget_s": s.budget_s} for s in steps]}
+        if args.out is not None:
+            for p in write_report(report, args.out):
+                print(f"wrote {p}")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    stale = ["steps.json", "smoke.json", "bench-tests.json", "report.json", "report.md", "bench/bench.json"]
+    for name in stale + [s.log for s in steps] + [s.junit for s in steps if s.junit]:
+        (out / name).unlink(missing_ok=True)  # evidence of an earlier run must not pass for this one's
+    run_all(steps, out, header, args.budget, args.archive)
+    report = build_report(out)
+    for p in write_report(report, out) + (write_report(report, args.archive.parent) if args.archive else []):
         print(f"wrote {p}")
-    print(f"gpu-test: {report['status']} in {elapsed} s")
-    return 0 if ok else 1
+    print(f"gpu-test: {report['status']} in {report['seconds']} s")
+    return 0 if report["status"] == "passed" else 1
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ depends on where it runs (:func:`checker` wraps every exported ``check_*``):
 
 - in a Jupyter/IPython kernel the wrapper swallows the error after the verdict is printed, so the cell
   ends without a traceback and "Run All" goes on to the next exercise;
-- anywhere else (scripts, pytest), and inside ``with raising():``, the ExerciseError propagates, so
-  tests can prove that every checker rejects wrong answers.
+- anywhere else (scripts, pytest), inside ``with raising():``, and where the environment sets
+  ``AMPCOURSE_CHECKERS_RAISE=1`` (``make gpu-test`` does, for the kernels lax nbval starts: lax mode compares
+  no outputs, so a checker that rejects a chapter's own solution must fail the cell), the ExerciseError
+  propagates, so tests can prove that every checker rejects wrong answers.
 
 Each checker's latest verdict is kept (per process) for :func:`summary`.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -94,6 +97,11 @@ def _in_notebook() -> bool:
     return getattr(shell, "kernel", None) is not None  # a kernel's shell; not a bare InteractiveShell in a test
 
 
+def _must_raise() -> bool:
+    """Whether a verdict raises here: inside `with raising():`, outside a kernel, or when AMPCOURSE_CHECKERS_RAISE=1."""
+    return bool(_force_raise) or os.environ.get("AMPCOURSE_CHECKERS_RAISE") == "1" or not _in_notebook()
+
+
 def _label(fn: Callable) -> str:
     """'Exercise 6.1' from a checker's docstring ('Exercise 6.1: ...'), else the function's name."""
     first = (fn.__doc__ or "").strip().split("\n")[0]
@@ -114,13 +122,13 @@ def checker(fn: Callable[..., Any]) -> Callable[..., Any]:
         except ExerciseError:  # the verdict is already printed
             _results[name] = False
             _titles[name] = _last_title[0] if _last_title else _label(fn)
-            if _force_raise or not _in_notebook():
+            if _must_raise():
                 raise
             return None
         except Exception as err:  # an answer the checker cannot even use (e.g. `...` left in a stub)
             _results[name] = False
             _titles.setdefault(name, _label(fn))
-            if _force_raise or not _in_notebook():
+            if _must_raise():
                 raise
             hint = ("replace the `raise NotImplementedError` stub with your code" if isinstance(err, NotImplementedError)
                     else "replace the `...` with your answer" if any(a is ... for a in (*args, *kwargs.values()))

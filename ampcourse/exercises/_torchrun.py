@@ -4,7 +4,8 @@ A distributed exercise's checker hands :func:`run_on_ranks` the learner's functi
 launch, the package's reference solution). The function's source (``inspect.getsource``, which works for
 functions defined in notebook cells) travels to the workers in a spec file; torchrun (through
 :func:`ampcourse.distributed.launch`) starts N workers, each runs this module's ``main``: it starts the
-process group (NCCL on GPUs, gloo on the CPU, one worker per GPU from LOCAL_RANK), rebuilds every
+process group (NCCL on a node with two or more GPUs, one worker per GPU from LOCAL_RANK; gloo on the CPU
+otherwise: :func:`default_nproc`), rebuilds every
 solution from its source, hands each to the exercise's runner (a function in the chapter's checker
 module that runs the solution on this rank and returns what it computed), and writes the results to
 ``rank-R.pt``. The parent reads them back (``torch.load(weights_only=True)``).
@@ -68,11 +69,21 @@ def learner_source(title: str, fn: Callable) -> str:
 
 
 def default_nproc(device: str | None) -> tuple[int, str]:
-    """(processes, device): one per GPU when CUDA is present (and asked for), else 2 CPU processes over gloo."""
+    """(processes, device): one rank per GPU on a node with two or more GPUs (NCCL), else 2 CPU ranks over gloo.
+
+    The exercises judge what happens *between* ranks ("inf on the last rank", "kill the last rank", "ranks
+    identical"): on one rank those test nothing and wrong solutions pass. So below two GPUs (an H200 box,
+    Colab) the checkers use two gloo ranks on the CPU, as chapter 7 says, and an explicit device='cuda'
+    there is refused.
+    """
     if device in (None, "auto"):
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "cpu"
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
     if device == "cuda":
-        return max(torch.cuda.device_count(), 1), "cuda"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < 2:
+            raise ValueError(f"device='cuda' needs two or more GPUs for two ranks, this node has {gpus}; "
+                             "use device=None or 'cpu' (two gloo ranks on the CPU)")
+        return gpus, "cuda"
     if device == "cpu":
         return 2, "cpu"
     raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {device!r}")
@@ -194,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out.with_suffix(".tmp")
     torch.save({"results": results, "restarts": env.restart_count}, tmp)
     os.replace(tmp, out)  # the parent never reads half a file
-    distributed.teardown()
+    try:
+        # NCCL: no rank may destroy its communicator while another is still in a collective with it (the
+        # learner's last all-reduce can still be in flight on a slower rank). Bounded by dist_timeout.
+        distributed.teardown(barrier=True)
+    except Exception:  # noqa: BLE001 - a rank that is gone or stuck: our result is written, the parent judges
+        pass
     return 0
 
 

@@ -1,0 +1,183 @@
+"""The GPU cases a CPU can pretend to be (issue 19, part 2): one GPU and two, compute capability 7.5 / 8.0 / 8.9 /
+9.0, fused optimizers, NCCL's teardown, checkers under `make gpu-test`. Each holds a GPU-path defect of a kind the
+static read found, so the next one is caught here instead of on the first GPU run."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampcourse import bench, device
+from ampcourse.exercises import _core, _torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPABILITIES = [((7, 5), "Tesla T4"), ((8, 0), "NVIDIA A100-SXM4-80GB"), ((8, 9), "NVIDIA L4"), ((9, 0), "NVIDIA H200")]
+
+
+def fake_gpus(monkeypatch, count: int, capability: tuple[int, int] = (9, 0), name: str = "NVIDIA H200") -> None:
+    """Pretend CUDA has `count` GPUs of this compute capability (no call reaches a driver)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+# --- device count 1 and 2: chapter 7's checkers (item 4) ------------------------------------------------------
+
+def test_one_gpu_runs_the_rank_exercises_on_two_gloo_cpu_ranks(monkeypatch):
+    """One NCCL rank would make 'inf on the last rank' and 'ranks identical' test nothing: two gloo ranks instead."""
+    fake_gpus(monkeypatch, 1)
+    assert _torchrun.default_nproc(None) == (2, "cpu")
+    with pytest.raises(ValueError, match="needs two or more GPUs for two ranks, this node has 1"):
+        _torchrun.default_nproc("cuda")
+
+
+def test_two_gpus_run_one_nccl_rank_per_gpu(monkeypatch):
+    fake_gpus(monkeypatch, 2)
+    assert _torchrun.default_nproc(None) == (2, "cuda") and _torchrun.default_nproc("cpu") == (2, "cpu")
+
+
+def test_a_worker_waits_for_every_rank_before_it_destroys_the_group(monkeypatch, tmp_path):
+    """Item 14: `_torchrun.main` writes its result, then barrier + destroy (NCCL must not lose a peer mid-collective);
+    a barrier that fails (a peer gone) still leaves the written result and exit code 0."""
+    from ampcourse import distributed
+
+    calls = []
+    env = distributed.torchrun_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    monkeypatch.setattr(distributed, "torchrun_env", lambda environ=None: env)
+    monkeypatch.setattr(distributed, "init", lambda dev, env, timeout_s: calls.append(("init", timeout_s)) or "ctx")
+    spec = {"runner": "json:dumps", "device": "cpu", "dist_timeout": 7.0, "params": {},
+            "solutions": {"yours": {"source": "def f():\n    return 1\n", "function": "f"}}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+
+    def teardown(barrier=False):
+        calls.append(("teardown", barrier, (tmp_path / "rank-0.pt").exists()))
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(distributed, "teardown", teardown)
+    assert _torchrun.main([str(tmp_path / "spec.json")]) == 0
+    assert calls == [("init", 7.0), ("teardown", True, True)]
+
+
+# --- compute capability 7.5 / 8.0 / 8.9 / 9.0 -----------------------------------------------------------------
+
+@pytest.mark.parametrize("capability,name", CAPABILITIES, ids=lambda v: str(v))
+def test_what_each_capability_gets(monkeypatch, capability, name):
+    """bf16 and tf32 only from sm_80; below, fp16 + GradScaler and no bf16 in the matmul table (a T4 is not 'failed')."""
+    fake_gpus(monkeypatch, 1, capability, name)
+    native = capability >= (8, 0)
+    amp = device.pick()
+    assert (amp.precision, amp.use_scaler, amp.native) == (("bf16", False, True) if native else ("fp16", True, True))
+    assert bench.matmul_dtypes("cuda") == (("fp32", "tf32", "bf16", "fp16") if native else ("fp32", "fp16"))
+    assert device.pick("cuda", "bf16").native == native
+
+
+@pytest.mark.parametrize("capability,name", CAPABILITIES, ids=lambda v: str(v))
+def test_the_benchmark_times_gpu_sized_models_on_cuda(monkeypatch, capability, name):
+    """Item 9: tiny models are launch-bound on a GPU (speedup near 1x): `python -m ampcourse.bench --device cuda`
+    times large ones there, and tiny ones on a CPU."""
+    fake_gpus(monkeypatch, 1, capability, name)
+    gpu = bench.run_config(torch.device("cuda", 0), "bf16" if capability >= (8, 0) else "fp16", quick=False, seed=0)
+    cpu = bench.run_config(torch.device("cpu"), "bf16", quick=False, seed=0)
+    assert gpu["step_size"] == "large" and gpu["batch"] >= 32 and max(gpu["matmul_sizes"]) >= 4096
+    assert cpu["step_size"] == "tiny" and max(cpu["matmul_sizes"]) <= 512
+    quick = bench.run_config(torch.device("cuda", 0), "fp16", quick=True, seed=0)
+    assert quick["step_size"] == "large" and quick["models"] == ["transformer"]
+
+
+def test_a_gpu_test_that_needs_bf16_says_compute_capability_when_it_skips():
+    """The report lists capability skips apart from failures by their message (tools/gpu_test.CAPABILITY_SKIP)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_test
+
+    text = (ROOT / "tests/gpu/test_cuda_bench.py").read_text()
+    skips = [line.split("pytest.skip(", 1)[1] for line in text.splitlines() if "pytest.skip(" in line]
+    assert skips and all(gpu_test.CAPABILITY_SKIP.search(s) for s in skips), skips
+
+
+# --- fused optimizers ------------------------------------------------------------------------------------------
+
+def test_fused_adamw_with_a_gradscaler_skips_an_inf_step_inside_the_kernel():
+    """On CUDA train() and the bare loop use fused AdamW, which takes the scaler's found_inf inside the kernel (no
+    host sync). CPU fused AdamW runs the same path: an inf gradient leaves the weights alone and halves the scale."""
+    lin = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    before = [p.detach().clone() for p in lin.parameters()]
+    scaler.scale(lin(torch.full((1, 4), float("inf"))).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(b, p) for b, p in zip(before, lin.parameters())) and scaler.get_scale() == 2.0**7
+    opt.zero_grad()
+    scaler.scale(lin(torch.ones(1, 4)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not all(torch.equal(b, p) for b, p in zip(before, lin.parameters()))
+
+
+def test_fused_and_foreach_adamw_agree_on_a_cpu():
+    """The smoke step of `make gpu-test` records whether they are bit-identical on the GPU; on a CPU they agree
+    to rounding (so a chapter comparing loops must give both sides the same `fused=`)."""
+    weights = {}
+    for impl in ("fused", "foreach"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{impl: True})
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            opt.step()
+        weights[impl] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.allclose(weights["fused"], weights["foreach"], rtol=0, atol=1e-6)
+
+
+# --- `make gpu-test`: checkers raise in a kernel (item 5) ------------------------------------------------------
+
+def test_under_make_gpu_test_a_checker_raises_even_in_a_kernel(monkeypatch, capsys):
+    """Lax nbval compares no outputs: a checker that rejects a chapter's own solution must fail the cell there."""
+
+    @_core.checker
+    def check_demo(x):
+        """Exercise 0.0: demo."""
+        if x != 1:
+            _core.failed("Exercise 0.0", 1, x, "use 1")
+
+    monkeypatch.setattr(_core, "_in_notebook", lambda: True)
+    monkeypatch.delenv("AMPCOURSE_CHECKERS_RAISE", raising=False)
+    assert check_demo(2) is None  # a learner's kernel: the verdict is printed, Run All goes on
+    assert "not yet" in capsys.readouterr().out
+    monkeypatch.setenv("AMPCOURSE_CHECKERS_RAISE", "1")
+    with pytest.raises(_core.ExerciseError, match="use 1"):
+        check_demo(2)
+    check_demo(1)  # and the right answer still passes
+
+
+# --- examples/ddp_amp.py on a GPU node (item 14) ---------------------------------------------------------------
+
+def test_the_ddp_example_binds_nccl_to_its_gpu(monkeypatch):
+    """Under torchrun on a GPU node the example passes device_id (its own GPU) to init_process_group."""
+    import torch.distributed as dist
+
+    fake_gpus(monkeypatch, 2)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(backend, **kwargs):
+        seen.update(backend=backend, **kwargs)
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("set_device", torch.device(d)))
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(sys, "argv", ["ddp_amp.py", "--device", "cuda"])
+    for k, v in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(Stop):
+        runpy.run_path(str(ROOT / "examples/ddp_amp.py"), run_name="__main__")
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1) == seen["set_device"]
