@@ -116,7 +116,7 @@ GLOSSARY: tuple[Term, ...] = (
     Term("activation checkpointing", "激活检查点 (重计算)", "freeing activations after forward and recomputing them in "
          "backward; under autocast the recomputation runs under the forward pass's autocast state", 3),
     Term("fp32 island", "FP32 区域", "a region run with autocast disabled and inputs cast to fp32, for numerically delicate code", 5),
-    Term("data parallel (DDP)", "数据并行", "one model copy per GPU, gradients averaged by all-reduce after backward", 7),
+    Term("data parallel (DDP)", "数据并行", "one model copy per GPU; gradients averaged by all-reduce bucket by bucket during backward, overlapping it", 7),
     Term("lost update", "更新丢失", "an optimizer step smaller than half an ulp of a low-precision weight: it rounds away", 8),
     Term("microscaling (MX) format", "微缩放格式 (MX)", "blocks of 32 narrow elements sharing one power-of-two (e8m0) scale", 9),
     Term("delayed scaling", "延迟缩放", "an fp8 scale taken from the amax history of earlier steps, not from the tensor being cast", 9),

@@ -44,6 +44,24 @@ def test_autocast_dtypes_rejects_wrong_answers(change, capsys):
     assert "hint" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("change", [
+    {"F.cross_entropy(x @ w, y)": torch.bfloat16},
+    {"x @ w": torch.float32, "x + b": torch.bfloat16},
+    {"torch.softmax(x @ w, dim=-1)": "float32"},
+])
+def test_autocast_dtypes_verdict_names_the_wrong_expressions_but_not_their_dtypes(change, capsys):
+    """The verdict says which predictions to rethink, never the right dtype of one (a giveaway)."""
+    with pytest.raises(ExerciseError):
+        exercises.check_autocast_dtypes({**RIGHT, **change})
+    out = capsys.readouterr().out
+    expected_line = next(line for line in out.splitlines() if "expected:" in line)
+    got_line = next(line for line in out.splitlines() if "got:" in line)
+    assert all(q in got_line for q in change)
+    for q in change:  # the true dtype of a wrong item appears nowhere but in the learner's own words
+        truth = str(RIGHT[q]).removeprefix("torch.")
+        assert truth not in expected_line and f"-> {truth}" not in out and f"-> {RIGHT[q]}" not in out
+
+
 def test_autocast_dtypes_rejects_incomplete_answers():
     with pytest.raises(ExerciseError, match="missing"):
         exercises.check_autocast_dtypes({"x @ w": torch.bfloat16})

@@ -114,3 +114,23 @@ def test_fp8_scale_accepts(capsys):
 def test_fp8_scale_rejects(wrong):
     with pytest.raises(ExerciseError):
         exercises.check_fp8_scale(wrong)
+
+
+def ocp_floor_scale(t):
+    """OCP MX v1.0's rule: X = 2**(floor(log2 amax) - emax), emax = 8 for E4M3; as a multiplier 1 / X."""
+    amax = t.abs().max().item()
+    return 1.0 if amax == 0 else 2.0 ** (8 - math.floor(math.log2(amax)))
+
+
+def test_fp8_scale_is_rceil_and_the_floor_rule_is_rejected_with_a_hint_that_names_it(capsys):
+    from ampcourse import fp8
+
+    # The exercise's rule is the MX scale rounded up: ampcourse.fp8's rceil scale, not the spec's floor.
+    t = torch.tensor([0.1, -1.9] + [0.0] * 30)  # one MX block; 1.9 * 2**8 = 486 > 448: floor saturates, RCEIL takes 2**7
+    rceil = fp8.quantize_scaled(t.reshape(1, 32), "fp8_e4m3", "mx", mx_rounding="rceil")
+    floor = fp8.quantize_scaled(t.reshape(1, 32), "fp8_e4m3", "mx", mx_rounding="floor")
+    assert fp8_scale(t) == 2.0**7 and ocp_floor_scale(t) == 2.0**8
+    assert rceil.saturated == 0 < floor.saturated
+    with pytest.raises(ExerciseError, match="floor rule"):
+        exercises.check_fp8_scale(ocp_floor_scale)
+    assert "RCEIL" in capsys.readouterr().out

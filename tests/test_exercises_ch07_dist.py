@@ -87,7 +87,7 @@ def compress_launch():
 
 def test_compressed_ddp_accepts_the_reference(compress_launch, capsys):
     out = verdict(ch07.judge_compressed_ddp, compress_launch, "right", capsys)
-    assert "✅" in out and "half the bytes" in out
+    assert "✅" in out and "half the bytes" in out and "grows with the world size" in out
 
 
 @pytest.mark.parametrize("name,hint", [

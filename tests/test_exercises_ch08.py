@@ -55,7 +55,16 @@ def test_fp32_islands(data, capsys):
     exercises.check_fp32_islands(["norm", "boost"], make, x, y, F.cross_entropy)
     exercises.check_fp32_islands(("boost", "norm"), make, x, y, F.cross_entropy)
     assert capsys.readouterr().out.count("✅") == 2
-    wrong_answers = [[], ["norm"], ["boost"], ["norm", "boost", "head"], ["norm", "booster"], [""], "norm", None, [3]]
+    wrong_answers = [[], ["norm"], ["boost"], ["norm", "boost", "head"], ["norm", "booster"], [""], "norm", None, [3],
+                     ["up"], ["up", "norm"], ["up", "head"], ["ln", "boost"], ["up", "norm", "boost"]]
     for wrong in wrong_answers:
         with pytest.raises(ExerciseError):
             exercises.check_fp32_islands(wrong, make, x, y, F.cross_entropy)
+
+
+def test_fp32_islands_accepts_an_equivalent_answer_the_doctor_did_not_name(data, capsys):
+    """'up' in fp32 feeds the naive norm fp32 inputs: as few islands as the doctor's, and fp16 is clean."""
+    x, y = data
+    exercises.check_fp32_islands(["up", "boost"], make, x, y, F.cross_entropy)
+    out = capsys.readouterr().out
+    assert "✅" in out and "The doctor named ['boost', 'norm']" in out

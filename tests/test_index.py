@@ -101,3 +101,11 @@ def test_glossary_has_the_core_terms_in_english_and_chinese():
 def test_outline_numbers_parser():
     assert outline_numbers("section 1 and 2.1 (precision basics), 2.1.1 (fp16 vs fp32).") == {"1", "2.1", "2.1.1"}
     assert outline_numbers("sections 2.3.1–2.3.3 (training with AMP)") == {"2.3.1", "2.3.2", "2.3.3"}
+
+
+def test_glossary_says_when_ddp_all_reduces_as_chapter_7_does():
+    """DDP all-reduces bucket by bucket while backward runs (chapter 7, 7.3), not after it."""
+    ddp = next(t for t in course.GLOSSARY if t.en.startswith("data parallel"))
+    chapter7 = "\n".join(c.source for c in nbformat.read(CHAPTERS / "07_multi_gpu.ipynb", as_version=4).cells)
+    assert "overlapping with the rest of backward" in chapter7
+    assert "during backward" in ddp.meaning and "bucket" in ddp.meaning and "after backward" not in ddp.meaning

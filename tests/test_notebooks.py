@@ -102,3 +102,96 @@ def test_prose_does_not_type_format_limits_that_code_prints(path):
             if token.replace(",", "") in limits:
                 found.append(f"cell {i}: {token}")
     assert not found, f"{path.name} types format limits in prose (print them from code instead): {found}"
+
+
+def _workspace_folder() -> str:
+    """The folder `make lab` / `make student` copy the chapters into (the Makefile's WORKSPACE)."""
+    return re.search(r"^WORKSPACE \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def _reader_text(path: Path) -> str:
+    """What a reader sees of a notebook (every cell's source) or a Markdown file."""
+    if path.suffix == ".ipynb":
+        return "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)
+    return path.read_text()
+
+
+@pytest.mark.parametrize("path", CHAPTERS + [ROOT / "README.md"], ids=lambda p: p.name)
+def test_learner_copies_are_named_by_the_folder_make_writes(path):
+    """The learner copies live where the Makefile puts them; a folder that does not exist (`student/`,
+    the target's name rather than its folder) sends a learner looking for nothing."""
+    workspace = _workspace_folder()
+    text = _reader_text(path)
+    folders = set(re.findall(r"`(\w+)/`", text)) - {"chapters", "tests", "tools", "binder", "examples", "benchmarks",
+                                                    "ampcourse", "runs", "shared"}
+    assert folders <= {workspace}, f"{path.name} names {sorted(folders - {workspace})}/: the copies are in {workspace}/"
+    assert not re.search(r"(?<![\w_-])student/", text), f"{path.name} names student/: the copies are in {workspace}/"
+
+
+def test_readme_and_index_binder_badges_open_the_same_notebook():
+    """One story: the README's badge and the index's open the same notebook (the learner's copy of the index)."""
+    badge = re.compile(r"https://mybinder\.org/v2/gh/[^)\s]+")
+    readme = set(badge.findall((ROOT / "README.md").read_text()))
+    index = set(badge.findall(_reader_text(ROOT / "chapters" / "00_index.ipynb")))
+    assert len(readme) == 1 and readme == index, f"README {readme} vs index {index}"
+    assert f"labpath={_workspace_folder()}%2F00_index.ipynb" in readme.pop()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+def test_a_forced_exit_in_an_example_says_why_with_its_cause(path):
+    """Examples are code learners copy: os._exit (no atexit handlers, no flushes) only with the measured cause
+    and the upstream issue next to it, and with the streams flushed by hand."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "os._exit(" in line:
+            before = "\n".join(lines[max(0, i - 14):i])
+            assert re.search(r"pytorch/pytorch#\d+", before) and "measured" in before, \
+                f"{path.name}:{i + 1}: os._exit without the measured cause and the upstream issue beside it"
+            assert "sys.stdout.flush()" in before and "sys.stderr.flush()" in before, f"{path.name}: flush before os._exit"
+
+
+# Claims an expert review found wrong (issue 20), each with the live computation that now stands in its place.
+# Prose must not come back to the wrong claim; the cell that computes the right one must stay.
+WRONG_CLAIMS = [
+    ("03_torch_amp_api", r"do \*?not\*? promote by themselves \(they raise",
+     "autocast's promote lists hold ops that promote natively too (addcmul, atan2): the chapter runs them"),
+    ("07_multi_gpu", r"keeps bf16's 8 significant bits|8 significant bits per averaged",
+     "a bf16 all-reduce rounds at every addition; the error grows with the world size"),
+    ("04_amp_training_loop", r"50264 is the classic fix",
+     "nanoGPT pads 50257 to 50304, a multiple of 64; multiples of 8 were old cuBLAS's fp16 rule"),
+    ("05_custom_precision", r"is the standard example",
+     "the built-in RMSNorm upcasts; a hand-written one is an example, not the standard"),
+    ("*", r"bf16 on (a )?CPUs?\b|bf16 on CPUs and",
+     "pick() decides a CPU's precision by its units and prints why: no blanket 'bf16 on CPUs'"),
+]
+LIVE_CHECKS = [
+    ("03_torch_amp_api", ["PROMOTE_LISTS", "_dispatch_has_kernel_for_dispatch_key", "mixed_dtype("]),
+    ("03_torch_amp_api", ["create_selective_checkpoint_contexts", "cache_enabled=False"]),
+    ("04_amp_training_loop", ["pad_to(GPT2_VOCAB, 64) == 50304"]),
+    ("05_custom_precision", ["F.rms_norm(", "'aten::rms_norm'"]),
+    ("07_multi_gpu", ["reduction_error(", "rounding_steps("]),
+]
+
+
+def _cells(stem: str, kind: str) -> list[str]:
+    return [c.source for c in nbformat.read(ROOT / "chapters" / f"{stem}.ipynb", as_version=4).cells if c.cell_type == kind]
+
+
+@pytest.mark.parametrize("stem,pattern,why", WRONG_CLAIMS, ids=[f"{s}:{p[:20]}" for s, p, _ in WRONG_CLAIMS])
+def test_prose_does_not_bring_back_a_corrected_claim(stem, pattern, why):
+    stems = [p.stem for p in CHAPTERS] if stem == "*" else [stem]
+    hits = [(s, m.group(0)) for s in stems for md in _cells(s, "markdown") for m in re.finditer(pattern, md)]
+    assert not hits, f"{hits}: {why}"
+
+
+@pytest.mark.parametrize("stem,snippets", LIVE_CHECKS, ids=[s for s, _ in LIVE_CHECKS])
+def test_corrected_claims_stay_computed_live(stem, snippets):
+    code = "\n".join(_cells(stem, "code"))
+    missing = [s for s in snippets if s not in code]
+    assert not missing, f"{stem}: the cell computing the claim is gone ({missing})"
+
+
+def test_chapter_3_cites_the_recompute_issues_it_demonstrates():
+    text = "\n".join(_cells("03_torch_amp_api", "markdown"))
+    for issue in ("pytorch/pytorch#193338", "pytorch/pytorch#148831", "pytorch/pytorch#182580"):
+        assert issue in text, issue

@@ -63,13 +63,14 @@ def check_autocast_dtypes(predictions: Mapping[str, Any], device_type: str = "cp
     truth = autocast_answers(device_type, dtype)
     wrong = {q: predictions[q] for q in truth if _as_dtype(predictions[q]) != truth[q]}
     if wrong:
+        # Name the expressions to rethink, never the dtypes they give: that would hand over the answer.
         q, got = next(iter(wrong.items()))
-        hints = {
-            torch.float32: "a loss or an op on mixed inputs: autocast casts up, or type promotion picks the widest",
-            dtype: "matmul-like ops run in low precision, and ops autocast leaves alone keep their input's dtype",
-        }
-        failed(title, f"{q} -> {truth[q]}", f"{got} ({len(wrong)} of {len(truth)} wrong)",
-               hints.get(truth[q], "run the expression under autocast and print .dtype"))
+        unreadable = [w for w in wrong.values() if _as_dtype(w) is None]
+        hint = (f"{unreadable[0]!r} is not a dtype: write torch.bfloat16, 'float32', 'bf16', ..." if unreadable else
+                "for each, ask which list autocast puts the op on (low precision, fp32, or none: then type promotion "
+                "or the input's dtype decides); section 3.4's table, generated on this device, has every op")
+        failed(title, f"the dtype torch gives for each expression ({len(truth) - len(wrong)} of {len(truth)} right)",
+               f"{len(wrong)} wrong: {', '.join(wrong)} (first: you said {got})", hint)
     passed(title, "You can read an autocast region the way torch runs it.")
 
 

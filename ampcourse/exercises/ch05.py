@@ -73,25 +73,34 @@ def check_square_function(square_cls: Any) -> None:
 
 
 def _fp8_scale_reference(t: torch.Tensor, fmt: str) -> float:
-    """The largest power of two s with max|t| * s <= fmt's largest value (1.0 for an all-zero tensor)."""
+    """The largest power of two s with max|t| * s <= fmt's largest value (1.0 for an all-zero tensor).
+
+    That is an MX scale rounded up, RCEIL (NVIDIA's and torchao's default): 1 / s is ``ampcourse.fp8``'s
+    ``mx_rounding="rceil"`` scale, so nothing clips. The OCP MX v1.0 spec itself rounds down (``"floor"``).
+    """
     amax = t.detach().abs().max().item()
     if amax == 0:
         return 1.0
-    top = formats.spec(fmt).max
-    k = math.floor(math.log2(top / amax))
-    while amax * 2.0 ** (k + 1) <= top:  # guard against log2 rounding at exact powers
-        k += 1
-    while amax * 2.0**k > top:
-        k -= 1
-    return 2.0**k
+    from .. import fp8  # the one home of the MX scale rules
+
+    return 1.0 / fp8._mx_scale(torch.tensor(amax, dtype=torch.float64), formats.spec(fmt), "rceil").item()
+
+
+def _ocp_floor_scale(amax: float, fmt: str) -> float:
+    """What OCP MX v1.0's floor rule gives as a multiplier: 2**(emax - floor(log2(amax))); may saturate."""
+    return 2.0 ** (formats.spec(fmt).emax - math.floor(math.log2(amax)))
 
 
 def check_fp8_scale(fp8_scale: Callable[[torch.Tensor], float], fmt: str = "fp8_e4m3") -> None:
-    """Exercise 5.3: fp8_scale(t) is the largest power of two s with max|t| * s <= the fp8 maximum (MX-style)."""
+    """Exercise 5.3: fp8_scale(t) is the largest power of two s with max|t| * s <= the fp8 maximum.
+
+    That rule is the MX scale rounded up (RCEIL, as NVIDIA and torchao compute it), not the OCP MX v1.0
+    spec's floor rule, which lets a block's largest values saturate; a floor answer gets a hint that says so.
+    """
     f = formats.spec(fmt)
     title = f"Exercise 5.3 (power-of-two scale for {f.name})"
     cases = [torch.tensor([1.0, -0.5]), torch.tensor([f.max]), torch.tensor([f.max + 1]), torch.tensor([1e-3, 2e-4]),
-             torch.tensor([3.5, -700.0, 2.0]), torch.tensor([0.0, 0.0]), torch.randn(100, generator=torch.Generator().manual_seed(0)) * 37]
+             torch.tensor([3.5, -700.0, 2.0]), torch.tensor([0.1, -1.9]), torch.tensor([0.0, 0.0]), torch.randn(100, generator=torch.Generator().manual_seed(0)) * 37]
     for t in cases:
         want = _fp8_scale_reference(t, fmt)
         got = call_learner(title, fp8_scale, t)
@@ -102,7 +111,11 @@ def check_fp8_scale(fp8_scale: Callable[[torch.Tensor], float], fmt: str = "fp8_
         if got != want:
             amax = t.abs().max().item()
             hint = ("a power of two (2**k): fp8 scales in MX formats are stored as a bare exponent" if got > 0 and math.frexp(got)[0] != 0.5
+                    else ("that is the OCP MX spec's floor rule (2**(emax - floor(log2 amax))): "
+                          f"{amax:g} x {got:g} = {amax * got:g} saturates at {f.max:g}; round the scale's exponent "
+                          "the other way, so nothing clips (RCEIL)") if amax > 0 and got == _ocp_floor_scale(amax, fmt)
                     else f"use max(|t|) (here {amax:g}), the largest magnitude, not the largest value" if got * t.max().item() <= f.max < got * amax
                     else f"the largest k with {amax:g} * 2**k <= {f.max:g}")
             failed(title, f"fp8_scale(tensor with max|t| = {amax:g}) == {want!r}", got, hint)
-    passed(title, f"Scaled tensors use {f.name}'s top binade without saturating at {f.max:g}.")
+    passed(title, f"Scaled tensors use {f.name}'s top binade without saturating at {f.max:g}. This is the MX "
+           "scale rounded up (RCEIL, torchao's default); the OCP spec's floor rule can saturate (chapter 9).")
