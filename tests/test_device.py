@@ -154,3 +154,13 @@ def test_a_gpu_index_that_does_not_exist_is_a_clear_error(monkeypatch):
 
 def test_native_bf16_is_false_off_cuda():
     assert not device.native_bf16("cpu")
+
+
+def test_cpu_flags_can_be_pretended_for_tests(monkeypatch):
+    """AMPCOURSE_CPU_FLAGS replaces /proc/cpuinfo's flags, so the chapters can be run as on another CPU."""
+    from ampcourse import device
+    monkeypatch.setenv(device.CPU_FLAGS_ENV, "sse4_2, avx2 fma")
+    assert device.cpu_flags() == frozenset({"sse4_2", "avx2", "fma"})
+    assert device.pick("cpu").precision == "fp32"
+    monkeypatch.setenv(device.CPU_FLAGS_ENV, "avx2 avx512_bf16")
+    assert device.pick("cpu").precision == "bf16"
