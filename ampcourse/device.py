@@ -74,7 +74,6 @@ def parse_precision(precision: str | torch.dtype) -> str:
     )
 
 
-@functools.cache
 #: Environment variable that replaces the flags read from /proc/cpuinfo (space- or comma-separated), so a test can
 #: run the chapters as on another CPU (tests/test_portable_outputs.py: an AVX2-only CPU, where pick() says fp32).
 CPU_FLAGS_ENV = "AMPCOURSE_CPU_FLAGS"
@@ -90,6 +89,12 @@ def cpu_flags() -> frozenset[str]:
     pretend = os.environ.get(CPU_FLAGS_ENV)
     if pretend is not None:
         return frozenset(pretend.replace(",", " ").split())
+    return _proc_cpu_flags()
+
+
+@functools.cache
+def _proc_cpu_flags() -> frozenset[str]:
+    """The flags line of /proc/cpuinfo, read once."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
