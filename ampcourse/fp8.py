@@ -112,6 +112,10 @@ def _mx_scale(amax: torch.Tensor, element: formats.FormatSpec, rounding: str) ->
     return torch.exp2(exp.clamp(-127, 127))
 
 
+#: The smallest amax an fp32 scale is computed from (torchao's float8 EPS): all-tiny groups stay finite.
+AMAX_EPS = 1e-12
+
+
 def _scales(amax: torch.Tensor, element: formats.FormatSpec, scale_fmt: str, rounding: str) -> torch.Tensor:
     """One scale per group from its amax, in the scale format of the granularity."""
     if scale_fmt == "fp8_e8m0":
@@ -120,7 +124,12 @@ def _scales(amax: torch.Tensor, element: formats.FormatSpec, scale_fmt: str, rou
         e4m3 = formats.spec("fp8_e4m3")
         raw = (amax / element.max).clamp(e4m3.min_normal, e4m3.max)
         return torch.from_numpy(formats.quantize(raw, e4m3))
-    s = amax / element.max  # fp32 scale: amax maps exactly onto the largest element value
+    # fp32 scale: amax maps onto the largest element value. amax is clamped first, as torchao does
+    # (torchao/float8/float8_utils.py, EPS = 1e-12 "to avoid division by zero"): an all-tiny group would
+    # otherwise get a scale that rounds to fp32 zero (0/0 = NaN), and a float64 amax past fp32's range a
+    # scale of inf (x/inf * inf = NaN). Clamped, such groups underflow or saturate, and the counts say so.
+    fp32_max = formats.spec("fp32").max
+    s = amax.clamp(AMAX_EPS, fp32_max) / element.max
     s = torch.from_numpy(formats.quantize(s, "fp32"))
     return torch.where(amax > 0, s, torch.ones_like(s))
 
@@ -369,22 +378,82 @@ def bytes_per_parameter(scheme: str | None = None) -> dict[str, float] | float:
 
 # --- fp8 matmul on CPU --------------------------------------------------------------------------------
 
-def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
-                  out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """a @ b through ``torch._scaled_mm`` in e4m3 (per-tensor or rowwise scales), and the dequantize-then-matmul reference."""
+#: The first torch whose CPU ``torch._scaled_mm`` takes rowwise scales (measured: before 2.13 it takes only
+#: per-tensor scales on CPU).
+ROWWISE_SCALED_MM_CPU = (2, 13)
+
+#: torch._scaled_mm on CUDA wants both dimensions of the second operand (K and N) divisible by 16 (cuBLASLt's
+#: fp8 alignment); checked on every device, so a CPU run shows what a GPU would refuse.
+SCALED_MM_MULTIPLE = 16
+
+
+def _torch_version() -> tuple[int, int]:
+    """torch's (major, minor), e.g. (2, 13) for '2.13.0+cpu'."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _scaled_matmul_args(a, b, granularity, out_dtype) -> torch.dtype:
+    """Check scaled_matmul's arguments (ValueError naming the fix); return the output dtype to use."""
     if not isinstance(granularity, str) or granularity not in ("tensor", "row"):
         raise ValueError(f"granularity must be 'tensor' or 'row' (what _scaled_mm takes), got {_args.shown(granularity)}")
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {_args.shown(t)}")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{name} holds inf or NaN; scaled quantization needs finite values")
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {_args.shown(out_dtype)}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"a and b must be 2-D with a.shape[1] == b.shape[0], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"a and b must be non-empty (a scale needs an amax), got {tuple(a.shape)} and {tuple(b.shape)}")
+    k, n = b.shape
+    if k % SCALED_MM_MULTIPLE or n % SCALED_MM_MULTIPLE:
+        raise ValueError(f"fp8 matmul kernels need K and N to be multiples of {SCALED_MM_MULTIPLE}: "
+                         f"got K={k}, N={n} (pad b, and a's columns, with zeros)")
+    for name, t in (("a", a), ("b", b)):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} holds inf or NaN; scaled quantization needs finite values")
+    if out_dtype is None:  # what every device and torch accepts for this granularity
+        out_dtype = torch.float32 if granularity == "tensor" else torch.bfloat16
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {_args.shown(out_dtype)}")
+    if granularity == "row" and out_dtype != torch.bfloat16:
+        # CUDA's rowwise kernel (aten/src/ATen/native/cuda/RowwiseScaledMM: f8f8bf16_rowwise) writes bf16 only;
+        # refusing other dtypes everywhere keeps CPU runs honest about what a GPU will do
+        raise ValueError(f"rowwise scaling needs out_dtype=torch.bfloat16 (CUDA's rowwise fp8 kernel writes bf16 only), "
+                         f"got {out_dtype}")
+    if granularity == "row" and a.device.type == "cpu" and _torch_version() < ROWWISE_SCALED_MM_CPU:
+        raise NotImplementedError(
+            f"rowwise torch._scaled_mm on CPU needs torch >= {'.'.join(map(str, ROWWISE_SCALED_MM_CPU))} "
+            f"(this is {torch.__version__}, which scales per tensor only on CPU): use granularity='tensor'")
+    return out_dtype
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
+                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """a @ b through ``torch._scaled_mm`` in e4m3 (per-tensor or rowwise scales), and the dequantize-then-matmul reference.
+
+    Args:
+        a: (M, K) floating-point matrix.
+        b: (K, N) floating-point matrix; K and N must be multiples of 16 (fp8 GEMM kernels require it).
+        granularity: "tensor" (one fp32 scale per operand) or "row" (one per row of a and per column of b).
+        out_dtype: the product's dtype; default float32 for "tensor" and bfloat16 for "row" (CUDA's rowwise
+            kernel writes bf16 only, so "row" refuses anything else).
+
+    Returns:
+        (out, reference): ``_scaled_mm``'s product, and the fp32 product of the dequantized operands.
+
+    Raises:
+        ValueError: bad shapes, dtypes or values, with the fix in the message.
+        NotImplementedError: "row" on a CPU with torch < 2.13, whose CPU ``_scaled_mm`` scales per tensor only.
+
+    Example::
+
+        >>> out, ref = scaled_matmul(torch.randn(32, 64), torch.randn(64, 16), "tensor")
+        >>> out.dtype, out.shape
+        (torch.float32, torch.Size([32, 16]))
+    """
+    out_dtype = _scaled_matmul_args(a, b, granularity, out_dtype)
     e4m3 = torch.float8_e4m3fn
     fmax = torch.finfo(e4m3).max
     a, b = a.float(), b.float()
@@ -393,7 +462,10 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
     else:  # one scale per row of a and per column of b: the dimensions the product keeps
         sa, sb = a.abs().amax(1, keepdim=True) / fmax, b.abs().amax(0, keepdim=True) / fmax
     sa, sb = sa.clamp_min(torch.finfo(torch.float32).tiny), sb.clamp_min(torch.finfo(torch.float32).tiny)
-    qa, qb = (a / sa).to(e4m3), (b / sb).to(e4m3)  # e4m3 casts saturate in torch 2.13
+    # Clamp before the cast: the fp32 scale's last bit can put an amax a hair above 448 (448.00003), and eager
+    # casts to e4m3fn saturate only from torch 2.13 (before, a value that rounds past 448 becomes NaN): the
+    # saturation is made explicit here, so it holds on every torch.
+    qa, qb = (a / sa).clamp(-fmax, fmax).to(e4m3), (b / sb).clamp(-fmax, fmax).to(e4m3)
     # _scaled_mm wants the second operand column-major: transpose a contiguous copy of b.T
     out = torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     reference = (qa.float() * sa) @ (qb.float() * sb)
