@@ -10,7 +10,8 @@ float32 values when you compare with torch casts.
 
 fp8_e4m3 is OCP's E4M3FN (``torch.float8_e4m3fn``): there is no infinity, the only NaN is the
 all-ones pattern ``S.1111.111``, so its largest value is 448; casts *saturate*: any finite value
-or infinity beyond the range becomes +-448 (torch's cast does the same), NaN stays NaN.
+or infinity beyond the range becomes +-448, NaN stays NaN. torch's eager cast does the same from torch 2.13
+(``TORCH_E4M3_CAST_SATURATES_FROM``); before that it gives NaN for values that round past 448.
 fp8_e5m2 follows the IEEE rules of fp16 (overflow to inf).
 
 The formats of the OCP Microscaling (MX) spec v1.0 (checked against ml_dtypes on every bit pattern):
@@ -40,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["FormatSpec", "Decomposed", "FORMATS", "spec", "decompose", "quantize", "ulp", "names"]
+__all__ = ["FormatSpec", "Decomposed", "FORMATS", "spec", "decompose", "quantize", "ulp", "names",
+           "TORCH_E4M3_CAST_SATURATES_FROM", "torch_version", "torch_e4m3_cast_saturates"]
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,22 @@ _ALIASES = {
     "e3m2": "fp6_e3m2", "float6_e3m2fn": "fp6_e3m2", "fp6_e3m2fn": "fp6_e3m2",
     "e2m1": "fp4_e2m1", "float4_e2m1fn": "fp4_e2m1", "fp4_e2m1fn": "fp4_e2m1",
 }
+
+
+#: The first torch whose eager casts to float8_e4m3fn saturate (measured: 2.6 to 2.12.1 give NaN for 500, 1e5
+#: and inf; 2.13 and later give 448). quantize saturates on every torch: it follows the OCP rule, not the cast.
+TORCH_E4M3_CAST_SATURATES_FROM = (2, 13)
+
+
+def torch_version() -> tuple[int, int]:
+    """The running torch's (major, minor), e.g. (2, 13) for '2.13.0+cpu'."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def torch_e4m3_cast_saturates() -> bool:
+    """Whether this torch's cast to float8_e4m3fn saturates at 448 (True from torch 2.13; NaN before)."""
+    return torch_version() >= TORCH_E4M3_CAST_SATURATES_FROM
 
 
 def names(narrow: bool = False) -> list[str]:

@@ -31,6 +31,7 @@ format); values beyond the element's max are clamped to +-max before rounding (s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -42,7 +43,8 @@ from . import _args, formats
 
 __all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "median_relative_error", "sqnr_db", "compare_granularities",
            "ScalingStep", "simulate_scaling", "spike_sequence", "Component", "TrainingScheme", "SCHEMES",
-           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "RECIPES", "to_recipe", "train_recipe"]
+           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "RECIPES", "to_recipe", "recipe_unavailable", "train_recipe",
+           "ROWWISE_SCALED_MM_CPU", "SCALED_MM_MULTIPLE", "AMAX_EPS"]
 
 #: granularity name -> (group shape: rows, cols; None = the whole dimension), scale format
 GRANULARITIES: dict[str, tuple[tuple[int | None, int | None], str]] = {
@@ -387,12 +389,6 @@ ROWWISE_SCALED_MM_CPU = (2, 13)
 SCALED_MM_MULTIPLE = 16
 
 
-def _torch_version() -> tuple[int, int]:
-    """torch's (major, minor), e.g. (2, 13) for '2.13.0+cpu'."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
 def _scaled_matmul_args(a, b, granularity, out_dtype) -> torch.dtype:
     """Check scaled_matmul's arguments (ValueError naming the fix); return the output dtype to use."""
     if not isinstance(granularity, str) or granularity not in ("tensor", "row"):
@@ -422,7 +418,7 @@ def _scaled_matmul_args(a, b, granularity, out_dtype) -> torch.dtype:
         # refusing other dtypes everywhere keeps CPU runs honest about what a GPU will do
         raise ValueError(f"rowwise scaling needs out_dtype=torch.bfloat16 (CUDA's rowwise fp8 kernel writes bf16 only), "
                          f"got {out_dtype}")
-    if granularity == "row" and a.device.type == "cpu" and _torch_version() < ROWWISE_SCALED_MM_CPU:
+    if granularity == "row" and a.device.type == "cpu" and formats.torch_version() < ROWWISE_SCALED_MM_CPU:
         raise NotImplementedError(
             f"rowwise torch._scaled_mm on CPU needs torch >= {'.'.join(map(str, ROWWISE_SCALED_MM_CPU))} "
             f"(this is {torch.__version__}, which scales per tensor only on CPU): use granularity='tensor'")
@@ -518,6 +514,15 @@ def to_recipe(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
     _check_recipe(recipe)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {_args.shown(model)}")
+    reason = recipe_unavailable(recipe)
+    if reason is not None:
+        raise NotImplementedError(f"recipe {recipe!r} cannot run here: {reason}")
+    _convert(model, recipe)
+    return model
+
+
+def _convert(model: torch.nn.Module, recipe: str) -> None:
+    """Swap model's Linear layers for torchao's recipe in place (no checks: to_recipe makes them)."""
     with quiet_torchao():
         if recipe == "float8":
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -528,7 +533,35 @@ def to_recipe(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
             from torchao.quantization.quantize_.common import KernelPreference
             quantize_(model, MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED,
                                                    out_dtype=torch.float32))
-    return model
+
+
+@functools.cache
+def recipe_unavailable(recipe: str) -> str | None:
+    """Why this torch and torchao cannot run a recipe, in one line; None when they can.
+
+    Tried on a one-Linear model, so the answer is what torchao does, not a version table: torchao 0.17's
+    MXFP8 training asserts a torch with newer DTensor hooks than 2.11 has ("Please install the latest torch
+    nightly build"); torch 2.13 with torchao 0.18 runs it.
+
+    Example::
+
+        >>> recipe_unavailable("fp32") is None
+        True
+    """
+    _check_recipe(recipe)
+    if recipe in ("fp32", "bf16"):
+        return None
+    try:
+        _convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe)
+    except (ImportError, AssertionError, RuntimeError, NotImplementedError) as err:
+        try:
+            import torchao
+            ao = f"torchao {torchao.__version__}"
+        except ImportError:
+            ao = "torchao (not installed)"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"{ao} on torch {torch.__version__} refuses it ({first})"
+    return None
 
 
 def train_recipe(recipe: str, steps: int = 30, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> list[float]:
