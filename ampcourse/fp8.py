@@ -43,7 +43,7 @@ from . import _args, formats
 
 __all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "median_relative_error", "sqnr_db", "compare_granularities",
            "ScalingStep", "simulate_scaling", "spike_sequence", "Component", "TrainingScheme", "SCHEMES",
-           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "RECIPES", "to_recipe", "recipe_unavailable", "train_recipe",
+           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "element_formats", "RECIPES", "to_recipe", "recipe_unavailable", "train_recipe",
            "ROWWISE_SCALED_MM_CPU", "SCALED_MM_MULTIPLE", "AMAX_EPS"]
 
 #: granularity name -> (group shape: rows, cols; None = the whole dimension), scale format
@@ -136,14 +136,26 @@ def _scales(amax: torch.Tensor, element: formats.FormatSpec, scale_fmt: str, rou
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 
+def element_formats() -> list[str]:
+    """The element formats scaled quantization takes, from the formats registry: every signed format narrower
+    than fp32 (fp32 needs no scale; e8m0 has no sign and is a scale format), widest first.
+
+    Example::
+
+        >>> element_formats()[:3]
+        ['fp16', 'bf16', 'fp8_e4m3']
+    """
+    return [name for name, f in formats.FORMATS.items() if f.signed and f.bits < formats.spec("fp32").bits]
+
+
 def _element(element) -> formats.FormatSpec:
-    """The element format: a narrow signed one (fp32 needs no scale; e8m0 has no sign); ValueError listing them otherwise."""
-    allowed = "fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1"
+    """The element format: one of element_formats(); ValueError listing them otherwise."""
+    allowed = ", ".join(element_formats())
     try:
         f = formats.spec(element)
     except ValueError:
         raise ValueError(f"element must be a narrow signed format ({allowed}), got {_args.shown(element)}") from None
-    if f.name in ("fp32", "fp8_e8m0"):
+    if f.name not in element_formats():
         raise ValueError(f"element must be a narrow signed format ({allowed}), got {f.name!r}")
     return f
 
@@ -356,15 +368,20 @@ SCHEMES: tuple[TrainingScheme, ...] = (
         Component("fp32 weight gradients", "fp32"), Component("fp32 master weights", "fp32"),
         Component("Adam first moment", "bf16"), Component("Adam second moment", "bf16")),
         "DeepSeek-V3 report, section 3.3: fp32 master weights and gradients, bf16 Adam moments"),
+    # MS-AMP's table "details of different MS-AMP optimization levels" (docs/user-tutorial/optimization-level.md):
+    # weight / master weight / weight gradient / optimizer states per level. O3 is the one with an fp16 master.
     TrainingScheme("MS-AMP O1", (
-        Component("fp8 weights", "fp8_e4m3"), Component("fp8 weight gradients", "fp8_e4m3"),
-        Component("fp32 master weights", "fp32"), *_ADAM32),
-        "MS-AMP docs, optimization levels: O1 = fp8 weights, weight gradients and all-reduce"),
+        Component("fp16 weights", "fp16"), Component("fp8 weight gradients", "fp8_e4m3"), *_ADAM32),
+        "MS-AMP docs, optimization levels table: O1 = fp16 weights, fp8 gradients (and all-reduce), fp32+fp32 Adam"),
     TrainingScheme("MS-AMP O2", (
-        Component("fp8 weights", "fp8_e4m3"), Component("fp8 weight gradients", "fp8_e4m3"),
-        Component("fp16 master weights (with a scale)", "fp16"),
+        Component("fp16 weights", "fp16"), Component("fp8 weight gradients", "fp8_e4m3"),
         Component("Adam first moment", "fp8_e4m3"), Component("Adam second moment", "fp16")),
-        "MS-AMP docs / FP8-LM paper: O2 adds an fp8 first moment and fp16 second moment (O3 = O2 + ZeRO)"),
+        "MS-AMP docs, optimization levels table: O2 = O1 with fp8+fp16 Adam states (FP8-LM's '16 -> 6 bytes')"),
+    TrainingScheme("MS-AMP O3", (
+        Component("fp8 weights", "fp8_e4m3"), Component("fp16 master weights", "fp16"),
+        Component("fp8 weight gradients", "fp8_e4m3"),
+        Component("Adam first moment", "fp8_e4m3"), Component("Adam second moment", "fp16")),
+        "MS-AMP docs, optimization levels table: O3 = fp8 weights with an fp16 master (ZeRO), fp8+fp16 Adam"),
 )
 
 

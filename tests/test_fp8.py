@@ -196,7 +196,9 @@ def test_bytes_per_parameter_are_computed_from_components():
     assert table["bf16 mixed precision"] == 2 + 2 + 4 + 4 + 4
     assert table["TE fp8 (delayed scaling)"] > table["bf16 mixed precision"]  # fp8 compute saves no state
     assert table["DeepSeek-V3 fp8"] == pytest.approx(1 + 4 / 16384 + 4 + 4 + 2 + 2)
-    assert table["MS-AMP O2"] < table["MS-AMP O1"] < table["bf16 mixed precision"]
+    # MS-AMP's optimization-level table: O1 11 B, O2 6 B (FP8-LM's "16 -> 6 bytes"), O3 7 B (fp8 weights + fp16 master)
+    assert (table["MS-AMP O1"], table["MS-AMP O2"], table["MS-AMP O3"]) == (2 + 1 + 4 + 4, 2 + 1 + 1 + 2, 1 + 2 + 1 + 1 + 2)
+    assert table["MS-AMP O2"] < table["MS-AMP O3"] < table["MS-AMP O1"] < table["bf16 mixed precision"]
     for s in fp8.SCHEMES:
         assert s.bytes == sum(formats.spec(c.fmt).bits / 8 / c.per for c in s.components)
 
@@ -338,3 +340,14 @@ def test_to_recipe_swaps_the_linear_layers():
         fp8.to_recipe(m, "fp4")
     with pytest.raises(ValueError, match="even int"):
         fp8.train_recipe("fp32", batch=3)
+
+
+def test_element_formats_come_from_the_formats_registry(monkeypatch):
+    assert fp8.element_formats() == ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"]
+    # a format added to the registry reaches scaled quantization and its error message without another edit
+    monkeypatch.setitem(formats.FORMATS, "fp5_e2m2", formats.FormatSpec("fp5_e2m2", 2, 2, has_inf=False,
+                                                                         saturates=True, has_nan=False))
+    assert "fp5_e2m2" in fp8.element_formats()
+    assert quantize_scaled(torch.ones(1, 32), "fp5_e2m2", "mx").element == "fp5_e2m2"
+    with pytest.raises(ValueError, match="fp5_e2m2"):
+        quantize_scaled(torch.ones(1, 32), "fp8_e8m0", "mx")
