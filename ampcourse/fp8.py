@@ -527,6 +527,8 @@ def to_recipe(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
     'mxfp8' is torchao's ``MXFP8TrainingOpConfig`` with the EMULATED kernel: e4m3 in blocks of 32 with
     e8m0 scales (RCEIL) for all three matmuls of each Linear; every Linear dim must be a multiple of 32.
     'fp32' and 'bf16' leave the model as it is ('bf16' runs under autocast in train_recipe).
+    Raises NotImplementedError, with the reason, where this torch and torchao cannot run the recipe
+    (``recipe_unavailable``: MXFP8 with torchao 0.17 on torch 2.11).
     """
     _check_recipe(recipe)
     if not isinstance(model, torch.nn.Module):

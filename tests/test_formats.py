@@ -35,10 +35,12 @@ def torch_cast(x: np.ndarray, name: str) -> np.ndarray:
     t = torch.from_numpy(np.asarray(x, np.float32)).to(TORCH_DTYPES[name])
     out = t.to(torch.float64).numpy()
     if name == "fp8_e4m3" and not formats.torch_e4m3_cast_saturates():
-        a = np.abs(np.asarray(x, np.float64))
+        with np.errstate(invalid="ignore"):  # signalling NaNs among the random float32 bit patterns
+            x64 = np.asarray(x, np.float32).astype(np.float64)
+        a = np.abs(x64)
         past = np.isnan(out) & ~np.isnan(a) & (formats._round_unbounded(np.where(np.isfinite(a), a, 0.0), spec(name)) > 448)
         past |= np.isinf(a)
-        out = np.where(past, np.copysign(448.0, np.asarray(x, np.float64)), out)
+        out = np.where(past, np.copysign(448.0, x64), out)
     return out
 
 
