@@ -247,3 +247,49 @@ def test_the_leg_script_refuses_an_untested_torch():
     out = subprocess.run(["bash", str(ROOT / "tools/torch_leg.sh"), "2.6.0"], capture_output=True, text=True,
                          env={**os.environ, "TORCH_LEG_CACHE": "/nonexistent/never-created"})
     assert out.returncode == 2 and "not in pyproject.toml's [tool.ampcourse] torch-tested" in out.stderr
+
+
+#: What a test module must not touch at import time: optional packages and dtypes newer than the floor torch
+#: (2.7+ e8m0 and 2.8+ fp4 exist on 2.11, but the rule keeps an old torch from turning a module into one
+#: collection error that hides every other result; issue 19).
+VERSION_SPECIFIC = {"modules": ("torchao",), "attributes": ("float4_e2m1fn_x2", "float8_e8m0fnu")}
+
+
+def module_level_uses(tree) -> list[str]:
+    """Imports of VERSION_SPECIFIC modules and reads of its attributes outside any function or class body."""
+    import ast
+    found = []
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            found += [f"line {node.lineno}: import {n}" for n in names
+                      if n.split(".")[0] in VERSION_SPECIFIC["modules"]]
+            if isinstance(node, ast.Attribute) and node.attr in VERSION_SPECIFIC["attributes"]:
+                found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_test_module_imports_version_specific_things_at_module_level():
+    import ast
+    bad = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        uses = module_level_uses(ast.parse(path.read_text(), str(path)))
+        if uses:
+            bad[str(path.relative_to(ROOT))] = uses
+    assert not bad, f"import these inside the tests that need them (skip with the version when absent): {bad}"
+
+
+def test_the_module_level_check_finds_what_it_looks_for():
+    import ast
+    caught = module_level_uses(ast.parse("import torch\nwith x():\n    from torchao.float8 import A\n"
+                                         "D = {'a': torch.float4_e2m1fn_x2}\n"
+                                         "def f():\n    import torchao\n    return torch.float8_e8m0fnu\n"))
+    assert caught == ["line 3: import torchao.float8", "line 4: .float4_e2m1fn_x2"]
