@@ -134,6 +134,11 @@ def _native_units(device: torch.device, precision: str) -> tuple[bool, str]:
     return False, f"no native {precision} units"
 
 
+#: The torch releases the course is tested on, oldest and newest (pyproject.toml: torch>=2.11 and
+#: [tool.ampcourse] torch-tested; tests/test_environments.py checks they agree). summary() warns outside them.
+TORCH_RANGE = ("2.11", "2.15")
+
+
 @dataclass(frozen=True)
 class AmpSetup:
     """The device, precision and scaler choice for one process."""
@@ -187,12 +192,21 @@ class AmpSetup:
         return str(self.device)
 
     def summary(self) -> str:
-        """One line a notebook prints: device, precision, scaler, and what to expect."""
+        """One line a notebook prints: device, precision, scaler, and what to expect (and a torch outside TORCH_RANGE)."""
         if not self.enabled:
-            return f"{self.describe_device()}, fp32 (autocast off, no GradScaler)" + (f": {self.reason}" if self.reason else "")
-        scaler = " + GradScaler" if self.use_scaler else ", no GradScaler needed"
-        speed = "expect AMP to be faster here" if self.native else "expect AMP to be slower here"
-        return f"{self.describe_device()}, {self.precision} autocast{scaler}; {self.units}: {speed}"
+            line = f"{self.describe_device()}, fp32 (autocast off, no GradScaler)" + (f": {self.reason}" if self.reason else "")
+        else:
+            scaler = " + GradScaler" if self.use_scaler else ", no GradScaler needed"
+            speed = "expect AMP to be faster here" if self.native else "expect AMP to be slower here"
+            line = f"{self.describe_device()}, {self.precision} autocast{scaler}; {self.units}: {speed}"
+        version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+        low, high = (tuple(int(p) for p in v.split(".")) for v in TORCH_RANGE)
+        if not low <= version <= high:  # said only outside the range, so stored outputs hold on every tested torch
+            line += (f"\nWARNING: torch {torch.__version__} is outside the course's tested range "
+                     f"{TORCH_RANGE[0]} to {TORCH_RANGE[1]}: "
+                     + ("install a newer torch (README, 'Environments')" if version < low else
+                        "it may work, but the course has not been tested on it (README, 'Environments')"))
+        return line
 
 
 def _default_device() -> torch.device:

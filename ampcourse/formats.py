@@ -10,7 +10,8 @@ float32 values when you compare with torch casts.
 
 fp8_e4m3 is OCP's E4M3FN (``torch.float8_e4m3fn``): there is no infinity, the only NaN is the
 all-ones pattern ``S.1111.111``, so its largest value is 448; casts *saturate*: any finite value
-or infinity beyond the range becomes +-448 (torch's cast does the same), NaN stays NaN.
+or infinity beyond the range becomes +-448, NaN stays NaN. torch's eager cast does the same from torch 2.13
+(``TORCH_E4M3_CAST_SATURATES_FROM``); before that it gives NaN for values that round past 448.
 fp8_e5m2 follows the IEEE rules of fp16 (overflow to inf).
 
 The formats of the OCP Microscaling (MX) spec v1.0 (checked against ml_dtypes on every bit pattern):
@@ -40,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["FormatSpec", "Decomposed", "FORMATS", "spec", "decompose", "quantize", "ulp", "names"]
+__all__ = ["FormatSpec", "Decomposed", "FORMATS", "spec", "decompose", "quantize", "ulp", "names",
+           "TORCH_E4M3_CAST_SATURATES_FROM", "torch_version", "torch_e4m3_cast_saturates"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,22 @@ _ALIASES = {
 }
 
 
+#: The first torch whose eager casts to float8_e4m3fn saturate (measured: 2.6 to 2.12.1 give NaN for 500, 1e5
+#: and inf; 2.13 and later give 448). quantize saturates on every torch: it follows the OCP rule, not the cast.
+TORCH_E4M3_CAST_SATURATES_FROM = (2, 13)
+
+
+def torch_version() -> tuple[int, int]:
+    """The running torch's (major, minor), e.g. (2, 13) for '2.13.0+cpu'."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def torch_e4m3_cast_saturates() -> bool:
+    """Whether this torch's cast to float8_e4m3fn saturates at 448 (True from torch 2.13; NaN before)."""
+    return torch_version() >= TORCH_E4M3_CAST_SATURATES_FROM
+
+
 def names(narrow: bool = False) -> list[str]:
     """The canonical format names, widest first; narrow=True adds e8m0, fp6 and fp4 (OCP MX)."""
     return [n for n in FORMATS if n not in _COMPUTE_ONLY] if narrow else list(_CLASSIC)
@@ -232,10 +250,65 @@ def _quantize_unsigned(x: np.ndarray, f: FormatSpec) -> np.ndarray:
     return np.where(ok & (out <= f.max), out, np.nan)
 
 
+#: Integers up to this magnitude are exact in float64 (53 significant bits); beyond it, converting first rounds.
+_EXACT_INT = 2**53
+
+
+def _round_int(n: int, f: FormatSpec) -> float | int:
+    """A Python int rounded once to f's precision (nearest, ties to even), exactly, as a float64.
+
+    Why: float(n) rounds to float64's 53 bits first, and a second rounding to f can then land on the wrong
+    side of a tie (2**60 + 2**36 + 1 becomes 2**60 + 2**36, a tie in fp32 that goes to 2**60; torch's cast
+    gives 2**60 + 2**37). f keeps at most 24 significant bits, so the result is exact in float64.
+    """
+    a = abs(n)
+    drop = a.bit_length() - (f.mantissa_bits + 1)  # low bits below f's precision
+    if drop > 0:
+        q, r = divmod(a, 1 << drop)
+        half = 1 << (drop - 1)
+        q += r > half or (r == half and q & 1)  # round half to even, on the integer itself
+        a = q << drop
+    if a.bit_length() > 1024:  # beyond float64: left as it is, for _real_array's "within float64's range" error
+        return n
+    return math.copysign(float(a), n)
+
+
+def _exact_ints(values) -> list | None:
+    """values as a flat list of Python ints and floats when it holds an integer beyond 2**53, else None."""
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            return None
+        values = values.detach().cpu().numpy()
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+        return [int(values)] if abs(int(values)) > _EXACT_INT else None
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        return values.tolist() if np.abs(values.astype(object)).max(initial=0) > _EXACT_INT else None
+    if isinstance(values, (list, tuple)) and any(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                                 and abs(int(v)) > _EXACT_INT for v in values):
+        return list(values)
+    return None
+
+
+def _prerounded(values, f: FormatSpec):
+    """values with every integer beyond 2**53 already rounded to f exactly (see _round_int); others unchanged."""
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):  # a scalar stays a scalar
+        return _round_int(int(values), f) if abs(int(values)) > _EXACT_INT else values
+    ints = _exact_ints(values)
+    if ints is None:
+        return values
+    flat = [_round_int(int(v), f) if isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+            and abs(int(v)) > _EXACT_INT else v for v in np.asarray(ints, dtype=object).ravel().tolist()]
+    return np.asarray(flat, dtype=object).reshape(np.shape(np.asarray(ints, dtype=object)))  # _real_array converts
+
+
 def quantize(values, fmt: str | torch.dtype | FormatSpec) -> np.ndarray:
-    """Round values to fmt (nearest, ties to even) and return them as float64 numpy."""
+    """Round values to fmt (nearest, ties to even) and return them as float64 numpy.
+
+    Integers (Python, numpy or torch) beyond 2**53 are rounded once, from their exact value, as torch's
+    cast does; every other value is read as float64 first.
+    """
     f = spec(fmt)
-    x = _real_array(values)
+    x = _real_array(_prerounded(values, f) if f.signed else values)
     if not f.signed:
         return _quantize_unsigned(x, f)
     a = np.abs(x)
@@ -287,8 +360,9 @@ class Decomposed:
 def decompose(x: float, fmt: str | torch.dtype | FormatSpec) -> Decomposed:
     """Round x to fmt and return its fields, its kind and what the rounding did."""
     f = spec(fmt)
+    exact = _prerounded(x, f) if f.signed and isinstance(x, (int, np.integer)) else x  # big ints: round once
     x = _real(x)
-    value = float(quantize(np.array([x]), f)[0])
+    value = float(quantize(np.array([_real(exact)]), f)[0])
     if math.isnan(value) and not f.has_nan:
         raise ValueError(f"x is {x!r}, which {f.name} cannot encode: it has no NaN "
                          "(quantize returns NaN for it; pass a finite number or an infinity)")

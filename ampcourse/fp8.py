@@ -31,6 +31,7 @@ format); values beyond the element's max are clamped to +-max before rounding (s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -42,7 +43,8 @@ from . import _args, formats
 
 __all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "median_relative_error", "sqnr_db", "compare_granularities",
            "ScalingStep", "simulate_scaling", "spike_sequence", "Component", "TrainingScheme", "SCHEMES",
-           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "RECIPES", "to_recipe", "train_recipe"]
+           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "element_formats", "RECIPES", "to_recipe", "recipe_unavailable", "train_recipe",
+           "ROWWISE_SCALED_MM_CPU", "SCALED_MM_MULTIPLE", "AMAX_EPS"]
 
 #: granularity name -> (group shape: rows, cols; None = the whole dimension), scale format
 GRANULARITIES: dict[str, tuple[tuple[int | None, int | None], str]] = {
@@ -112,6 +114,10 @@ def _mx_scale(amax: torch.Tensor, element: formats.FormatSpec, rounding: str) ->
     return torch.exp2(exp.clamp(-127, 127))
 
 
+#: The smallest amax an fp32 scale is computed from (torchao's float8 EPS): all-tiny groups stay finite.
+AMAX_EPS = 1e-12
+
+
 def _scales(amax: torch.Tensor, element: formats.FormatSpec, scale_fmt: str, rounding: str) -> torch.Tensor:
     """One scale per group from its amax, in the scale format of the granularity."""
     if scale_fmt == "fp8_e8m0":
@@ -120,19 +126,36 @@ def _scales(amax: torch.Tensor, element: formats.FormatSpec, scale_fmt: str, rou
         e4m3 = formats.spec("fp8_e4m3")
         raw = (amax / element.max).clamp(e4m3.min_normal, e4m3.max)
         return torch.from_numpy(formats.quantize(raw, e4m3))
-    s = amax / element.max  # fp32 scale: amax maps exactly onto the largest element value
+    # fp32 scale: amax maps onto the largest element value. amax is clamped first, as torchao does
+    # (torchao/float8/float8_utils.py, EPS = 1e-12 "to avoid division by zero"): an all-tiny group would
+    # otherwise get a scale that rounds to fp32 zero (0/0 = NaN), and a float64 amax past fp32's range a
+    # scale of inf (x/inf * inf = NaN). Clamped, such groups underflow or saturate, and the counts say so.
+    fp32_max = formats.spec("fp32").max
+    s = amax.clamp(AMAX_EPS, fp32_max) / element.max
     s = torch.from_numpy(formats.quantize(s, "fp32"))
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 
+def element_formats() -> list[str]:
+    """The element formats scaled quantization takes, from the formats registry: every signed format narrower
+    than fp32 (fp32 needs no scale; e8m0 has no sign and is a scale format), widest first.
+
+    Example::
+
+        >>> element_formats()[:3]
+        ['fp16', 'bf16', 'fp8_e4m3']
+    """
+    return [name for name, f in formats.FORMATS.items() if f.signed and f.bits < formats.spec("fp32").bits]
+
+
 def _element(element) -> formats.FormatSpec:
-    """The element format: a narrow signed one (fp32 needs no scale; e8m0 has no sign); ValueError listing them otherwise."""
-    allowed = "fp16, bf16, fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1"
+    """The element format: one of element_formats(); ValueError listing them otherwise."""
+    allowed = ", ".join(element_formats())
     try:
         f = formats.spec(element)
     except ValueError:
         raise ValueError(f"element must be a narrow signed format ({allowed}), got {_args.shown(element)}") from None
-    if f.name in ("fp32", "fp8_e8m0"):
+    if f.name not in element_formats():
         raise ValueError(f"element must be a narrow signed format ({allowed}), got {f.name!r}")
     return f
 
@@ -345,15 +368,20 @@ SCHEMES: tuple[TrainingScheme, ...] = (
         Component("fp32 weight gradients", "fp32"), Component("fp32 master weights", "fp32"),
         Component("Adam first moment", "bf16"), Component("Adam second moment", "bf16")),
         "DeepSeek-V3 report, section 3.3: fp32 master weights and gradients, bf16 Adam moments"),
+    # MS-AMP's table "details of different MS-AMP optimization levels" (docs/user-tutorial/optimization-level.md):
+    # weight / master weight / weight gradient / optimizer states per level. O3 is the one with an fp16 master.
     TrainingScheme("MS-AMP O1", (
-        Component("fp8 weights", "fp8_e4m3"), Component("fp8 weight gradients", "fp8_e4m3"),
-        Component("fp32 master weights", "fp32"), *_ADAM32),
-        "MS-AMP docs, optimization levels: O1 = fp8 weights, weight gradients and all-reduce"),
+        Component("fp16 weights", "fp16"), Component("fp8 weight gradients", "fp8_e4m3"), *_ADAM32),
+        "MS-AMP docs, optimization levels table: O1 = fp16 weights, fp8 gradients (and all-reduce), fp32+fp32 Adam"),
     TrainingScheme("MS-AMP O2", (
-        Component("fp8 weights", "fp8_e4m3"), Component("fp8 weight gradients", "fp8_e4m3"),
-        Component("fp16 master weights (with a scale)", "fp16"),
+        Component("fp16 weights", "fp16"), Component("fp8 weight gradients", "fp8_e4m3"),
         Component("Adam first moment", "fp8_e4m3"), Component("Adam second moment", "fp16")),
-        "MS-AMP docs / FP8-LM paper: O2 adds an fp8 first moment and fp16 second moment (O3 = O2 + ZeRO)"),
+        "MS-AMP docs, optimization levels table: O2 = O1 with fp8+fp16 Adam states (FP8-LM's '16 -> 6 bytes')"),
+    TrainingScheme("MS-AMP O3", (
+        Component("fp8 weights", "fp8_e4m3"), Component("fp16 master weights", "fp16"),
+        Component("fp8 weight gradients", "fp8_e4m3"),
+        Component("Adam first moment", "fp8_e4m3"), Component("Adam second moment", "fp16")),
+        "MS-AMP docs, optimization levels table: O3 = fp8 weights with an fp16 master (ZeRO), fp8+fp16 Adam"),
 )
 
 
@@ -369,22 +397,76 @@ def bytes_per_parameter(scheme: str | None = None) -> dict[str, float] | float:
 
 # --- fp8 matmul on CPU --------------------------------------------------------------------------------
 
-def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
-                  out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """a @ b through ``torch._scaled_mm`` in e4m3 (per-tensor or rowwise scales), and the dequantize-then-matmul reference."""
+#: The first torch whose CPU ``torch._scaled_mm`` takes rowwise scales (measured: before 2.13 it takes only
+#: per-tensor scales on CPU).
+ROWWISE_SCALED_MM_CPU = (2, 13)
+
+#: torch._scaled_mm on CUDA wants both dimensions of the second operand (K and N) divisible by 16 (cuBLASLt's
+#: fp8 alignment); checked on every device, so a CPU run shows what a GPU would refuse.
+SCALED_MM_MULTIPLE = 16
+
+
+def _scaled_matmul_args(a, b, granularity, out_dtype) -> torch.dtype:
+    """Check scaled_matmul's arguments (ValueError naming the fix); return the output dtype to use."""
     if not isinstance(granularity, str) or granularity not in ("tensor", "row"):
         raise ValueError(f"granularity must be 'tensor' or 'row' (what _scaled_mm takes), got {_args.shown(granularity)}")
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {_args.shown(t)}")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{name} holds inf or NaN; scaled quantization needs finite values")
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {_args.shown(out_dtype)}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"a and b must be 2-D with a.shape[1] == b.shape[0], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"a and b must be non-empty (a scale needs an amax), got {tuple(a.shape)} and {tuple(b.shape)}")
+    k, n = b.shape
+    if k % SCALED_MM_MULTIPLE or n % SCALED_MM_MULTIPLE:
+        raise ValueError(f"fp8 matmul kernels need K and N to be multiples of {SCALED_MM_MULTIPLE}: "
+                         f"got K={k}, N={n} (pad b, and a's columns, with zeros)")
+    for name, t in (("a", a), ("b", b)):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} holds inf or NaN; scaled quantization needs finite values")
+    if out_dtype is None:  # what every device and torch accepts for this granularity
+        out_dtype = torch.float32 if granularity == "tensor" else torch.bfloat16
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {_args.shown(out_dtype)}")
+    if granularity == "row" and out_dtype != torch.bfloat16:
+        # CUDA's rowwise kernel (aten/src/ATen/native/cuda/RowwiseScaledMM: f8f8bf16_rowwise) writes bf16 only;
+        # refusing other dtypes everywhere keeps CPU runs honest about what a GPU will do
+        raise ValueError(f"rowwise scaling needs out_dtype=torch.bfloat16 (CUDA's rowwise fp8 kernel writes bf16 only), "
+                         f"got {out_dtype}")
+    if granularity == "row" and a.device.type == "cpu" and formats.torch_version() < ROWWISE_SCALED_MM_CPU:
+        raise NotImplementedError(
+            f"rowwise torch._scaled_mm on CPU needs torch >= {'.'.join(map(str, ROWWISE_SCALED_MM_CPU))} "
+            f"(this is {torch.__version__}, which scales per tensor only on CPU): use granularity='tensor'")
+    return out_dtype
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
+                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """a @ b through ``torch._scaled_mm`` in e4m3 (per-tensor or rowwise scales), and the dequantize-then-matmul reference.
+
+    Args:
+        a: (M, K) floating-point matrix.
+        b: (K, N) floating-point matrix; K and N must be multiples of 16 (fp8 GEMM kernels require it).
+        granularity: "tensor" (one fp32 scale per operand) or "row" (one per row of a and per column of b).
+        out_dtype: the product's dtype; default float32 for "tensor" and bfloat16 for "row" (CUDA's rowwise
+            kernel writes bf16 only, so "row" refuses anything else).
+
+    Returns:
+        (out, reference): ``_scaled_mm``'s product, and the fp32 product of the dequantized operands.
+
+    Raises:
+        ValueError: bad shapes, dtypes or values, with the fix in the message.
+        NotImplementedError: "row" on a CPU with torch < 2.13, whose CPU ``_scaled_mm`` scales per tensor only.
+
+    Example::
+
+        >>> out, ref = scaled_matmul(torch.randn(32, 64), torch.randn(64, 16), "tensor")
+        >>> out.dtype, out.shape
+        (torch.float32, torch.Size([32, 16]))
+    """
+    out_dtype = _scaled_matmul_args(a, b, granularity, out_dtype)
     e4m3 = torch.float8_e4m3fn
     fmax = torch.finfo(e4m3).max
     a, b = a.float(), b.float()
@@ -393,7 +475,10 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
     else:  # one scale per row of a and per column of b: the dimensions the product keeps
         sa, sb = a.abs().amax(1, keepdim=True) / fmax, b.abs().amax(0, keepdim=True) / fmax
     sa, sb = sa.clamp_min(torch.finfo(torch.float32).tiny), sb.clamp_min(torch.finfo(torch.float32).tiny)
-    qa, qb = (a / sa).to(e4m3), (b / sb).to(e4m3)  # e4m3 casts saturate in torch 2.13
+    # Clamp before the cast: the fp32 scale's last bit can put an amax a hair above 448 (448.00003), and eager
+    # casts to e4m3fn saturate only from torch 2.13 (before, a value that rounds past 448 becomes NaN): the
+    # saturation is made explicit here, so it holds on every torch.
+    qa, qb = (a / sa).clamp(-fmax, fmax).to(e4m3), (b / sb).clamp(-fmax, fmax).to(e4m3)
     # _scaled_mm wants the second operand column-major: transpose a contiguous copy of b.T
     out = torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     reference = (qa.float() * sa) @ (qb.float() * sb)
@@ -442,10 +527,21 @@ def to_recipe(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
     'mxfp8' is torchao's ``MXFP8TrainingOpConfig`` with the EMULATED kernel: e4m3 in blocks of 32 with
     e8m0 scales (RCEIL) for all three matmuls of each Linear; every Linear dim must be a multiple of 32.
     'fp32' and 'bf16' leave the model as it is ('bf16' runs under autocast in train_recipe).
+    Raises NotImplementedError, with the reason, where this torch and torchao cannot run the recipe
+    (``recipe_unavailable``: MXFP8 with torchao 0.17 on torch 2.11).
     """
     _check_recipe(recipe)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {_args.shown(model)}")
+    reason = recipe_unavailable(recipe)
+    if reason is not None:
+        raise NotImplementedError(f"recipe {recipe!r} cannot run here: {reason}")
+    _convert(model, recipe)
+    return model
+
+
+def _convert(model: torch.nn.Module, recipe: str) -> None:
+    """Swap model's Linear layers for torchao's recipe in place (no checks: to_recipe makes them)."""
     with quiet_torchao():
         if recipe == "float8":
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -456,7 +552,35 @@ def to_recipe(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
             from torchao.quantization.quantize_.common import KernelPreference
             quantize_(model, MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED,
                                                    out_dtype=torch.float32))
-    return model
+
+
+@functools.cache
+def recipe_unavailable(recipe: str) -> str | None:
+    """Why this torch and torchao cannot run a recipe, in one line; None when they can.
+
+    Tried on a one-Linear model, so the answer is what torchao does, not a version table: torchao 0.17's
+    MXFP8 training asserts a torch with newer DTensor hooks than 2.11 has ("Please install the latest torch
+    nightly build"); torch 2.13 with torchao 0.18 runs it.
+
+    Example::
+
+        >>> recipe_unavailable("fp32") is None
+        True
+    """
+    _check_recipe(recipe)
+    if recipe in ("fp32", "bf16"):
+        return None
+    try:
+        _convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe)
+    except (ImportError, AssertionError, RuntimeError, NotImplementedError) as err:
+        try:
+            import torchao
+            ao = f"torchao {torchao.__version__}"
+        except ImportError:
+            ao = "torchao (not installed)"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"{ao} on torch {torch.__version__} refuses it ({first})"
+    return None
 
 
 def train_recipe(recipe: str, steps: int = 30, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> list[float]:

@@ -163,3 +163,133 @@ def test_binder_requirements_have_no_local_references():
     """A `-e .` in requirements.txt would defeat repo2docker's caching; postBuild installs the package."""
     lines = (ROOT / "binder/requirements.txt").read_text().splitlines()
     assert not [ln for ln in lines if ln.strip() in (".", "-e .") or ln.strip().startswith(("-e", "file:"))]
+
+
+# --- the supported torch range: one declaration, stated the same everywhere -------------------------------
+
+def torch_tested() -> list[str]:
+    """pyproject's [tool.ampcourse] torch-tested, oldest first."""
+    return pyproject()["tool"]["ampcourse"]["torch-tested"]
+
+
+def minor(v: str) -> str:
+    """'2.11.0' -> '2.11'."""
+    return ".".join(v.split(".")[:2])
+
+
+def test_the_declared_floor_is_the_oldest_tested_torch_and_the_lock_is_tested():
+    tested = torch_tested()
+    assert tested == sorted(tested, key=Version), "torch-tested must be oldest first"
+    floor = project_reqs()["torch"].specifier
+    assert str(floor) == f">={minor(tested[0])}", f"pyproject's torch{floor} should be the oldest tested, {tested[0]}"
+    assert str(lock()["torch"]) in tested, "the lock's torch must be one of torch-tested"
+    for v in tested:
+        assert floor.contains(v), v
+
+
+def test_each_tested_torch_has_a_torchao_within_pyprojects_range():
+    cfg = pyproject()["tool"]["ampcourse"]
+    pairs = cfg["torchao-for-torch"]
+    assert set(pairs) == set(torch_tested())
+    torchao = project_reqs()["torchao"].specifier
+    assert all(torchao.contains(v) for v in pairs.values()), f"torchao{torchao} excludes one of {pairs}"
+    assert pairs[str(lock()["torch"])] == str(lock()["torchao"]), "the lock's torch must get the lock's torchao"
+    low = min(pairs.values(), key=Version)
+    assert str(torchao) == f">={minor(low)}", f"torchao's floor should be the floor torch's torchao, {low}"
+
+
+def test_the_environment_check_warns_outside_the_declared_range(monkeypatch):
+    from ampcourse import device
+    tested = torch_tested()
+    assert device.TORCH_RANGE == (minor(tested[0]), minor(tested[-1]))
+    amp = device.pick("cpu")
+    for version, inside in [(tested[0], True), (tested[-1] + "+cu130", True), ("2.10.1", False),
+                            ("2.16.0", False), ("3.0.0", False)]:
+        monkeypatch.setattr(device.torch, "__version__", version)
+        line = amp.summary()
+        assert ("outside the course's tested range" in line) is not inside, (version, line)
+        if not inside:
+            assert f"torch {version}" in line and "2.11 to 2.15" in line.replace(device.TORCH_RANGE[0], "2.11")
+    monkeypatch.setattr(device.torch, "__version__", "2.9.1")
+    assert "install a newer torch" in amp.summary()
+
+
+def test_every_file_that_states_the_range_states_the_declared_one():
+    low, high = (minor(v) for v in (torch_tested()[0], torch_tested()[-1]))
+    statement = f"{low} to {high}"
+    for path in ["README.md", "environment.yml", "binder/requirements.txt"]:
+        text = (ROOT / path).read_text()
+        assert statement in text, f"{path} should state the supported torch range as '{statement}'"
+        assert not re.search(r"torch\s*>=\s*2\.(?!%s\b)\d+" % low.split(".")[1], text), f"{path} states another floor"
+    readme = (ROOT / "README.md").read_text()
+    assert f"torch>={low}" in readme and f"tools/torch_leg.sh {torch_tested()[0]}" in readme
+    assert f"tools/torch_leg.sh {torch_tested()[-1]}" in readme
+
+
+def test_ci_runs_the_floor_and_the_newest_torch_through_the_leg_script():
+    tested = torch_tested()
+    flow = yaml.safe_load((ROOT / ".github/workflows/torch-matrix.yml").read_text())
+    job = flow["jobs"]["torch"]
+    assert job["strategy"]["matrix"]["torch"] == [tested[0], tested[-1]]
+    assert any("tools/torch_leg.sh" in step.get("run", "") for step in job["steps"])
+    run = (ROOT / ".ci/run").read_text()
+    assert "make test" in run and "tools/torch_leg.sh" in run and "torch-tested" in run
+    assert run.index("make test") < run.index("tools/torch_leg.sh"), "the lock's torch first, then the legs"
+    leg = (ROOT / "tools/torch_leg.sh").read_text()
+    for what in ["--nbval-lax", "not slow", "test_browser.py", "test_student.py", "test_make_lab.py",
+                 "torchao-for-torch", "requirements.lock", "import"]:
+        assert what in leg, f"tools/torch_leg.sh should mention {what!r}"
+    assert os.access(ROOT / "tools/torch_leg.sh", os.X_OK) and os.access(ROOT / ".ci/run", os.X_OK)
+
+
+def test_the_leg_script_refuses_an_untested_torch():
+    import subprocess
+    out = subprocess.run(["bash", str(ROOT / "tools/torch_leg.sh"), "2.6.0"], capture_output=True, text=True,
+                         env={**os.environ, "TORCH_LEG_CACHE": "/nonexistent/never-created"})
+    assert out.returncode == 2 and "not in pyproject.toml's [tool.ampcourse] torch-tested" in out.stderr
+
+
+#: What a test module must not touch at import time: optional packages and dtypes newer than the floor torch
+#: (2.7+ e8m0 and 2.8+ fp4 exist on 2.11, but the rule keeps an old torch from turning a module into one
+#: collection error that hides every other result; issue 19).
+VERSION_SPECIFIC = {"modules": ("torchao",), "attributes": ("float4_e2m1fn_x2", "float8_e8m0fnu")}
+
+
+def module_level_uses(tree) -> list[str]:
+    """Imports of VERSION_SPECIFIC modules and reads of its attributes outside any function or class body."""
+    import ast
+    found = []
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            found += [f"line {node.lineno}: import {n}" for n in names
+                      if n.split(".")[0] in VERSION_SPECIFIC["modules"]]
+            if isinstance(node, ast.Attribute) and node.attr in VERSION_SPECIFIC["attributes"]:
+                found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_test_module_imports_version_specific_things_at_module_level():
+    import ast
+    bad = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        uses = module_level_uses(ast.parse(path.read_text(), str(path)))
+        if uses:
+            bad[str(path.relative_to(ROOT))] = uses
+    assert not bad, f"import these inside the tests that need them (skip with the version when absent): {bad}"
+
+
+def test_the_module_level_check_finds_what_it_looks_for():
+    import ast
+    caught = module_level_uses(ast.parse("import torch\nwith x():\n    from torchao.float8 import A\n"
+                                         "D = {'a': torch.float4_e2m1fn_x2}\n"
+                                         "def f():\n    import torchao\n    return torch.float8_e8m0fnu\n"))
+    assert caught == ["line 3: import torchao.float8", "line 4: .float4_e2m1fn_x2"]

@@ -198,16 +198,7 @@ def test_make_gpu_test_leaves_the_gpus_visible():
     assert "CUDA_VISIBLE_DEVICES" not in line and "tools/gpu_test.py" in line
 
 
-def test_the_torch_matrix_tests_the_declared_range():
-    """pyproject's torch floor, its torch-tested list, the lock and the matrix workflow agree."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    tested = project["tool"]["ampcourse"]["torch-tested"]
-    floor = next(d for d in project["project"]["dependencies"] if d.startswith("torch"))
-    assert floor == "torch>=2.6" and tested[0].startswith("2.6")
-    locked = next(line for line in (ROOT / "requirements.lock").read_text().splitlines() if line.startswith("torch=="))
-    assert locked.split("==")[1].split("+")[0] == tested[-1]
-    flow = yaml.safe_load((ROOT / ".github/workflows/torch-matrix.yml").read_text())
-    assert flow["jobs"]["torch"]["strategy"]["matrix"]["torch"] == tested
+# The torch range (pyproject's floor, torch-tested, the matrix workflow, .ci/run): tests/test_environments.py.
 
 
 def test_the_cpu_workflow_runs_the_readme_test_command_with_chromium():
