@@ -124,28 +124,39 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
         except Exception as err:  # noqa: BLE001
             out["master_error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
             master, opt_m = None, None
-    moved = lost = nonfinite = 0
+    moved = lost = 0.0
+    nonfinite = 0
     for p in params:
         if id(p) not in grads:
             continue
         name = names.get(id(p), "?")
-        a = actual[id(p)].detach().float()
+        c = actual[id(p)]
+        a = c.detach().float()
         w = p.detach().float()
         row: dict[str, Any] = {"dtype": _dt(p), "nonfinite_after": int((~torch.isfinite(a)).sum())}
         nonfinite += row["nonfinite_after"]
         if master is not None:
             m = master[id(p)].detach().float()
             dw, dwm = a - w, m - w
-            live = dwm != 0
-            n_live = int(live.sum())
-            n_lost = int((live & ((dw == 0) | ~torch.isfinite(dw))).sum())  # a NaN did not "move"
-            norm_m = float(torch.linalg.vector_norm(dwm))
-            norm_a = float(torch.linalg.vector_norm(dw)) if torch.isfinite(dw).all() else math.inf
-            row.update(update_ratio=norm_a / norm_m if norm_m else (1.0 if norm_a == 0 else math.inf),
-                       lost_share=n_lost / n_live if n_live else 0.0)
+            # An optimizer that keeps what rounding dropped (Kahan compensation, as BF16AdamW's) has not lost it.
+            comp_before = optimizer.state.get(p, {}).get("compensation")
+            comp_after = opt_a.state.get(c, {}).get("compensation")
+            if isinstance(comp_after, torch.Tensor):
+                dw = dw + comp_after.float() - (comp_before.float() if isinstance(comp_before, torch.Tensor) else 0.0)
+            norm_m2 = float((dwm.double() ** 2).sum())
+            finite = bool(torch.isfinite(dw).all())
+            # The share of the fp32-master update that did not arrive, as a projection: rounding to nearest that
+            # drops a small update loses all of it; stochastic rounding delivers it on average (moving few elements
+            # by a whole ulp), so an element count would condemn it wrongly. A NaN did not "move".
+            got = float((dw.double() * dwm.double()).sum()) if finite else 0.0
+            row.update(update_ratio=(float(torch.linalg.vector_norm(dw)) / math.sqrt(norm_m2) if finite else math.inf)
+                       if norm_m2 else (1.0 if finite and not bool((dw != 0).any()) else math.inf),
+                       lost_share=min(1.0, max(0.0, 1.0 - got / norm_m2)) if norm_m2 else 0.0,
+                       unchanged_share=int(((dwm != 0) & ((a - w) == 0)).sum()) / max(1, int((dwm != 0).sum())))
             if p.dtype in _LOW:
-                moved, lost = moved + n_live, lost + n_lost
-            sq_a = opt_a.state.get(actual[id(p)], {}).get("exp_avg_sq")
+                moved += norm_m2
+                lost += norm_m2 - min(norm_m2, max(0.0, got))
+            sq_a = opt_a.state.get(c, {}).get("exp_avg_sq")
             sq_m = opt_m.state.get(master[id(p)], {}).get("exp_avg_sq")
             if isinstance(sq_a, torch.Tensor) and isinstance(sq_m, torch.Tensor) and sq_a.dtype in _LOW:
                 nz = sq_m != 0

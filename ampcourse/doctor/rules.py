@@ -270,7 +270,7 @@ def gradient_error(ev: Evidence) -> list[Finding]:
             out.append(Finding("gradient_error", worst, p, err,
                                f"The parameter gradients of one {p} backward differ from fp32's by {err:.3g} (relative, "
                                f"all parameters together; tolerance {GRAD_TOL[p]:.3g}); the largest share of it is "
-                               f"{quoted(worst)} ({w['num'] / max(w['den'], 1e-300):.3g} of its own norm)", "warning",
+                               f"{quoted(worst)} (error norm {w['num']:.3g} against its fp32 gradient norm {w['den']:.3g})", "warning",
                                "backward"))
     return out
 
