@@ -9,6 +9,7 @@ import stat
 import sys
 from collections.abc import Sequence
 
+import torch
 import torch.nn as nn
 
 from .. import _args
@@ -23,7 +24,7 @@ class CliError(Exception):
 
 def _reference_setup(name: str, batch: int, seed: int):
     """(model, inputs, targets, loss_fn, optimizer) for a reference model of ampcourse.models."""
-    from .models import make_task
+    from ..models import make_task
     task = make_task(name, n=batch, seed=seed)
     x, y = task.data.tensors
     return task.model, x, y, task.loss_fn, torch.optim.AdamW(task.model.parameters(), lr=1e-3)
@@ -77,7 +78,7 @@ def _writable(path: str, flag: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     """The command line of python -m ampcourse.doctor."""
-    from .models import MODELS
+    from ..models import MODELS
     ap = _args.OneLineParser(prog="python -m ampcourse.doctor", description=__doc__.split("\n\n")[0],
                              error_prefix="ampcourse.doctor", formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True,
@@ -94,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the doctor from the command line; 0 on success, 2 with one line on stderr for bad input."""
-    from .models import MODELS
+    from ..models import MODELS
     try:
         args = _parser().parse_args(argv)
     except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr

@@ -32,7 +32,9 @@ OUTPUT_TOL = {p: 32 * formats.spec(p).eps for p in ("fp16", "bf16")}
 #: The loss's relative gap from fp32 beyond which it is a finding (a planted inline RMSNorm: 12%).
 LOSS_TOL = {"fp16": 0.02, "bf16": 0.05}
 #: The relative error of all parameter gradients together (after unscaling) against fp32's beyond which it is a finding.
-GRAD_TOL = {p: 64 * formats.spec(p).eps for p in ("fp16", "bf16")}
+#: Deep healthy models are far from 0 here (a ResNet-18 layout with BatchNorm at batch 4 measured 0.18 in fp16), so
+#: the bar is where the gradient stops pointing the fp32 way: half its norm in fp16, its whole norm in bf16.
+GRAD_TOL = {"fp16": 0.5, "bf16": 1.0}
 GRAD_MARGIN = 8.0  # the recommended scale keeps max|grad| x scale this many times below fp16's max
 UNDERFLOW_WARN = 0.01  # warn when more than 1% of the nonzero gradients flush to zero
 LAYER_UNDERFLOW_WARN = 0.5  # name a parameter that loses more than half of its gradient, however small the aggregate
