@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import formats
@@ -339,6 +340,18 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
     return out
 
 
+def _mass_flushed(h: Log2Hist, scale: float) -> float:
+    """The share of sum |x| held by values that fp16 flushes to zero at this scale (below 2**-25 / scale), to the
+    binade."""
+    bins = h._values()[0].sum(1).astype(np.float64)
+    mass = bins * np.exp2(np.arange(bins.size) + h.LO)
+    total = mass.sum()
+    if total == 0:
+        return 0.0
+    cut = int(math.floor(-25 - math.log2(scale))) - h.LO
+    return float(mass[:max(cut, 0)].sum() / total)
+
+
 def _layer_underflow(ev: Evidence) -> list[Finding]:
     """Parameters that lose more than half of their gradient in fp16 at scale 1 (predicted from the fp32 histogram,
     for layers autocast runs in fp16) or at the recommended scale (measured in the fp16 backward)."""
@@ -349,18 +362,26 @@ def _layer_underflow(ev: Evidence) -> list[Finding]:
     k = int(math.log2(ev.scale))
     norms = {n: float(torch.linalg.vector_norm(g)) for n, g in ctx.ref_grads.items()}
     total = math.sqrt(sum(v * v for v in norms.values()))
+    broken = bool(res.watch.origins) or any(g["nonfinite"] for g in res.grads.values())
     for n, h in ctx.param_grads.items():
-        low = res.records.get(_owner(n))
+        owner = _owner(n)
+        low = res.records.get(owner)
         ran_low = low is not None and low.dtype.get("fp16") == "float16" or ev.model_dtype == torch.float16
         # A gradient below fp32's own rounding of the whole (a conv bias before BatchNorm: mathematically zero) is
         # noise: losing it at scale 1 loses nothing. Measured losses at the recommended scale always count.
         noise = norms.get(n, 0.0) < NOISE * total
-        at1 = h._share("underflow", 1.0) if ran_low and not noise else 0.0
-        measured = res.grads.get(n, {}).get("flushed", 0.0)
+        # Lost at scale 1: its own values flush, or the gradient reaching its module's output does (then the
+        # parameter's gradient, computed from it, is zero however large it is in fp32).
+        # A weight's gradient is a sum over the batch of (output gradient x input): what it loses is the *mass* of
+        # the output gradient that flushes, not the count of flushed values (the small ones barely count).
+        og = ctx.records[owner].grad if owner in ctx.records else Log2Hist()
+        at1 = max(h._share("underflow", 1.0), _mass_flushed(og, 1.0)) if ran_low and not noise else 0.0
+        at_rec = max(h._share("underflow", ev.scale), _mass_flushed(og, ev.scale))
+        measured = 0.0 if broken else res.grads.get(n, {}).get("flushed", 0.0)
         if max(at1, measured) > LAYER_UNDERFLOW_WARN:
             which = (f"{measured:.0%} of its gradient came back zero from the fp16 backward at scale 2**{k}"
                      if measured > LAYER_UNDERFLOW_WARN else f"{at1:.0%} of its gradient flushes to zero in fp16 at "
-                     f"scale 1 ({h._share('underflow', ev.scale):.0%} at 2**{k})")
+                     f"scale 1 ({at_rec:.0%} at the recommended 2**{k})")
             out.append(Finding("layer_gradient_underflow", n, "fp16", max(at1, measured),
                                f"{quoted(n).capitalize()} loses more than half of its gradient: {which}; that layer "
                                "barely trains in fp16 however small the aggregate: use the recommended GradScaler scale"
