@@ -385,3 +385,67 @@ def test_healthy_models_stay_clean_with_backward_and_the_op_watch():
         x, y = batch(name, 32)
         r = examine(model, x, y, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
         assert r.is_clean("fp16") and r.is_clean("bf16"), r.summary()
+
+
+# -- calibration and the report a learner reads (issue 20: errata 4-7, learner path 7) ----------------------------------
+
+@pytest.mark.parametrize("fmt, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_rel_tol_is_calibrated_on_linear_layers(fmt, dtype):
+    """REL_TOL's comment states what is measured: an nn.Linear's own error under autocast is 0.2-0.4 eps (eps is the
+    spacing at 1; the rounding unit u = eps/2), so REL_TOL = 8 eps is 20-40x a healthy layer's."""
+    from ampcourse import formats
+    from ampcourse.doctor import REL_TOL
+    eps = formats.spec(fmt).eps
+    g = torch.Generator().manual_seed(0)
+    own = []
+    for d in (64, 256):
+        lin = nn.Linear(d, d)
+        x = torch.randn(128, d, generator=g)
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            low = lin(x)
+        with torch.no_grad():
+            ref = lin(x.to(dtype).float())  # the same (rounded) inputs, in fp32: only the layer's own rounding differs
+        own.append(float((low.float() - ref).norm() / ref.norm()) / eps)
+    assert all(0.1 < e < 0.6 for e in own), own
+    assert REL_TOL[fmt] == 8 * eps and REL_TOL[fmt] > 10 * max(own) * eps
+
+
+def test_the_report_reads_as_sentences_quotes_names_and_names_the_oversized_weight():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        model[0].weight.mul_(3e4)
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn)
+    over = r.find("activation_overflow", "fp16")
+    assert over and over[0].module == "0"
+    msg = over[0].message
+    assert msg.startswith("'0' outputs") and "'0.weight'" in msg and "cause" in msg
+    text, page = r.summary(), r._repr_html_()
+    assert "{'fp16'" not in text and "{'fp16'" not in page  # no Python dicts in the advice
+    assert all(isinstance(a, str) and a[0].isupper() and a.rstrip().endswith(".") for a in r.advice)
+    assert "'0'" in page or "&#x27;0&#x27;" in page
+    # policy_snippet: a reason when there is nothing to apply; both forms of the island when there is
+    clean_only = examine(make_model("mlp"), x, y, loss_fn=loss_fn, precisions=("bf16",))
+    assert clean_only.policy_snippet().startswith("# no fp32 islands: bf16 ran clean")
+    torch.manual_seed(0)
+    fixed = examine(WithInlineBlock(), x, y, loss_fn=loss_fn, precisions=("fp16",))
+    snippet = fixed.policy_snippet("fp16")
+    assert "apply_policy(model, {'block': 'fp32'})" in snippet and "torch.autocast" in snippet
+    m2 = WithInlineBlock()
+    plain = snippet.split("# or in plain PyTorch")[1].split("\n", 1)[1]
+    exec(plain, {"model": m2})
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = m2(x)
+    assert torch.isfinite(out).all()  # the plain-PyTorch island works
+
+
+def test_no_scaler_advice_for_fp16_parameters():
+    torch.manual_seed(0)
+    model = make_model("mlp").half()
+    x, y = batch()
+    r = examine(model, x.half(), y, loss_fn=loss_fn, precisions=("fp16",))
+    text = " ".join([f.message for f in r.findings] + r.advice)
+    assert "still the safe default" not in text
+    assert "GradScaler(" not in " ".join(r.advice)
+    assert r.find("low_precision_model")

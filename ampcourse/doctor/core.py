@@ -240,8 +240,12 @@ def _advice(r: Report, ev: Evidence) -> list[str]:
                    + (f"; {others}" if others else "") + "." + caveat)
     if ev.ctx.dev.type == "cpu":
         chosen = pick(ev.ctx.dev)
-        out.append(f"On this CPU ampcourse.device.pick() chooses {chosen.precision} ({chosen.units}); low precision "
-                   "is only faster where the CPU has the units for it.")
+        if chosen.precision == "fp32":
+            out.append(f"On this CPU ampcourse.device.pick() keeps fp32 ({chosen.units}): {rec} is correct here but "
+                       "slower than fp32; it pays on hardware with units for it.")
+        else:
+            out.append(f"On this CPU ampcourse.device.pick() chooses {chosen.precision} ({chosen.units}); low "
+                       "precision is only faster where the CPU has the units for it.")
     g = r.gradients
     fp32_params = ev.model_dtype not in _LOW
     if rec == "fp16" and status in ("clean", "islands") and "recommended_scale" in g:
