@@ -371,6 +371,12 @@ class OpWatch(TorchDispatchMode):
 
     MAX_EVENTS = 64  # per kind: the first ones are the ones that matter
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep torch.compile out of it, importing torch._dynamo (and sympy)
+        # on its first op: seconds, for nothing here (the doctor runs eagerly). Older torch has no such hook.
+        return False
+
     def __init__(self, tracker: Tracker, overflow_at: float | None = None) -> None:
         super().__init__()
         self.tracker = tracker
