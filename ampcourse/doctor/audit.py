@@ -111,6 +111,11 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
                 if in_state and range_counts([eps], 1.0, fmt)["underflow"]:
                     out["eps"].append({"group": gi, "eps": float(eps), "format": fmt, "params": len(in_state),
                                        "first": names.get(id(in_state[0]), f"param_groups[{gi}]")})
+    if out["fp32_master_weights"]:
+        # fp32 weights and state: the step *is* the fp32-master step; nothing of it depends on low precision.
+        out.update(nonfinite_after=0, lost_update_share=0.0, loss_before=ctx.ref_loss, loss_after=math.nan,
+                   loss_after_master=math.nan, stepped=False)
+        return out
     try:
         actual, opt_a = step_copy(optimizer, params, grads)
     except Exception as err:  # noqa: BLE001 (an optimizer we cannot copy: say so, never rebuild it differently)

@@ -18,6 +18,7 @@ caller's torch, CUDA, Python and NumPy RNG states, so passes see the same data a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .. import _args
 from ..device import AmpSetup, parse_precision, pick
@@ -45,7 +46,7 @@ _TAG = "ampcourse.doctor"  # key of the (module, call) tag in an autograd node's
 _LOW = (torch.float16, torch.bfloat16)
 #: Ops whose output is uninitialised memory or a fill value: never the origin of an inf/NaN.
 _NO_ORIGIN = ("empty", "new_empty", "empty_like", "empty_strided", "full", "full_like", "fill", "scalar_tensor",
-              "lift_fresh", "detach", "alias", "_to_copy", "clone", "copy")
+              "lift_fresh", "detach", "alias")
 
 
 # -- argument checks and calling the model -------------------------------------------------------------------
@@ -328,6 +329,17 @@ def _op_name(func) -> str:
 
 
 @functools.cache
+def _is_view(func) -> bool:
+    """An op whose output is a view of its input (view, transpose, expand, slice, ...): it computes no value, so it can
+    neither make an inf/NaN nor pass fp16's range; skipping it saves a reduction per view."""
+    try:
+        schema = func._schema
+        return not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
+    except AttributeError:
+        return False
+
+
+@functools.cache
 def _mutated(func) -> tuple[int, ...]:
     """Positions of the arguments an op writes into (in-place and out= ops)."""
     try:
@@ -392,7 +404,7 @@ class OpWatch(TorchDispatchMode):
         written = _mutated(func)
         before = all(_finite(args[i]) for i in written if i < len(args)) if written else True
         out = func(*args, **kwargs)
-        if self.tracker.quiet:
+        if self.tracker.quiet or _is_view(func):
             return out
         outs = [t for t in float_tensors(out) if t.numel()]
         if not outs:
@@ -503,16 +515,24 @@ class Tracker:
             tensors = list(float_tensors(out))
             if self.grads and torch.is_grad_enabled():
                 self.tag(tensors, (name, ncall))
-            self.quiet += 1
-            try:
+            with self.measuring():
                 if self.precision == "fp32":
                     self._reference(name, rec, tensors)
                 elif tensors:
                     self._under_autocast(module, rec, ncall, tensors, args, kwargs)
-            finally:
-                self.quiet -= 1
             return None
         return hook
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """The doctor's own ops (histograms, fp32 reruns): off the op watcher's books, and outside every dispatch mode
+        (a Python call per op would cost more than the measuring itself)."""
+        self.quiet += 1
+        try:
+            with _disable_current_modes():
+                yield
+        finally:
+            self.quiet -= 1
 
     def _reruns(self, module: nn.Module) -> bool:
         """Leaf modules whose own error is measured; not dropout (random by design) nor in-place ones."""
@@ -530,11 +550,8 @@ class Tracker:
 
     def _count_grad(self, hists: list[Log2Hist], grad: torch.Tensor) -> None:
         """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
-        self.quiet += 1
-        try:
+        with self.measuring():
             self.counter.add(grad, hists, COUNT_CAP)
-        finally:
-            self.quiet -= 1
 
     def _reference(self, name: str, rec: ModuleRecord, tensors: list[torch.Tensor]) -> None:
         """fp32 pass: histogram of the outputs, a sample per call, and hooks that histogram their gradients."""
@@ -607,6 +624,15 @@ class Context:
     ref_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 gradients of the reference pass
     ref_loss: float = math.nan
     ref_watch: OpWatch | None = None
+    overflow_at: float = 65504.0  # fp32 op outputs beyond this (fp16's max) are recorded by the reference op watch
+
+    def reference_watch(self) -> OpWatch:
+        """The op watcher's record of the fp32 reference, forward and backward. Run only when a precision made an
+        inf/NaN (to tell its origins from those fp32 has too, and to say what an overflowing op reaches in fp32):
+        a healthy model does not pay for a second reference pass."""
+        if self.ref_watch is None:
+            self.ref_watch = _reference_run(self, {}, [], True, keep=False)[1]
+        return self.ref_watch
 
     def forward_loss(self, model: nn.Module, inputs) -> torch.Tensor:
         """One forward pass and the loss, with the model's own errors turned into a ValueError about the data."""
@@ -621,10 +647,20 @@ def _float_dtype(model: nn.Module) -> torch.dtype | None:
     return None if not dts or dts == {torch.float32} else max(dts, key=lambda d: (d == torch.float64, d.itemsize))
 
 
-def reference_pass(ctx: Context, overflow_at: float) -> float:
-    """fp32 forward + backward on the reference model: activation and gradient histograms, fp32 op overflows,
-    inf/NaN origins; keeps the fp32 parameter gradients; returns the loss."""
+def reference_pass(ctx: Context, watch_ops: bool = False) -> float:
+    """fp32 forward + backward on the reference model: activation and gradient histograms; keeps the fp32 parameter
+    gradients; returns the loss. With watch_ops, the op watcher runs too (see Context.reference_watch)."""
+    loss, watch = _reference_run(ctx, ctx.records, ctx.order, watch_ops, keep=True)
+    if watch is not None:
+        ctx.ref_watch = watch
+    return loss
+
+
+def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[str], watch_ops: bool,
+                   keep: bool) -> tuple[float, OpWatch | None]:
+    """One fp32 forward + backward of the reference model from the caller's RNG and buffers."""
     ctx.snapshot.reset_rng()
+    ctx.snapshot.reset_buffers()
     model = ctx.ref_model
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     saved = {id(p): p.grad for _, p in params}  # the reference may be the model itself: its .grad is the caller's
@@ -632,26 +668,26 @@ def reference_pass(ctx: Context, overflow_at: float) -> float:
         p.grad = None
     low = _float_dtype(ctx.model)  # an fp16/bf16 model's batch is fp16/bf16 too: the fp32 copy takes it in fp32
     inputs = fresh_copy(ctx.inputs, torch.float32 if low in _LOW else None)
-    tracker = Tracker(model, ctx.records, ctx.order, "fp32", ctx.dev, grads=True)
-    watch = OpWatch(tracker, overflow_at)
+    tracker = Tracker(model, records, order, "fp32", ctx.dev, grads=True)
+    watch = OpWatch(tracker, ctx.overflow_at) if watch_ops else None
     try:
         with tracker, torch.autocast(ctx.dev.type, enabled=False):
-            with watch:
+            with watch if watch is not None else contextlib.nullcontext():
                 loss = ctx.forward_loss(model, inputs)
                 tracker.tag([loss], ("", -1))
                 if loss.requires_grad:
                     loss.backward()
-        counter = _Counter()
-        for n, p in params:
-            if p.grad is not None:
-                counter.add(p.grad, [ctx.param_grads.setdefault(n, Log2Hist())], COUNT_CAP)
-                ctx.ref_grads[n] = p.grad.detach().float()
-        counter.flush()
+        if keep:
+            counter = _Counter()
+            for n, p in params:
+                if p.grad is not None:
+                    counter.add(p.grad, [ctx.param_grads.setdefault(n, Log2Hist())], COUNT_CAP)
+                    ctx.ref_grads[n] = p.grad.detach().float()
+            counter.flush()
     finally:
         for _, p in params:
             p.grad = saved[id(p)]
-    ctx.ref_watch = watch
-    return float(loss.detach())
+    return float(loss.detach()), watch
 
 
 @dataclass

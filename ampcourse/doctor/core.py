@@ -96,11 +96,15 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
     ctx = Context(model, ref_model, inputs, targets, loss_fn, dev, snapshot)
     ev = Evidence(ctx, precs, model_dtype=mdt)
     try:
-        ctx.ref_loss = reference_pass(ctx, overflow_at=65504.0)
+        ctx.ref_loss = reference_pass(ctx)
+        if not math.isfinite(ctx.ref_loss) or any(r.act.nonfinite for r in ctx.records.values()):
+            ctx.reference_watch()  # where fp32 itself goes inf/NaN
         ev.gradients, ev.scale = rules.gradient_info(ctx)
         ev.audit = audit(ctx, optimizer)
         for p in precs:
             ev.verdicts[p] = _precision(ctx, ev, p)
+        if any(res.watch.origins for res in ev.passes.values()):
+            ctx.reference_watch()  # the rules compare with it; it must run before the state is restored
     finally:
         snapshot.restore(model)
     if "fp16" in ev.passes:  # flushed shares over the layers autocast really ran in fp16

@@ -66,8 +66,11 @@ class Evidence:
 
 def new_origins(ev_ctx: Context, res: PassResult, phase: str) -> list[OpEvent]:
     """inf/NaN origins of a pass in one phase that the fp32 reference did not have."""
-    ref = {e.key for e in ev_ctx.ref_watch.origins} if ev_ctx.ref_watch else set()
-    return [e for e in res.watch.origins if e.phase == phase and e.key not in ref]
+    mine = [e for e in res.watch.origins if e.phase == phase]
+    if not mine:
+        return []
+    ref = {e.key for e in ev_ctx.reference_watch().origins}
+    return [e for e in mine if e.key not in ref]
 
 
 def lossy_leaves(ctx: Context, res: PassResult) -> list[str]:
@@ -134,7 +137,7 @@ def reference_nonfinite(ev: Evidence) -> list[Finding]:
 
 def _overflow_note(ctx: Context, e: OpEvent) -> str:
     """What the same op reached in fp32, when it passed fp16's max there."""
-    ref = next((o for o in ctx.ref_watch.overflows if (o.module, o.call, o.op, o.index) == (e.module, e.call, e.op,
+    ref = next((o for o in ctx.reference_watch().overflows if (o.module, o.call, o.op, o.index) == (e.module, e.call, e.op,
                                                                                           e.index)), None)
     return f"; in fp32 it reaches {ref.value:.3g}, above fp16's max 65504" if ref else ""
 
