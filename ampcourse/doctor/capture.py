@@ -438,9 +438,10 @@ class Tracker:
     """Module hooks for one pass: the stack of module calls, autograd-node tags, histograms, samples, own errors."""
 
     def __init__(self, model: nn.Module, records: dict[str, ModuleRecord], order: list[str], precision: str,
-                 dev: torch.device, grads: bool = False) -> None:
+                 dev: torch.device, grads: bool = False, tag: bool = True) -> None:
         self.model, self.records, self.order, self.precision, self.dev = model, records, order, precision, dev
         self.grads = grads
+        self.tagging = grads and tag  # tag autograd nodes with module calls (for attributing backward ops)
         self.stack: list[tuple[str, int]] = []
         self.counter = _Counter()  # histograms are filled in batches, at the latest when the pass ends
         self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its queued counts, gradient histograms)
@@ -495,7 +496,7 @@ class Tracker:
         def pre(mod, args):
             if self.busy:
                 return None
-            if self.grads and torch.is_grad_enabled():
+            if self.tagging and torch.is_grad_enabled():
                 # What the caller computed before this call is the caller's code (inline), not this module's.
                 self.tag(list(float_tensors(args)), self.stack[-1] if self.stack else ("", -1))
             rec = self.records[name]
@@ -513,7 +514,7 @@ class Tracker:
             ncall = self.stack.pop()[1] if self.stack and self.stack[-1][0] == name else self.records[name].calls - 1
             rec = self.records[name]
             tensors = list(float_tensors(out))
-            if self.grads and torch.is_grad_enabled():
+            if self.tagging and torch.is_grad_enabled():
                 self.tag(tensors, (name, ncall))
             with self.measuring():
                 if self.precision == "fp32":
@@ -670,13 +671,14 @@ def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[s
         p.grad = None
     low = _float_dtype(ctx.model)  # an fp16/bf16 model's batch is fp16/bf16 too: the fp32 copy takes it in fp32
     inputs = fresh_copy(ctx.inputs, torch.float32 if low in _LOW else None)
-    tracker = Tracker(model, records, order, "fp32", ctx.dev, grads=True)
+    tracker = Tracker(model, records, order, "fp32", ctx.dev, grads=True, tag=watch_ops)
     watch = OpWatch(tracker, ctx.overflow_at) if watch_ops else None
     try:
         with tracker, torch.autocast(ctx.dev.type, enabled=False):
             with watch if watch is not None else contextlib.nullcontext():
                 loss = ctx.forward_loss(model, inputs)
-                tracker.tag([loss], ("", -1))
+                if tracker.tagging:
+                    tracker.tag([loss], ("", -1))
                 if loss.requires_grad:
                     loss.backward()
         if keep:
@@ -706,7 +708,7 @@ class PassResult:
 
 
 def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0,
-                  backward: bool = True) -> PassResult:
+                  backward: bool = True, tag: bool = False) -> PassResult:
     """One forward (and backward) pass of the model as it is under autocast, with fp32 islands if given.
 
     fp16's backward runs through a real ``torch.amp.GradScaler`` at ``scale`` (its scale(), as a training step's);
@@ -723,7 +725,9 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
     rules = {**ctx.snapshot.policy, **{n: "fp32" for n in islands}}
     if rules:
         apply_policy(model, rules)
-    tracker = Tracker(model, records, [], amp.precision, ctx.dev, grads=backward)
+    # Tagging autograd nodes with module calls costs a walk of the graph per module call; it only matters when a
+    # backward op makes an inf/NaN, so the pass runs again with tags then (same inputs, RNG: the same ops).
+    tracker = Tracker(model, records, [], amp.precision, ctx.dev, grads=backward, tag=tag)
     watch = OpWatch(tracker)
     inputs = fresh_copy(ctx.inputs)
     result = PassResult(amp.precision, math.nan, records, watch, scale)
@@ -737,11 +741,15 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
                     loss = ctx.forward_loss(model, inputs)
                 result.loss = float(loss.detach().float())
                 if backward and loss.requires_grad:
-                    tracker.tag([loss], ("", -1))
+                    if tracker.tagging:
+                        tracker.tag([loss], ("", -1))
                     scaler = torch.amp.GradScaler(ctx.dev.type, init_scale=scale, enabled=scale != 1.0)
                     scaler.scale(loss).backward()
         if backward:
             result.grads = _compare_grads(ctx, params, scale)
+        if backward and not tag and any(e.phase == "backward" for e in watch.origins):
+            remove_policy(model)
+            return autocast_pass(ctx, amp, islands, scale, backward, tag=True)
     finally:
         torch.clear_autocast_cache()
         remove_policy(model)
