@@ -366,9 +366,6 @@ def _layer_underflow(ev: Evidence) -> list[Finding]:
     norms = {n: float(torch.linalg.vector_norm(g)) for n, g in ctx.ref_grads.items()}
     total = math.sqrt(sum(v * v for v in norms.values()))
     broken = bool(res.watch.origins) or any(g["nonfinite"] for g in res.grads.values())
-    # When most of all gradients flush at scale 1, the aggregate warning already says so for every layer: name a layer
-    # only where the recommended scale does not save it.
-    aggregate = ev.gradients.get("flush_at_1", 0.0) > 0.5
     for n, h in ctx.param_grads.items():
         owner = _owner(n)
         low = res.records.get(owner)
@@ -381,7 +378,7 @@ def _layer_underflow(ev: Evidence) -> list[Finding]:
         # A weight's gradient is a sum over the batch of (output gradient x input): what it loses is the *mass* of
         # the output gradient that flushes, not the count of flushed values (the small ones barely count).
         og = ctx.records[owner].grad if owner in ctx.records else Log2Hist()
-        at1 = max(h._share("underflow", 1.0), _mass_flushed(og, 1.0)) if ran_low and not noise and not aggregate else 0.0
+        at1 = max(h._share("underflow", 1.0), _mass_flushed(og, 1.0)) if ran_low and not noise else 0.0
         at_rec = max(h._share("underflow", ev.scale), _mass_flushed(og, ev.scale))
         measured = 0.0 if broken else res.grads.get(n, {}).get("flushed", 0.0)
         if max(at1, measured) > LAYER_UNDERFLOW_WARN:
