@@ -449,3 +449,15 @@ def test_no_scaler_advice_for_fp16_parameters():
     assert "still the safe default" not in text
     assert "GradScaler(" not in " ".join(r.advice)
     assert r.find("low_precision_model")
+
+
+def test_backward_is_still_told_apart_on_a_torch_without_current_autograd_node(monkeypatch):
+    """torch 2.11's floor: if torch._C._current_autograd_node were missing, backward ops keep their phase (the
+    module is then unknown) instead of being blamed on the forward."""
+    monkeypatch.delattr(torch._C, "_current_autograd_node", raising=False)
+    torch.manual_seed(0)
+    x, y = batch()
+    r = examine(WithFusedNorm(), x, y, loss_fn=loss_fn, precisions=("fp16",))
+    bad = r.find("backward_nonfinite", "fp16")
+    assert bad and bad[0].phase == "backward" and not r.find("nonfinite", "fp16"), r.summary()
+    assert not r.is_clean("fp16")

@@ -328,6 +328,12 @@ def _op_name(func) -> str:
     return func._schema.name if hasattr(func, "_schema") else str(func)
 
 
+def _current_node():
+    """The autograd node the engine is running now (None outside backward, or on a torch without the call)."""
+    fn = getattr(torch._C, "_current_autograd_node", None)
+    return fn() if fn is not None else None
+
+
 @functools.cache
 def _is_view(func) -> bool:
     """An op whose output is a view of its input (view, transpose, expand, slice, ...): it computes no value, so it can
@@ -449,6 +455,7 @@ class Tracker:
         self.seen: set[str] = set()
         self.busy = False  # True while a module is being rerun in fp32: its own hooks stay quiet
         self.quiet = 0  # > 0 while the doctor's own measuring runs: the op watcher ignores those ops
+        self.in_backward = False  # set around loss.backward(): ops then belong to the backward phase
         self.handles: list = []
         self.grad_handles: list = []  # tensor hooks: removed when the pass ends (a module may return a parameter)
         self.leaves: dict[str, bool] = {}
@@ -472,7 +479,9 @@ class Tracker:
     # where an op runs
     def where(self) -> tuple[str, str, int, bool, str]:
         """(phase, module, call, inline, autograd node name) of the op running now."""
-        node = torch._C._current_autograd_node()
+        node = _current_node() if self.in_backward else None
+        if self.in_backward and node is None:
+            return "backward", "", -1, True, ""  # a torch without _current_autograd_node: the phase, not the module
         if node is not None:
             module, ncall = node.metadata.get(_TAG, ("", -1))
             return "backward", module, ncall, not self.leaves.get(module, True), node.name()
@@ -680,7 +689,9 @@ def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[s
                 if tracker.tagging:
                     tracker.tag([loss], ("", -1))
                 if loss.requires_grad:
+                    tracker.in_backward = True
                     loss.backward()
+                    tracker.in_backward = False
         if keep:
             counter = _Counter()
             for n, p in params:
@@ -744,7 +755,10 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
                     if tracker.tagging:
                         tracker.tag([loss], ("", -1))
                     scaler = torch.amp.GradScaler(ctx.dev.type, init_scale=scale, enabled=scale != 1.0)
-                    scaler.scale(loss).backward()
+                    scaled = scaler.scale(loss)
+                    tracker.in_backward = True
+                    scaled.backward()
+                    tracker.in_backward = False
         if backward:
             result.grads = _compare_grads(ctx, params, scale)
         if backward and not tag and any(e.phase == "backward" for e in watch.origins):
