@@ -461,3 +461,17 @@ def test_backward_is_still_told_apart_on_a_torch_without_current_autograd_node(m
     bad = r.find("backward_nonfinite", "fp16")
     assert bad and bad[0].phase == "backward" and not r.find("nonfinite", "fp16"), r.summary()
     assert not r.is_clean("fp16")
+
+
+class HalvesInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(0.5)
+
+
+def test_a_leaf_that_edits_its_input_in_place_is_not_blamed_by_its_rerun():
+    torch.manual_seed(0)
+    model = nn.Sequential(HalvesInPlace(), nn.Linear(32, 10))
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn)
+    assert not r.find("precision_loss"), r.summary()
+    assert r.is_clean("fp16") and r.is_clean("bf16")

@@ -512,7 +512,8 @@ class Tracker:
             self.stack.append((name, rec.calls))
             rec.calls += 1
             if self.precision != "fp32" and self._reruns(module):
-                self.rng_before[id(module)] = self._rng_state()
+                # The inputs' versions too: a forward that edits its input in place leaves nothing to rerun it on.
+                self.rng_before[id(module)] = (self._rng_state(), [t._version for t in float_tensors(args)])
             return None
         return pre
 
@@ -595,6 +596,9 @@ class Tracker:
         before = self.rng_before.pop(id(module), None)
         if before is None or "_ampcourse_forward" in module.__dict__:
             return  # not a rerun module, or a policy already decides its precision
+        before, versions = before
+        if versions != [t._version for t in float_tensors(args)]:
+            return  # it changed its inputs in place: a rerun would see other inputs, so no own error for it
         if type(module) in _EXACT:
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), 0.0 if bad == 0 else math.inf)
             return
