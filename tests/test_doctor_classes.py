@@ -373,6 +373,7 @@ def test_no_hook_left_on_a_parameter_a_module_returns():
     assert not model.bias.w._backward_hooks
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_scripted_module_is_one_clear_line():
     model = torch.jit.script(nn.Linear(4, 2))
     with pytest.raises(TypeError, match="ScriptModule.*eager nn.Module"):

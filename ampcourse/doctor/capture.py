@@ -401,6 +401,7 @@ class OpWatch(TorchDispatchMode):
         self.overflow_at = overflow_at
         self.origins: list[OpEvent] = []
         self.overflows: list[OpEvent] = []
+        self.seen_nonfinite = False  # any op output so far had an inf/NaN (until then, module outputs are finite)
         self.low_ops = 0
         self.ops = 0
         self._seen: dict[tuple, int] = {}
@@ -425,6 +426,7 @@ class OpWatch(TorchDispatchMode):
         self._seen[key] = index + 1
         tops = [float(_abs_max(t.detach())) for t in outs]
         if not all(math.isfinite(v) for v in tops):
+            self.seen_nonfinite = True
             if len(self.origins) >= self.MAX_EVENTS or name.split("::")[-1].rstrip("_") in _NO_ORIGIN:
                 return out
             others = [a for i, a in enumerate(args) if i not in written]
@@ -456,6 +458,7 @@ class Tracker:
         self.busy = False  # True while a module is being rerun in fp32: its own hooks stay quiet
         self.quiet = 0  # > 0 while the doctor's own measuring runs: the op watcher ignores those ops
         self.in_backward = False  # set around loss.backward(): ops then belong to the backward phase
+        self.watch: OpWatch | None = None  # the pass's op watcher, when it has one
         self.handles: list = []
         self.grad_handles: list = []  # tensor hooks: removed when the pass ends (a module may return a parameter)
         self.leaves: dict[str, bool] = {}
@@ -588,7 +591,9 @@ class Tracker:
         """Autocast pass: output dtype, inf/NaN, error of each call's output against the same fp32 call, own error."""
         p = self.precision
         rec.dtype[p] = str(tensors[0].dtype).removeprefix("torch.")
-        bad = sum(count_nonfinite(t) for t in tensors)
+        # Until the op watch has seen an inf/NaN anywhere in this pass, every output is finite: no need to count.
+        clean = self.watch is not None and not self.watch.seen_nonfinite
+        bad = 0 if clean else sum(count_nonfinite(t) for t in tensors)
         rec.nonfinite[p] = rec.nonfinite.get(p, 0) + bad
         if ncall < len(rec.samples):
             err = rel_error(sample(tensors[0]), rec.samples[ncall])
@@ -744,6 +749,7 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
     # backward op makes an inf/NaN, so the pass runs again with tags then (same inputs, RNG: the same ops).
     tracker = Tracker(model, records, [], amp.precision, ctx.dev, grads=backward, tag=tag)
     watch = OpWatch(tracker)
+    tracker.watch = watch
     inputs = fresh_copy(ctx.inputs)
     result = PassResult(amp.precision, math.nan, records, watch, scale)
     # Autocast caches its casts of the weights until the outermost autocast context exits; examine() runs inside a
