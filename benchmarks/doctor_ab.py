@@ -1,12 +1,14 @@
 """examine() before and after a change, interleaved in one process: a fair comparison on a shared machine.
 
-    git show <commit>:ampcourse/doctor.py > /tmp/doctor_before.py
+    mkdir -p /tmp/before && git archive <commit> ampcourse/doctor | tar -x -C /tmp/before   # the package
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/doctor_ab.py /tmp/before/ampcourse/doctor --model transformer
+    git show <commit>:ampcourse/doctor.py > /tmp/doctor_before.py      # or a commit from before the package split
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/doctor_ab.py /tmp/doctor_before.py --model transformer --repeats 9
 
-The file given is loaded as a second copy of ampcourse.doctor (its relative imports resolve to this checkout's
-ampcourse). For each precision set, one fp32 forward + backward, examine() from that file and examine() from this
-checkout run in turn, ``--repeats`` times; medians of this process's CPU time (one torch thread), and the ratio of
-doctor_cost.py: examine / (fp32 forward+backward x (number of precisions + 1)).
+The path given (the doctor package's folder, or the single module it was before) is loaded as a second copy of
+ampcourse.doctor, named ampcourse.doctor_before (its relative imports resolve to this checkout's ampcourse). For each
+precision set, one fp32 forward + backward, examine() from that copy and examine() from this checkout run in turn,
+``--repeats`` times; medians of this process's CPU time (one torch thread), and examine / (fp32 forward + backward).
 """
 
 from __future__ import annotations
@@ -20,12 +22,20 @@ import time
 import torch
 
 import ampcourse.doctor as after
-from doctor_cost import MODELS, PRECISION_SETS, fwd_bwd, setup
+from doctor_cost import MODELS, fwd_bwd, setup
+
+PRECISION_SETS = {"fp16+bf16": ("fp16", "bf16"), "fp16": ("fp16",), "bf16": ("bf16",)}
 
 
 def load_before(path: str):
-    """The doctor module in path, loaded as ampcourse.doctor_before."""
-    spec = importlib.util.spec_from_file_location("ampcourse.doctor_before", path)
+    """The doctor in path (a package folder or a single .py file), loaded as ampcourse.doctor_before."""
+    from pathlib import Path
+    folder = Path(path)
+    if folder.is_dir():
+        spec = importlib.util.spec_from_file_location("ampcourse.doctor_before", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+    else:
+        spec = importlib.util.spec_from_file_location("ampcourse.doctor_before", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -34,7 +44,7 @@ def load_before(path: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("before", help="a copy of ampcourse/doctor.py from the commit to compare with")
+    ap.add_argument("before", help="a copy of ampcourse/doctor (the package folder) or of the old ampcourse/doctor.py")
     ap.add_argument("--model", default="transformer", choices=MODELS)
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
@@ -61,7 +71,7 @@ def main() -> None:
     base = med["fp32 fwd+bwd"]
     print(f"{args.model}: fp32 fwd+bwd {base * 1e3:.2f} ms (median of {len(samples['fp32 fwd+bwd'])})")
     for key, precs in PRECISION_SETS.items():
-        cells = [f"{label} {med[f'{label} {key}'] * 1e3:7.1f} ms (ratio {med[f'{label} {key}'] / (base * (len(precs) + 1)):.2f})"
+        cells = [f"{label} {med[f'{label} {key}'] * 1e3:7.1f} ms ({med[f'{label} {key}'] / base:.1f}x fp32 fwd+bwd)"
                  for label in versions]
         print(f"  {key:10s} " + "   ".join(cells))
 

@@ -64,7 +64,10 @@ def test_reference_model_writes_json_and_html(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "AMP doctor on cpu" in run.stdout
     data = json.loads(out.read_text())
-    assert data["recommended_precision"] in ("fp16", "bf16") and data["device"] == "cpu"
+    v = data["verdicts"]
+    from ampcourse.device import pick
+    want = min(v, key=lambda p: (v[p]["status"] != "clean", not v[p].get("native", False), p != pick("cpu").precision, p))
+    assert data["recommended_precision"] == want and data["device"] == "cpu"
     assert all(f["severity"] == "info" for f in data["findings"])  # the reference transformer is healthy
     assert page.read_text().startswith("<!doctype html>") and "<table>" in page.read_text()
 
@@ -97,6 +100,8 @@ BAD = [
     (["--model", "mlp", "--out", "/proc/ampcourse-doctor.json"], "cannot write --out '/proc/ampcourse-doctor.json'"),
     (["--model", "mlp", "--html", "/no-such-folder/r.html"], "its folder does not exist"),
     (["--model", "my_models:key_error"], "failed with KeyError: 'labels'"),
+    (["--model", "../f.py:make"], "--model '../f.py:make': the part before ':' must be a module name"),
+    (["--model", "mlp", "--out", "/dev/full"], "cannot write --out '/dev/full'"),
 ]
 
 
@@ -115,7 +120,17 @@ def test_bad_input_in_process(factories, monkeypatch, capsys, args, message):
     one_error_line(capsys.readouterr().err, message)
 
 
-@pytest.mark.parametrize("case", [0, 3, 4, 9, 17])  # import fails, wrong shape, inputs that do not fit, argparse, KeyError
+def test_out_is_checked_before_the_work(factories, monkeypatch, capsys):
+    """--out /dev/full fails at once, not after the whole examination (which would run examine)."""
+    import ampcourse.doctor.cli as cli
+    called = []
+    monkeypatch.setattr(cli, "examine", lambda *a, **k: called.append(1))
+    assert cli.main(["--model", "mlp", "--out", "/dev/full"]) == 2
+    assert called == []
+    one_error_line(capsys.readouterr().err, "No space left on device")
+
+
+@pytest.mark.parametrize("case", [0, 3, 4, 9, 17, 18])  # import fails, wrong shape, inputs that do not fit, argparse, KeyError
 def test_bad_input_from_the_shell(factories, case):
     args, message = BAD[case]
     run = doctor(*args, path=factories)

@@ -1,0 +1,182 @@
+"""The optimizer audit: step a copy of the optimizer AS IT IS (its class, options, state and attributes, bound to
+copies of the parameters) with the fp32 reference gradients, and measure what the step did.
+
+Measured per parameter: inf/NaN weights after the step, the update |dw| against the same step taken with fp32
+master weights and fp32 state, the share of update elements that rounded to no change, the share of Adam's second
+moment that underflowed to zero, and the loss after each step. Nothing of the caller's optimizer or model changes:
+the copy is made with ``copy.deepcopy(optimizer.__dict__, memo)``, the memo mapping each parameter to its copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .. import formats
+from ..scaling import range_counts
+from .capture import Context, fresh_copy, scalar_loss
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _dt(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _tally(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in items:
+        out[i] = out.get(i, 0) + 1
+    return out
+
+
+def _state_dtype(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.dtype:
+    """The dtype of p's optimizer state (its tensors' dtype, else p's own: Adam creates state like the parameter)."""
+    for v in optimizer.state.get(p, {}).values():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
+            return v.dtype
+    return p.dtype
+
+
+def step_copy(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: Mapping[int, torch.Tensor],
+              dtype: torch.dtype | None = None) -> tuple[dict[int, torch.Tensor], torch.optim.Optimizer]:
+    """One step of a copy of optimizer, bound to copies of params (in dtype, if given, with its state cast to it).
+
+    The copy keeps the optimizer's class, options and extra attributes (BF16AdamW's rounding and generator):
+    it is not rebuilt from param_groups. An instance-level ``step`` (an LR scheduler's wrapper) is not copied:
+    it would step the original; the class's step is called instead.
+    """
+    memo: dict[int, Any] = {}
+    copies = {}
+    for p in params:
+        c = nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=p.requires_grad)
+        g = grads.get(id(p))
+        c.grad = None if g is None else g.to(c.dtype, copy=True)
+        memo[id(p)] = copies[id(p)] = c
+    opt = object.__new__(type(optimizer))
+    opt.__dict__.update(copy.deepcopy({k: v for k, v in optimizer.__dict__.items()
+                                       if k not in ("step", "zero_grad")}, memo))
+    if dtype is not None:
+        for st in opt.state.values():
+            for k, v in list(st.items()):
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
+                    st[k] = v.to(dtype)
+    type(opt).step(opt)
+    return copies, opt
+
+
+def _loss_with(ctx: Context, weights: Mapping[str, torch.Tensor]) -> float:
+    """The fp32 reference model's loss with these weights (as fp32), on fresh inputs, the caller's RNG and buffers."""
+    model = ctx.ref_model
+    ctx.snapshot.reset_rng()
+    state = {n: b.detach().clone() for n, b in model.named_buffers()}
+    state.update({n: w.detach().float() for n, w in weights.items()})
+    inputs = fresh_copy(ctx.inputs, torch.float32 if any(p.dtype in _LOW for p in ctx.model.parameters()) else None)
+    args, kwargs = ((), inputs) if isinstance(inputs, Mapping) else (inputs, {}) if isinstance(inputs, tuple) \
+        else ((inputs,), {})
+    try:
+        with torch.no_grad(), torch.autocast(ctx.dev.type, enabled=False):
+            out = torch.func.functional_call(model, state, args, kwargs)
+            return float(scalar_loss(out, ctx.targets, ctx.loss_fn).float())
+    except Exception:  # noqa: BLE001 (a loss we cannot recompute is reported as unknown, not as a crash)
+        return math.nan
+
+
+def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+    """What one step of the optimizer does to the model's weights, against fp32 master weights (None: no optimizer)."""
+    if optimizer is None:
+        return None
+    names = {id(p): n for n, p in ctx.model.named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = {id(p): ctx.ref_grads[names[id(p)]] for p in params if names.get(id(p)) in ctx.ref_grads}
+    state_dtypes = sorted({_dt(v) for p in params for v in optimizer.state.get(p, {}).values()
+                           if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0})
+    out: dict[str, Any] = {
+        "class": type(optimizer).__name__, "param_dtypes": _tally(_dt(p) for p in params),
+        "grad_dtypes": _tally(_dt(p) for p in params if id(p) in grads),
+        "state_dtypes": state_dtypes or sorted({_dt(p) for p in params}),
+        "fp32_master_weights": all(p.dtype == torch.float32 for p in params if p.is_floating_point()),
+        "eps": [], "params": {}}
+    for gi, group in enumerate(optimizer.param_groups):
+        eps = group.get("eps")
+        if isinstance(eps, (int, float)) and eps > 0:
+            for fmt in ("fp16", "bf16"):
+                dtype = formats.spec(fmt).torch_dtype
+                in_state = [p for p in group["params"] if _state_dtype(optimizer, p) == dtype]
+                if in_state and range_counts([eps], 1.0, fmt)["underflow"]:
+                    out["eps"].append({"group": gi, "eps": float(eps), "format": fmt, "params": len(in_state),
+                                       "first": names.get(id(in_state[0]), f"param_groups[{gi}]")})
+    if out["fp32_master_weights"]:
+        # fp32 weights and state: the step *is* the fp32-master step; nothing of it depends on low precision.
+        out.update(nonfinite_after=0, lost_update_share=0.0, loss_before=ctx.ref_loss, loss_after=math.nan,
+                   loss_after_master=math.nan, stepped=False)
+        return out
+    try:
+        actual, opt_a = step_copy(optimizer, params, grads)
+    except Exception as err:  # noqa: BLE001 (an optimizer we cannot copy: say so, never rebuild it differently)
+        out["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        return out
+    low = [p for p in params if p.dtype in _LOW and id(p) in grads]
+    master, opt_m = actual, opt_a
+    if low:
+        try:
+            master, opt_m = step_copy(optimizer, params, grads, torch.float32)
+        except Exception as err:  # noqa: BLE001
+            out["master_error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+            master, opt_m = None, None
+    moved = lost = 0.0
+    nonfinite = 0
+    for p in params:
+        if id(p) not in grads:
+            continue
+        name = names.get(id(p), "?")
+        c = actual[id(p)]
+        a = c.detach().float()
+        w = p.detach().float()
+        row: dict[str, Any] = {"dtype": _dt(p), "nonfinite_after": int((~torch.isfinite(a)).sum())}
+        nonfinite += row["nonfinite_after"]
+        if master is not None:
+            m = master[id(p)].detach().float()
+            dw, dwm = a - w, m - w
+            # An optimizer that keeps what rounding dropped (Kahan compensation, as BF16AdamW's) has not lost it.
+            comp_before = optimizer.state.get(p, {}).get("compensation")
+            comp_after = opt_a.state.get(c, {}).get("compensation")
+            if isinstance(comp_after, torch.Tensor):
+                dw = dw + comp_after.float() - (comp_before.float() if isinstance(comp_before, torch.Tensor) else 0.0)
+            norm_m2 = float((dwm.double() ** 2).sum())
+            finite = bool(torch.isfinite(dw).all())
+            # The share of the fp32-master update that did not arrive, as a projection: rounding to nearest that
+            # drops a small update loses all of it; stochastic rounding delivers it on average (moving few elements
+            # by a whole ulp), so an element count would condemn it wrongly. A NaN did not "move".
+            got = float((dw.double() * dwm.double()).sum()) if finite else 0.0
+            row.update(update_ratio=(float(torch.linalg.vector_norm(dw)) / math.sqrt(norm_m2) if finite else math.inf)
+                       if norm_m2 else (1.0 if finite and not bool((dw != 0).any()) else math.inf),
+                       lost_share=min(1.0, max(0.0, 1.0 - got / norm_m2)) if norm_m2 else 0.0,
+                       unchanged_share=int(((dwm != 0) & ((a - w) == 0)).sum()) / max(1, int((dwm != 0).sum())))
+            if p.dtype in _LOW:
+                moved += norm_m2
+                lost += norm_m2 - min(norm_m2, max(0.0, got))
+            sq_a = opt_a.state.get(c, {}).get("exp_avg_sq")
+            sq_m = opt_m.state.get(master[id(p)], {}).get("exp_avg_sq")
+            if isinstance(sq_a, torch.Tensor) and isinstance(sq_m, torch.Tensor) and sq_a.dtype in _LOW:
+                nz = sq_m != 0
+                row["second_moment_underflow"] = int((nz & (sq_a == 0)).sum()) / max(1, int(nz.sum()))
+        out["params"][name] = row
+    out["nonfinite_after"] = nonfinite
+    out["lost_update_share"] = lost / moved if moved else 0.0
+    sq = [r["second_moment_underflow"] for r in out["params"].values() if "second_moment_underflow" in r]
+    if sq:
+        out["second_moment_underflow"] = max(sq)
+    by_name = {names[i]: c for i, c in actual.items() if i in names}
+    out["loss_before"] = ctx.ref_loss
+    out["loss_after"] = _loss_with(ctx, by_name)
+    if master is not None and low:
+        out["loss_after_master"] = _loss_with(ctx, {names[i]: c for i, c in master.items() if i in names})
+    else:
+        out["loss_after_master"] = out["loss_after"] if master is not None else math.nan
+    return out

@@ -1,0 +1,810 @@
+"""Capture: run the model forward and backward, and record what every module call and every aten op did.
+
+Two instruments, both removed when a pass ends:
+
+* module hooks (a forward pre-hook and a forward hook on every submodule) keep the stack of module calls, so each
+  op knows the module whose forward runs it, and a non-leaf module's own code is told apart from its children's
+  ("(inline in forward)"). The same hooks tag every autograd node a module call creates (``node.metadata``), so an
+  op in backward is attributed through ``torch._C._current_autograd_node()``, as torch's DebugMode does;
+* an op watcher (a ``TorchDispatchMode``) sees every aten op in forward and backward: the first op whose inputs are
+  finite and whose output is not is the origin of an inf/NaN; in the fp32 reference, an op whose output passes
+  fp16's largest value is an overflow waiting to happen.
+
+Per module call it keeps log2 histograms (:mod:`.hist`) of the outputs and their gradients, a sample of 1024
+output values (to compare a precision's outputs with fp32's, call by call), and for leaf modules their *own*
+error under autocast (the module rerun in fp32 on the same inputs). Every pass starts from cloned inputs and the
+caller's torch, CUDA, Python and NumPy RNG states, so passes see the same data and dropout masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import random
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from .. import _args
+from ..device import AmpSetup, parse_precision, pick
+from ..models import data_errors
+from ..policy import apply_policy, policy_of, remove_policy
+from .hist import COUNT_CAP, Log2Hist, _abs_max, _Counter
+
+_SAMPLE = 1024  # output values per module call kept to compare a precision's outputs with fp32
+#: Modules whose output only selects or rearranges input values: rerun in fp32 on the same inputs (converted exactly),
+#: they return the same values, so their own error is 0 (or inf with an inf/NaN) without running them again.
+_EXACT = frozenset({nn.Identity, nn.Flatten, nn.Unflatten, nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d})
+_TAG = "ampcourse.doctor"  # key of the (module, call) tag in an autograd node's metadata
+_LOW = (torch.float16, torch.bfloat16)
+#: Ops whose output is uninitialised memory or a fill value: never the origin of an inf/NaN.
+_NO_ORIGIN = ("empty", "new_empty", "empty_like", "empty_strided", "full", "full_like", "fill", "scalar_tensor",
+              "lift_fresh", "detach", "alias")
+
+
+# -- argument checks and calling the model -------------------------------------------------------------------
+
+def check_inputs(inputs) -> None:
+    """TypeError unless inputs is a tensor, a tuple (positional arguments) or a dict (keyword arguments)."""
+    if isinstance(inputs, (torch.Tensor, tuple)):
+        return
+    if isinstance(inputs, Mapping) and all(isinstance(k, str) for k in inputs):
+        return
+    raise TypeError(f"inputs must be a tensor, a tuple of tensors (positional arguments) or a dict with str keys "
+                    f"(keyword arguments), got {type(inputs).__name__}")
+
+
+def check_precisions(precisions) -> tuple[str, ...]:
+    """('fp16', 'bf16')-like tuple; ValueError for fp32, unknown names, duplicates or an empty sequence."""
+    if isinstance(precisions, (str, torch.dtype)):
+        precisions = (precisions,)
+    if not isinstance(precisions, Sequence) or not precisions:
+        raise ValueError(f"precisions must be a non-empty sequence of 'fp16' and/or 'bf16', got {_args.shown(precisions)}")
+    out = []
+    for p in precisions:
+        try:
+            name = parse_precision(p)
+        except ValueError:
+            raise ValueError(f"precisions: unknown precision {_args.shown(p)}; choose from fp16, bf16") from None
+        if name == "fp32":
+            raise ValueError("precisions lists the low-precision formats to examine ('fp16', 'bf16'); "
+                             "fp32 is always run as the reference")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (cpu for a model without either)."""
+    t = next(iter(model.parameters()), None)
+    if t is None:
+        t = next(iter(model.buffers()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def resolve_device(model: nn.Module, device) -> torch.device:
+    """The device to examine on: the model's own, which device= (if given) must name."""
+    here = model_device(model)
+    if device is None:
+        return here
+    dev = pick(device, "fp32").device  # validates the name and that CUDA exists
+    if dev.type != here.type or (dev.index is not None and here.index is not None and dev.index != here.index):
+        raise ValueError(f"device={str(device)!r} but the model is on {here}: move it first "
+                         f"(model.to({str(dev)!r})) or leave device=None")
+    return here
+
+
+def to_device(obj, dev: torch.device):
+    """Tensors in a (nested) tuple, list or dict, detached (backward must not reach the caller's) and on dev."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(dev)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(o, dev) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, dev) for k, v in obj.items()}
+    return obj
+
+
+def fresh_copy(obj, dtype: torch.dtype | None = None):
+    """A clone of every tensor in obj (floating ones in dtype, if given): each pass gets its own inputs, so a forward
+    that edits its input in place changes neither the caller's batch nor the next pass."""
+    if isinstance(obj, torch.Tensor):
+        if dtype is not None and obj.is_floating_point():
+            return obj.detach().to(dtype, copy=True)
+        return obj.detach().clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(fresh_copy(o, dtype) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: fresh_copy(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def call(model: nn.Module, inputs):
+    """model(inputs), model(*inputs) or model(**inputs)."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def scalar_loss(output, targets, loss_fn: Callable | None) -> torch.Tensor:
+    """The scalar loss: loss_fn(output, targets), else the output itself or its .loss / ['loss']."""
+    if loss_fn is None:
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if loss is None:
+            loss = output
+    else:
+        loss = loss_fn(output) if targets is None else loss_fn(output, targets)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        what = f"a {tuple(loss.shape)} {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"the loss must be a one-element floating-point tensor, got {what}: with loss_fn=None the "
+                         "model must return a scalar loss or an output with .loss (pass labels in inputs); "
+                         "otherwise pass loss_fn=")
+    return loss.reshape(())
+
+
+def first_tensor(inputs):
+    """The first tensor of inputs (for error messages)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    return next((v for v in values if isinstance(v, torch.Tensor)), inputs)
+
+
+def float_tensors(obj) -> Iterator[torch.Tensor]:
+    """Every floating-point tensor in a module's output (tensor, tuple, list, dict or ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from float_tensors(o)
+    elif isinstance(obj, Mapping):
+        for o in obj.values():
+            yield from float_tensors(o)
+
+
+def is_leaf(module: nn.Module) -> bool:
+    """No child modules: its forward is the math the doctor can rerun on its own."""
+    return next(module.children(), None) is None
+
+
+def sample(t: torch.Tensor) -> torch.Tensor:
+    """Up to _SAMPLE evenly spaced values of t, as float32 (the same positions in every pass)."""
+    flat = t.detach().reshape(-1)
+    step = max(1, flat.numel() // _SAMPLE)
+    return flat[::step][:_SAMPLE].float()
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """How many values of t are inf or NaN (the max |x| first: a bool mask only when one is there)."""
+    if t.numel() == 0 or math.isfinite(float(_abs_max(t.detach()))):
+        return 0
+    return int((~torch.isfinite(t)).sum())
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| in float64 (0 when both are 0, inf when got is not finite or ref is 0)."""
+    got, ref = (t.detach().reshape(-1) for t in (got, ref))
+    got, ref = (t.float() if t.dtype == torch.float64 else t for t in (got, ref))  # compared as float32 values
+    if got.shape != ref.shape:
+        return math.inf
+    num = float(torch.linalg.vector_norm(got.double().sub_(ref)))
+    den = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
+    if not math.isfinite(num) and (math.isfinite(den) or not bool(torch.isfinite(got).all())):
+        return math.inf
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return num / den
+
+
+def copy_as(obj, dtype: torch.dtype):
+    """Fresh copies in dtype of the floating tensors in obj (a rerun must not write into the real activations)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(dtype, copy=True) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copy_as(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: copy_as(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+# -- saving and restoring everything examine() could touch ---------------------------------------------------
+
+@dataclass
+class Snapshot:
+    """Gradients, buffers, training flags, the policy and the RNG streams, to restore after examining."""
+
+    grads: dict[int, tuple[torch.nn.Parameter, torch.Tensor | None]]
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    training: list[tuple[nn.Module, bool]]
+    policy: dict[str, str]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    py_rng: object
+    np_rng: object
+
+    @classmethod
+    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Snapshot:
+        """Record the state (gradients by reference: nothing is copied but the buffers)."""
+        params = list(model.parameters())
+        if optimizer is not None:
+            params += [p for g in optimizer.param_groups for p in g["params"]]
+        grads = {id(p): (p, p.grad) for p in params}
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(grads, buffers, [(m, m.training) for m in model.modules()], policy_of(model), torch.get_rng_state(),
+                   cuda, random.getstate(), np.random.get_state())
+
+    def reset_rng(self) -> None:
+        """Put every RNG stream (torch CPU and CUDA, Python's random, NumPy's) back where the caller left them, so each
+        pass draws the same dropout masks and the same random numbers a forward may take from Python or NumPy."""
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_rng)
+        np.random.set_state(self.np_rng)
+
+    def reset_buffers(self) -> None:
+        """Buffers (BatchNorm's running statistics) as the caller left them: each pass starts from the same state."""
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+
+    def restore(self, model: nn.Module) -> None:
+        """Everything back as it was."""
+        for p, g in self.grads.values():
+            p.grad = g
+        self.reset_buffers()
+        for m, mode in self.training:
+            m.training = mode
+        remove_policy(model)
+        if self.policy:
+            apply_policy(model, self.policy)
+        self.reset_rng()
+
+
+# -- what a pass records ----------------------------------------------------------------------------------------
+
+@dataclass
+class ModuleRecord:
+    """What one module did in one pass (all its calls; per-call values where a call matters)."""
+
+    name: str
+    leaf: bool
+    act: Log2Hist = field(default_factory=Log2Hist)
+    grad: Log2Hist = field(default_factory=Log2Hist)
+    samples: list[torch.Tensor] = field(default_factory=list)  # per call (reference pass)
+    dtype: dict[str, str] = field(default_factory=dict)
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    local_error: dict[str, float] = field(default_factory=dict)
+    output_error: dict[str, float] = field(default_factory=dict)
+    calls: int = 0
+
+
+@dataclass
+class OpEvent:
+    """One op call worth reporting: an inf/NaN origin, or (in fp32) an output beyond fp16's range."""
+
+    phase: str  # "forward" or "backward"
+    module: str  # qualified name of the module whose code ran the op ("" = the model or the loss)
+    call: int  # which call of that module
+    inline: bool  # the module has children: the op is its own code, not a child's
+    op: str  # "aten::mul"
+    index: int  # how many earlier calls of this op in this module call (to match the same op across passes)
+    value: float  # max |output| (finite part) or inf
+    input_max: float  # max |input|
+    node: str = ""  # the autograd node (backward), e.g. "MulBackward0" or "MyFunctionBackward"
+    dtype: str = ""
+
+    @property
+    def key(self) -> tuple:
+        """Identity of the op call across passes."""
+        return self.phase, self.module, self.call, self.op, self.index, self.node
+
+    @property
+    def where(self) -> str:
+        """"'block' (inline in forward)", "'attn.o'", "the loss", for messages."""
+        if self.module == "" and self.call < 0:
+            return "the loss"
+        name = f"'{self.module}'" if self.module else "the model's forward"
+        if self.phase == "backward" and self.node:
+            return f"{name} ({self.node.removeprefix('torch::autograd::')} in backward)"
+        return name + (" (inline in forward)" if self.inline and self.phase == "forward" else "")
+
+
+def _op_name(func) -> str:
+    """'aten::mul' for aten.mul.Tensor."""
+    return func._schema.name if hasattr(func, "_schema") else str(func)
+
+
+def _current_node():
+    """The autograd node the engine is running now (None outside backward, or on a torch without the call)."""
+    fn = getattr(torch._C, "_current_autograd_node", None)
+    return fn() if fn is not None else None
+
+
+@functools.cache
+def _is_view(func) -> bool:
+    """An op whose output is a view of its input (view, transpose, expand, slice, ...): it computes no value, so it can
+    neither make an inf/NaN nor pass fp16's range; skipping it saves a reduction per view."""
+    try:
+        schema = func._schema
+        return not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
+    except AttributeError:
+        return False
+
+
+@functools.cache
+def _mutated(func) -> tuple[int, ...]:
+    """Positions of the arguments an op writes into (in-place and out= ops)."""
+    try:
+        return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+    except AttributeError:
+        return ()
+
+
+def _finite(x) -> bool:
+    """A tensor, number or (nested) list of them has no inf/NaN."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_floating_point() or x.numel() == 0:
+            return True
+        return math.isfinite(float(_abs_max(x.detach())))
+    if isinstance(x, float):
+        return math.isfinite(x)
+    if isinstance(x, (list, tuple)):
+        return all(_finite(v) for v in x)
+    return True
+
+
+def _input_max(args) -> float:
+    """max |x| over the floating tensors in args (0.0 without any)."""
+    top = 0.0
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            top = max(top, _input_max(a))
+        elif isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel():
+            a = a.detach()
+            fin = a[torch.isfinite(a)] if not _finite(a) else a
+            if fin.numel():
+                top = max(top, float(fin.abs().max()))
+    return top
+
+
+class OpWatch(TorchDispatchMode):
+    """Every aten op in forward and backward: inf/NaN origins, fp32 outputs beyond a limit, low-precision outputs.
+
+    An origin is an op whose inputs are all finite (for an in-place op: before it ran) and whose output is not.
+    """
+
+    MAX_EVENTS = 64  # per kind: the first ones are the ones that matter
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep torch.compile out of it, importing torch._dynamo (and sympy)
+        # on its first op: seconds, for nothing here (the doctor runs eagerly). Older torch has no such hook.
+        return False
+
+    def __init__(self, tracker: Tracker, overflow_at: float | None = None) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.overflow_at = overflow_at
+        self.origins: list[OpEvent] = []
+        self.overflows: list[OpEvent] = []
+        self.seen_nonfinite = False  # any op output so far had an inf/NaN (until then, module outputs are finite)
+        self.low_ops = 0
+        self.ops = 0
+        self._seen: dict[tuple, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = _mutated(func)
+        before = all(_finite(args[i]) for i in written if i < len(args)) if written else True
+        out = func(*args, **kwargs)
+        if self.tracker.quiet or _is_view(func):
+            return out
+        outs = [t for t in float_tensors(out) if t.numel()]
+        if not outs:
+            return out
+        self.ops += 1
+        if any(t.dtype in _LOW for t in outs):
+            self.low_ops += 1
+        name = _op_name(func)
+        phase, module, ncall, inline, node = self.tracker.where()
+        key = (phase, module, ncall, name, node)
+        index = self._seen.get(key, 0)
+        self._seen[key] = index + 1
+        tops = [float(_abs_max(t.detach())) for t in outs]
+        if not all(math.isfinite(v) for v in tops):
+            self.seen_nonfinite = True
+            if len(self.origins) >= self.MAX_EVENTS or name.split("::")[-1].rstrip("_") in _NO_ORIGIN:
+                return out
+            others = [a for i, a in enumerate(args) if i not in written]
+            if before and _finite(others) and _finite(list(kwargs.values())):
+                self.origins.append(OpEvent(phase, module, ncall, inline, name, index, math.inf,
+                                            _input_max(list(args) + list(kwargs.values())), node,
+                                            str(outs[0].dtype).removeprefix("torch.")))
+        elif self.overflow_at is not None and phase == "forward" and max(tops) > self.overflow_at:
+            if len(self.overflows) < self.MAX_EVENTS:
+                self.overflows.append(OpEvent(phase, module, ncall, inline, name, index, max(tops),
+                                              _input_max(list(args) + list(kwargs.values())), node,
+                                              str(outs[0].dtype).removeprefix("torch.")))
+        return out
+
+
+class Tracker:
+    """Module hooks for one pass: the stack of module calls, autograd-node tags, histograms, samples, own errors."""
+
+    def __init__(self, model: nn.Module, records: dict[str, ModuleRecord], order: list[str], precision: str,
+                 dev: torch.device, grads: bool = False, tag: bool = True) -> None:
+        self.model, self.records, self.order, self.precision, self.dev = model, records, order, precision, dev
+        self.grads = grads
+        self.tagging = grads and tag  # tag autograd nodes with module calls (for attributing backward ops)
+        self.stack: list[tuple[str, int]] = []
+        self.counter = _Counter()  # histograms are filled in batches, at the latest when the pass ends
+        self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its queued counts, gradient histograms)
+        self.rng_before: dict[int, Any] = {}  # id(module) -> RNG state when it started (nothing stored on the model)
+        self.seen: set[str] = set()
+        self.busy = False  # True while a module is being rerun in fp32: its own hooks stay quiet
+        self.quiet = 0  # > 0 while the doctor's own measuring runs: the op watcher ignores those ops
+        self.in_backward = False  # set around loss.backward(): ops then belong to the backward phase
+        self.watch: OpWatch | None = None  # the pass's op watcher, when it has one
+        self.handles: list = []
+        self.grad_handles: list = []  # tensor hooks: removed when the pass ends (a module may return a parameter)
+        self.leaves: dict[str, bool] = {}
+
+    def __enter__(self) -> Tracker:
+        for name, module in self.model.named_modules():
+            leaf = is_leaf(module)
+            self.leaves[name] = leaf
+            if name not in self.records:
+                self.records[name] = ModuleRecord(name, leaf)
+            self.handles.append(module.register_forward_pre_hook(self._pre(name, module)))
+            self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True, always_call=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles + self.grad_handles:
+            h.remove()
+        self.handles, self.grad_handles = [], []
+        self.counter.flush()
+
+    # where an op runs
+    def where(self) -> tuple[str, str, int, bool, str]:
+        """(phase, module, call, inline, autograd node name) of the op running now."""
+        node = _current_node() if self.in_backward else None
+        if self.in_backward and node is None:
+            return "backward", "", -1, True, ""  # a torch without _current_autograd_node: the phase, not the module
+        if node is not None:
+            module, ncall = node.metadata.get(_TAG, ("", -1))
+            return "backward", module, ncall, not self.leaves.get(module, True), node.name()
+        if not self.stack:
+            return "forward", "", -1, True, ""
+        module, ncall = self.stack[-1]
+        return "forward", module, ncall, not self.leaves[module], ""
+
+    def tag(self, tensors, tag: tuple[str, int]) -> None:
+        """Tag the autograd nodes behind tensors that no module call has claimed yet with (module, call)."""
+        todo = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            n = todo.pop()
+            md = n.metadata
+            if _TAG in md or hasattr(n, "variable"):  # claimed already, or a parameter's AccumulateGrad (kept)
+                continue
+            md[_TAG] = tag
+            todo.extend(f for f, _ in n.next_functions if f is not None)
+
+    def _pre(self, name: str, module: nn.Module):
+        def pre(mod, args):
+            if self.busy:
+                return None
+            if self.tagging and torch.is_grad_enabled():
+                # What the caller computed before this call is the caller's code (inline), not this module's.
+                self.tag(list(float_tensors(args)), self.stack[-1] if self.stack else ("", -1))
+            rec = self.records[name]
+            self.stack.append((name, rec.calls))
+            rec.calls += 1
+            if self.precision != "fp32" and self._reruns(module):
+                # The inputs' versions too: a forward that edits its input in place leaves nothing to rerun it on.
+                self.rng_before[id(module)] = (self._rng_state(), [t._version for t in float_tensors(args)])
+            return None
+        return pre
+
+    def _hook(self, name: str):
+        def hook(module, args, kwargs, out):
+            if self.busy:
+                return None
+            ncall = self.stack.pop()[1] if self.stack and self.stack[-1][0] == name else self.records[name].calls - 1
+            rec = self.records[name]
+            tensors = list(float_tensors(out))
+            if self.tagging and torch.is_grad_enabled():
+                self.tag(tensors, (name, ncall))
+            with self.measuring():
+                if self.precision == "fp32":
+                    self._reference(name, rec, tensors)
+                elif tensors:
+                    self._under_autocast(module, rec, ncall, tensors, args, kwargs)
+            return None
+        return hook
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """The doctor's own ops (histograms, fp32 reruns): off the op watcher's books, and outside every dispatch mode
+        (a Python call per op would cost more than the measuring itself)."""
+        self.quiet += 1
+        try:
+            with _disable_current_modes():
+                yield
+        finally:
+            self.quiet -= 1
+
+    def _reruns(self, module: nn.Module) -> bool:
+        """Leaf modules whose own error is measured; not dropout (random by design) nor in-place ones."""
+        return (is_leaf(module) and not isinstance(module, nn.modules.dropout._DropoutNd)
+                and not getattr(module, "inplace", False))
+
+    def _rng_state(self):
+        return torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else torch.get_rng_state()
+
+    def _set_rng_state(self, state) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.set_rng_state(state, self.dev)
+        else:
+            torch.set_rng_state(state)
+
+    def _count_grad(self, hists: list[Log2Hist], grad: torch.Tensor) -> None:
+        """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
+        with self.measuring():
+            self.counter.add(grad, hists, COUNT_CAP)
+
+    def _reference(self, name: str, rec: ModuleRecord, tensors: list[torch.Tensor]) -> None:
+        """fp32 pass: histogram of the outputs, a sample per call, and hooks that histogram their gradients."""
+        if name not in self.seen:
+            self.seen.add(name)
+            self.order.append(name)
+        for t in tensors:
+            # A container often returns its last child's output tensor: count it (and its gradient) once.
+            seen = self.counted.get(id(t))
+            if seen is None or seen[0]() is not t:
+                seen = (weakref.ref(t), self.counter.add(t, [], COUNT_CAP), [])
+                self.counted[id(t)] = seen
+                if self.grads and t.requires_grad:
+                    self.grad_handles.append(t.register_hook(functools.partial(self._count_grad, seen[2])))
+            seen[1].feed(rec.act)
+            seen[2].append(rec.grad)
+        if tensors and "." not in name:
+            # Sampled per call for the model and its direct children only: enough to see where the output error
+            # grows, at a fraction of the cost of every module (the op watch and the own errors localise further).
+            rec.samples.append(sample(tensors[0]))
+
+    def _under_autocast(self, module, rec: ModuleRecord, ncall: int, tensors, args, kwargs) -> None:
+        """Autocast pass: output dtype, inf/NaN, error of each call's output against the same fp32 call, own error."""
+        p = self.precision
+        rec.dtype[p] = str(tensors[0].dtype).removeprefix("torch.")
+        # Until the op watch has seen an inf/NaN anywhere in this pass, every output is finite: no need to count.
+        clean = self.watch is not None and not self.watch.seen_nonfinite
+        bad = 0 if clean else sum(count_nonfinite(t) for t in tensors)
+        rec.nonfinite[p] = rec.nonfinite.get(p, 0) + bad
+        if ncall < len(rec.samples):
+            err = rel_error(sample(tensors[0]), rec.samples[ncall])
+            rec.output_error[p] = max(rec.output_error.get(p, 0.0), err)
+        before = self.rng_before.pop(id(module), None)
+        if before is None or "_ampcourse_forward" in module.__dict__:
+            return  # not a rerun module, or a policy already decides its precision
+        before, versions = before
+        if versions != [t._version for t in float_tensors(args)]:
+            return  # it changed its inputs in place: a rerun would see other inputs, so no own error for it
+        if type(module) in _EXACT:
+            rec.local_error[p] = max(rec.local_error.get(p, 0.0), 0.0 if bad == 0 else math.inf)
+            return
+        after = self._rng_state()
+        self._set_rng_state(before)
+        # Without autocast, in the dtype of the module's own parameters (fp32 normally; bf16 for a pure-bf16 model).
+        dtype = next((q.dtype for q in module.parameters(recurse=False) if q.is_floating_point()), torch.float32)
+        self.busy = True
+        try:
+            with torch.no_grad(), torch.autocast(self.dev.type, enabled=False):
+                ref = module(*copy_as(args, dtype), **copy_as(kwargs, dtype))
+        except Exception:  # a module that cannot run outside autocast on these inputs: no own error for it
+            return
+        finally:
+            self.busy = False
+            self._set_rng_state(after)
+        ref_t = list(float_tensors(ref))
+        if ref_t:
+            err = rel_error(tensors[0], ref_t[0]) if bad == 0 else math.inf
+            rec.local_error[p] = max(rec.local_error.get(p, 0.0), err)
+
+
+# -- the passes ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Context:
+    """What every pass needs: the model (and its fp32 reference copy), its inputs and loss, the device, the snapshot."""
+
+    model: nn.Module
+    ref_model: nn.Module  # the model itself when it is fp32 (or float64), else an fp32 copy
+    inputs: Any
+    targets: Any
+    loss_fn: Callable | None
+    dev: torch.device
+    snapshot: Snapshot
+    records: dict[str, ModuleRecord] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    param_grads: dict[str, Log2Hist] = field(default_factory=dict)
+    ref_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 gradients of the reference pass
+    ref_loss: float = math.nan
+    ref_watch: OpWatch | None = None
+    overflow_at: float = 65504.0  # fp32 op outputs beyond this (fp16's max) are recorded by the reference op watch
+
+    def reference_watch(self) -> OpWatch:
+        """The op watcher's record of the fp32 reference, forward and backward. Run only when a precision made an
+        inf/NaN (to tell its origins from those fp32 has too, and to say what an overflowing op reaches in fp32):
+        a healthy model does not pay for a second reference pass."""
+        if self.ref_watch is None:
+            self.ref_watch = _reference_run(self, {}, [], True, keep=False)[1]
+        return self.ref_watch
+
+    def forward_loss(self, model: nn.Module, inputs) -> torch.Tensor:
+        """One forward pass and the loss, with the model's own errors turned into a ValueError about the data."""
+        targets = self.targets if isinstance(self.targets, torch.Tensor) else None
+        with data_errors(model, first_tensor(inputs), targets):
+            return scalar_loss(call(model, inputs), self.targets, self.loss_fn)
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype | None:
+    """The floating dtype of the model's parameters when it is not float32 (float16, bfloat16, float64), else None."""
+    dts = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return None if not dts or dts == {torch.float32} else max(dts, key=lambda d: (d == torch.float64, d.itemsize))
+
+
+def reference_pass(ctx: Context, watch_ops: bool = False) -> float:
+    """fp32 forward + backward on the reference model: activation and gradient histograms; keeps the fp32 parameter
+    gradients; returns the loss. With watch_ops, the op watcher runs too (see Context.reference_watch)."""
+    loss, watch = _reference_run(ctx, ctx.records, ctx.order, watch_ops, keep=True)
+    if watch is not None:
+        ctx.ref_watch = watch
+    return loss
+
+
+def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[str], watch_ops: bool,
+                   keep: bool) -> tuple[float, OpWatch | None]:
+    """One fp32 forward + backward of the reference model from the caller's RNG and buffers."""
+    ctx.snapshot.reset_rng()
+    ctx.snapshot.reset_buffers()
+    model = ctx.ref_model
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    saved = {id(p): p.grad for _, p in params}  # the reference may be the model itself: its .grad is the caller's
+    for _, p in params:
+        p.grad = None
+    low = _float_dtype(ctx.model)  # an fp16/bf16 model's batch is fp16/bf16 too: the fp32 copy takes it in fp32
+    inputs = fresh_copy(ctx.inputs, torch.float32 if low in _LOW else None)
+    tracker = Tracker(model, records, order, "fp32", ctx.dev, grads=True, tag=watch_ops)
+    watch = OpWatch(tracker, ctx.overflow_at) if watch_ops else None
+    try:
+        with tracker, torch.autocast(ctx.dev.type, enabled=False):
+            with watch if watch is not None else contextlib.nullcontext():
+                loss = ctx.forward_loss(model, inputs)
+                if tracker.tagging:
+                    tracker.tag([loss], ("", -1))
+                if loss.requires_grad:
+                    tracker.in_backward = True
+                    loss.backward()
+                    tracker.in_backward = False
+        if keep:
+            counter = _Counter()
+            for n, p in params:
+                if p.grad is not None:
+                    counter.add(p.grad, [ctx.param_grads.setdefault(n, Log2Hist())], COUNT_CAP)
+                    ctx.ref_grads[n] = p.grad.detach().float()
+            counter.flush()
+    finally:
+        for _, p in params:
+            p.grad = saved[id(p)]
+    return float(loss.detach()), watch
+
+
+@dataclass
+class PassResult:
+    """One pass under autocast, forward and backward: what it measured."""
+
+    precision: str
+    loss: float
+    records: dict[str, ModuleRecord]
+    watch: OpWatch
+    scale: float
+    grads: dict[str, dict[str, float]] = field(default_factory=dict)  # per parameter: error, flushed share, nonfinite
+    error: str = ""  # the exception's first line, when the pass could not run
+
+
+def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0,
+                  backward: bool = True, tag: bool = False) -> PassResult:
+    """One forward (and backward) pass of the model as it is under autocast, with fp32 islands if given.
+
+    fp16's backward runs through a real ``torch.amp.GradScaler`` at ``scale`` (its scale(), as a training step's);
+    the gradients are divided by the scale (exact: a power of two) and compared with fp32's, parameter by parameter.
+    """
+    ctx.snapshot.reset_rng()
+    ctx.snapshot.reset_buffers()
+    model = ctx.model
+    records = {n: ModuleRecord(n, r.leaf, samples=r.samples) for n, r in ctx.records.items()}
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for _, p in params:
+        p.grad = None  # the caller's gradients are in the snapshot
+    remove_policy(model)
+    rules = {**ctx.snapshot.policy, **{n: "fp32" for n in islands}}
+    if rules:
+        apply_policy(model, rules)
+    # Tagging autograd nodes with module calls costs a walk of the graph per module call; it only matters when a
+    # backward op makes an inf/NaN, so the pass runs again with tags then (same inputs, RNG: the same ops).
+    tracker = Tracker(model, records, [], amp.precision, ctx.dev, grads=backward, tag=tag)
+    watch = OpWatch(tracker)
+    tracker.watch = watch
+    inputs = fresh_copy(ctx.inputs)
+    result = PassResult(amp.precision, math.nan, records, watch, scale)
+    # Autocast caches its casts of the weights until the outermost autocast context exits; examine() runs inside a
+    # disabled one (the caller's autocast off), so the cache would carry fp16 weights into the bf16 pass: clear it.
+    torch.clear_autocast_cache()
+    try:
+        with tracker, torch.set_grad_enabled(backward):
+            with watch:
+                with amp.autocast():
+                    loss = ctx.forward_loss(model, inputs)
+                result.loss = float(loss.detach().float())
+                if backward and loss.requires_grad:
+                    if tracker.tagging:
+                        tracker.tag([loss], ("", -1))
+                    scaler = torch.amp.GradScaler(ctx.dev.type, init_scale=scale, enabled=scale != 1.0)
+                    scaled = scaler.scale(loss)
+                    tracker.in_backward = True
+                    scaled.backward()
+                    tracker.in_backward = False
+        if backward:
+            result.grads = _compare_grads(ctx, params, scale)
+        if backward and not tag and any(e.phase == "backward" for e in watch.origins):
+            remove_policy(model)
+            return autocast_pass(ctx, amp, islands, scale, backward, tag=True)
+    finally:
+        torch.clear_autocast_cache()
+        remove_policy(model)
+        for _, p in params:
+            p.grad = None
+    return result
+
+
+def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, float]]:
+    """Per parameter: relative error against fp32's gradient, the share of fp32's nonzero entries that came back
+    zero (flushed), and the inf/NaN count, after dividing by the scale (a handful of batched reductions and one
+    read-back for all parameters: a loop of small reductions per parameter cost more than the backward)."""
+    out = {}
+    pairs = [(n, p.grad.detach(), ctx.ref_grads[n]) for n, p in params if n in ctx.ref_grads and p.grad is not None]
+    for n, p in params:
+        ref = ctx.ref_grads.get(n)
+        if ref is not None and p.grad is None:
+            den = float(torch.linalg.vector_norm(ref))
+            out[n] = {"error": 1.0, "num": den, "den": den, "flushed": 1.0 if den else 0.0, "nonfinite": 0}
+    if not pairs:
+        return out
+    names = [n for n, _, _ in pairs]
+    refs = [r for _, _, r in pairs]
+    grads = [(g.float() if g.dtype != torch.float32 else g) * (1.0 / scale) for _, g, _ in pairs]
+    diffs = torch._foreach_sub(grads, refs)
+    stats = torch.stack([torch.stack(row) for row in zip(
+        torch._foreach_norm(diffs), torch._foreach_norm(refs),
+        [(r != 0).sum().float() for r in refs], [((r != 0) & (g == 0)).sum().float() for r, g in zip(refs, grads)],
+        [(~torch.isfinite(g)).sum().float() for g in grads])]).double().cpu().tolist()
+    for n, (num, den, n_live, n_flushed, bad) in zip(names, stats):
+        num = num if not bad and math.isfinite(num) else math.inf
+        out[n] = {"error": num / den if den else (0.0 if num == 0 else math.inf), "num": num, "den": den,
+                  "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": int(bad)}
+    return out

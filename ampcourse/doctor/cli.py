@@ -1,0 +1,138 @@
+"""The command line: ``python -m ampcourse.doctor --model NAME|package.module:factory [--out F --html F]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import stat
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from .. import _args
+from ..device import pick
+from .core import examine
+
+__all__ = ["main", "CliError"]
+
+class CliError(Exception):
+    """A problem with the command line's input, reported as one line."""
+
+
+def _reference_setup(name: str, batch: int, seed: int):
+    """(model, inputs, targets, loss_fn, optimizer) for a reference model of ampcourse.models."""
+    from ..models import make_task
+    task = make_task(name, n=batch, seed=seed)
+    x, y = task.data.tensors
+    return task.model, x, y, task.loss_fn, torch.optim.AdamW(task.model.parameters(), lr=1e-3)
+
+
+def _factory_setup(spec: str):
+    """Import 'pkg.mod:factory', call it, and check it returned (model, inputs, targets, loss_fn[, optimizer])."""
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise CliError(f"--model {spec!r}: use a reference model name or 'package.module:factory'")
+    if any(c in mod_name for c in "/\\") or mod_name.startswith(".") or mod_name.endswith(".py"):
+        raise CliError(f"--model {spec!r}: the part before ':' must be a module name such as 'mypkg.models', "
+                       f"not a file path: run from the folder that holds the file (or add it to PYTHONPATH) and "
+                       f"write --model {os.path.basename(mod_name).removesuffix('.py') or 'module'}:{attr}")
+    try:
+        module = importlib.import_module(mod_name)
+    except (ImportError, TypeError, ValueError) as err:
+        raise CliError(f"--model {spec!r}: cannot import {mod_name!r} ({err})") from err
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise CliError(f"--model {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise CliError(f"--model {spec!r}: {attr!r} is not callable")
+    try:
+        out = factory()
+    except Exception as err:  # the learner's code: one line that says where it failed, not a traceback
+        raise CliError(f"--model {spec!r}: the factory raised {type(err).__name__}: {err}") from err
+    if not isinstance(out, (tuple, list)) or len(out) not in (4, 5):
+        got = f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise CliError(f"--model {spec!r}: the factory must return (model, inputs, targets, loss_fn) "
+                       f"or (model, inputs, targets, loss_fn, optimizer), got {got}")
+    return (*out, None) if len(out) == 4 else tuple(out)
+
+
+def _writable(path: str, flag: str) -> None:
+    """Check before the work that a report can be written to path: a file is created (then removed if new); a
+    device (such as /dev/full) gets one probe byte, since only a write tells whether it takes data."""
+    try:
+        _args.writable_file(path, flag)
+        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+            with open(path, "w") as fh:
+                fh.write("\n")
+                fh.flush()
+    except OSError as err:
+        raise CliError(f"cannot write {flag} {path!r}: {err.strerror or err}; choose a file you can write to") from None
+    except ValueError as err:
+        raise CliError(f"{flag}: {err}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line of python -m ampcourse.doctor."""
+    from ..models import MODELS
+    ap = _args.OneLineParser(prog="python -m ampcourse.doctor", description=__doc__.split("\n\n")[0],
+                             error_prefix="ampcourse.doctor", formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True,
+                    help=f"a reference model ({', '.join(MODELS)}) or 'package.module:factory', a callable returning "
+                         "(model, inputs, targets, loss_fn) or (..., optimizer)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    ap.add_argument("--precisions", default="fp16,bf16", help="comma-separated, from fp16 and bf16 (default: both)")
+    ap.add_argument("--batch", type=int, default=16, help="batch size for a reference model (default 16)")
+    ap.add_argument("--seed", type=int, default=0, help="seed for a reference model (default 0)")
+    ap.add_argument("--out", default=None, help="write the report as JSON here")
+    ap.add_argument("--html", default=None, help="write the report as an HTML page here")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the doctor from the command line; 0 on success, 2 with one line on stderr for bad input."""
+    from ..models import MODELS
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return done.code if isinstance(done.code, int) else 2
+    try:
+        for flag, path in (("--out", args.out), ("--html", args.html)):  # before the work, not after it
+            if path is not None:
+                _writable(path, flag)
+        if args.model in MODELS:
+            if args.batch < 1:
+                raise CliError(f"--batch must be >= 1, got {args.batch}")
+            _args.seed(args.seed, "--seed")
+            try:
+                model, inputs, targets, loss_fn, opt = _reference_setup(args.model, args.batch, args.seed)
+            except ValueError as err:  # too large a batch for the synthetic data: name the flag
+                raise CliError(f"--batch {args.batch}: {err}") from None
+        else:
+            model, inputs, targets, loss_fn, opt = _factory_setup(args.model)
+        if not isinstance(model, nn.Module):
+            raise CliError(f"--model {args.model!r}: the first item must be an nn.Module, got {type(model).__name__}")
+        dev = pick(args.device, "fp32").device
+        model.to(dev)  # the command line owns this model: moving it is fine (examine itself never moves one)
+        precisions = [p for p in args.precisions.split(",") if p.strip()]
+        report = examine(model, inputs, targets, loss_fn=loss_fn, optimizer=opt, device=dev, precisions=precisions)
+        print(report.summary())
+        if args.out:
+            report.to_json(args.out)
+        if args.html:
+            with open(args.html, "w", encoding="utf-8") as fh:
+                fh.write(f"<!doctype html><html><head><meta charset='utf-8'><title>AMP doctor</title></head>"
+                         f"<body>{report._repr_html_()}</body></html>\n")
+    except (CliError, ValueError, TypeError, OSError) as err:
+        print(f"ampcourse.doctor: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 (the learner's model can raise anything: one line, not a traceback)
+        first = (str(err).splitlines() or [""])[0]
+        print(f"ampcourse.doctor: error: examining {args.model!r} failed with {type(err).__name__}: {first} "
+              "(call ampcourse.doctor.examine in Python to see the traceback)", file=sys.stderr)
+        return 2
+    return 0

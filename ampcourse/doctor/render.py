@@ -1,0 +1,92 @@
+"""Renderers of a :class:`~ampcourse.doctor.report.Report`: plain text, HTML for Jupyter, and a matplotlib plot."""
+
+from __future__ import annotations
+
+import html
+import math
+
+from .. import formats
+from .report import SEVERITIES, Report, quoted
+
+__all__ = ["text", "html_page", "plot"]
+
+
+def _fmt_value(v: float) -> str:
+    """A finding's value in a few characters."""
+    return f"{v:.3g}" if math.isfinite(v) else str(v)
+
+
+def headline(r: Report) -> str:
+    """The first line: what to use, per precision's verdict."""
+    v = r.verdicts.get(r.recommended_precision, {})
+    if v.get("status") in ("refused", "unsupported"):
+        return f"AMP doctor on {r.device}: no low precision ran clean here: train in fp32 until the findings are fixed"
+    islands = f" with fp32 modules {', '.join(quoted(n) for n in r.fp32_modules)}" if r.fp32_modules else ""
+    scaler = (f", GradScaler(init_scale=2**{int(math.log2(r.recommended_init_scale))})"
+              if r.recommended_precision == "fp16" and (r.optimizer or {}).get("fp32_master_weights", True)
+              else ", no GradScaler")
+    return f"AMP doctor on {r.device}: use {r.recommended_precision}{islands}{scaler}"
+
+
+def text(r: Report) -> str:
+    """Plain text: the recommendation, the verdict per precision, every finding (worst first), advice and notes."""
+    lines = [headline(r)]
+    lines += [f"  {p}: {v.get('status')}" + (f" ({v['reason']})" if v.get("reason") else "") for p, v in r.verdicts.items()]
+    n = {sev: sum(f.severity == sev for f in r.findings) for sev in SEVERITIES}
+    lines.append(f"{n['error']} error(s), {n['warning']} warning(s), {n['info']} note(s):")
+    lines += [f"  [{f.severity}] {f.kind} ({f.precision}, {f.phase}{', ' + quoted(f.module) if f.module else ''}"
+              f"{', ' + f.op if f.op else ''}): {f.message}" for f in r.findings]
+    lines += ["advice:"] + [f"  - {a}" for a in r.advice]
+    lines += [f"note: {n}" for n in r.notes]
+    return "\n".join(lines)
+
+
+def html_page(r: Report) -> str:
+    """An HTML summary for Jupyter: recommendation, verdicts, findings table (worst first), advice, snippets, notes."""
+    colour = {"error": "#c0392b", "warning": "#d68910", "info": "#2e86c1"}
+    rows = "".join(
+        f"<tr><td style='color:{colour[f.severity]}'><b>{f.severity}</b></td><td>{html.escape(f.kind)}</td>"
+        f"<td>{html.escape(f.precision)}</td><td>{html.escape(f.phase)}</td>"
+        f"<td><code>{html.escape(quoted(f.module))}</code></td><td><code>{html.escape(f.op)}</code></td>"
+        f"<td>{html.escape(_fmt_value(f.value))}</td><td>{html.escape(f.message)}</td></tr>" for f in r.findings)
+    verdicts = "".join(f"<li>{html.escape(p)}: <b>{html.escape(str(v.get('status')))}</b>"
+                       + (f" ({html.escape(v['reason'])})" if v.get("reason") else "") + "</li>"
+                       for p, v in r.verdicts.items())
+    advice = "".join(f"<li>{html.escape(a)}</li>" for a in r.advice)
+    notes = "".join(f"<p><i>{html.escape(n)}</i></p>" for n in r.notes)
+    snippet = f"<pre>{html.escape(r.policy_snippet())}</pre>"
+    return (f"<div><h4>{html.escape(headline(r))}</h4><ul>{verdicts}</ul><table><tr><th>severity</th><th>kind</th>"
+            f"<th>precision</th><th>phase</th><th>module</th><th>op</th><th>value</th><th>message</th></tr>{rows}"
+            f"</table><p><b>Advice</b></p><ul>{advice}</ul>{snippet}{notes}</div>")
+
+
+def plot(r: Report, ax=None):
+    """Per module: the log2 range of its outputs (fp32 run) and output gradients against fp16's and bf16's windows."""
+    import matplotlib.pyplot as plt
+
+    mods = [m for m in r.modules if m["leaf"] and m["act_max"] > 0]
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.32 * len(mods) + 1.6))
+    else:
+        fig = ax.figure
+    for fmt, colour in (("bf16", "#d5f5e3"), ("fp16", "#d6eaf8")):
+        f = formats.spec(fmt)
+        lo, hi = math.log2(f.min_subnormal), math.log2(f.max)
+        ax.axvspan(max(lo, -60), min(hi, 30), color=colour, alpha=0.6, zorder=0,
+                   label=f"{fmt}: 2^{lo:.0f} .. {f.max:.3g}" if fmt == "fp16" else f"{fmt} (wider than shown)")
+    ax.axvline(math.log2(formats.spec("fp16").min_normal), color="#2e86c1", lw=0.8, ls=":",
+               label="fp16 smallest normal")
+    for i, m in enumerate(mods):
+        for key, dy, colour, label in (("act", -0.15, "#1f618d", "activations"), ("grad", 0.15, "#b03a2e", "gradients")):
+            lo, hi = m[f"{key}_min"], m[f"{key}_max"]
+            if hi > 0:
+                ax.plot([math.log2(lo), math.log2(hi)], [i + dy, i + dy], color=colour, lw=3,
+                        label=label if i == 0 else None)
+    ax.set_yticks(range(len(mods)), [quoted(m["name"]) for m in mods], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("log2 |value| (smallest occupied binade to max)")
+    ax.set_xlim(-60, 30)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    ax.set_title(f"AMP doctor: value ranges per module ({r.device})")
+    fig.tight_layout()
+    return fig

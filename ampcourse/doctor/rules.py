@@ -1,0 +1,508 @@
+"""Findings rules: each turns the measured :class:`Evidence` into findings, and every rule has the same shape::
+
+    def rule(ev: Evidence) -> list[Finding]
+
+:data:`RULES` lists them in the order they run. Thresholds live here, each with what it is calibrated on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import formats
+from ..scaling import zone_thresholds
+from .capture import Context, OpEvent, PassResult
+from .hist import Log2Hist
+from .report import Finding, quoted
+
+#: A leaf module's own relative error under autocast (its output against the same module rerun in fp32 on the same,
+#: already-rounded inputs) that counts as precision loss: 8 eps (fp16 ~0.8%, bf16 ~6%). eps is the format's spacing at
+#: 1 (2**-10, 2**-7); the rounding unit is u = eps/2. Calibration, measured by tests/test_doctor.py::
+#: test_rel_tol_is_calibrated_on_linear_layers: an nn.Linear's own error is 0.2-0.4 eps in both formats (the output
+#: rounding once, relative RMS ~ u/sqrt(3) ~ 0.3 eps), so 8 eps is 20-40x a healthy layer's.
+REL_TOL = {p: 8 * formats.spec(p).eps for p in ("fp16", "bf16")}
+#: The final output's relative error against fp32 (same inputs, same dropout masks) beyond which the output is a
+#: finding, whatever the modules say one by one: 32 eps (fp16 ~3%, bf16 ~25%).
+OUTPUT_TOL = {p: 32 * formats.spec(p).eps for p in ("fp16", "bf16")}
+#: The loss's relative gap from fp32 beyond which it is a finding (a planted inline RMSNorm: 12%).
+LOSS_TOL = {"fp16": 0.02, "bf16": 0.05}
+#: The relative error of all parameter gradients together (after unscaling) against fp32's beyond which it is a finding.
+#: Deep healthy models are far from 0 here (a ResNet-18 layout with BatchNorm at batch 4 measured 0.18 in fp16), so
+#: the bar is where the gradient stops pointing the fp32 way: half its norm in fp16, its whole norm in bf16.
+GRAD_TOL = {"fp16": 0.5, "bf16": 1.0}
+GRAD_MARGIN = 8.0  # the recommended scale keeps max|grad| x scale this many times below fp16's max
+UNDERFLOW_WARN = 0.01  # warn when more than 1% of the nonzero gradients flush to zero
+LAYER_UNDERFLOW_WARN = 0.5  # name a parameter that loses more than half of its gradient, however small the aggregate
+#: A parameter gradient whose norm is below this share of all gradients' norm is fp32 rounding noise (fp32's eps).
+NOISE = 2.0**-23
+LOST_WARN = 0.10  # warn when more than 10% of the update elements round to no change
+BLOWUP_RATIO = 4.0  # an update this many times larger than the fp32-master update is a blow-up
+MAX_ISLANDS = 4  # more fp32 modules than this, and fp16 is not worth it: use bf16 or fp32
+DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale
+_LOW = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Evidence:
+    """Everything examine() measured, which the rules read."""
+
+    ctx: Context
+    precisions: tuple[str, ...]
+    passes: dict[str, PassResult] = field(default_factory=dict)  # the first pass per precision (no islands)
+    verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    audit: dict[str, Any] | None = None
+    gradients: dict[str, Any] = field(default_factory=dict)
+    scale: float = DEFAULT_SCALE
+    model_dtype: torch.dtype | None = None  # the model's own floating dtype when not float32
+
+
+# -- what a pass shows ------------------------------------------------------------------------------------------
+
+def new_origins(ev_ctx: Context, res: PassResult, phase: str) -> list[OpEvent]:
+    """inf/NaN origins of a pass in one phase that the fp32 reference did not have."""
+    mine = [e for e in res.watch.origins if e.phase == phase]
+    if not mine:
+        return []
+    ref = {e.key for e in ev_ctx.reference_watch().origins}
+    return [e for e in mine if e.key not in ref]
+
+
+def lossy_leaves(ctx: Context, res: PassResult) -> list[str]:
+    """Leaf modules whose own relative error exceeds REL_TOL (not counting inf/NaN ones)."""
+    p = res.precision
+    return [n for n in ctx.order if res.records[n].leaf and res.records[n].nonfinite.get(p, 0) == 0
+            and res.records[n].local_error.get(p, 0.0) > REL_TOL[p]]
+
+
+def grad_error(res: PassResult) -> tuple[float, str]:
+    """All gradients' relative error against fp32 (one norm over every parameter), and the worst parameter."""
+    num = sum(g["num"] ** 2 for g in res.grads.values() if math.isfinite(g["num"]))
+    den = sum(g["den"] ** 2 for g in res.grads.values())
+    if any(not math.isfinite(g["num"]) for g in res.grads.values()):
+        return math.inf, next(n for n, g in res.grads.items() if not math.isfinite(g["num"]))
+    worst = max(res.grads, key=lambda n: res.grads[n]["num"], default="")
+    return (math.sqrt(num / den) if den else 0.0), worst
+
+
+def output_error(ctx: Context, res: PassResult) -> float:
+    """The model's final output's relative error against fp32 (sampled, same positions)."""
+    return res.records[""].output_error.get(res.precision, 0.0) if "" in res.records else 0.0
+
+
+def loss_gap(ctx: Context, res: PassResult) -> float:
+    """|loss - fp32 loss| / |fp32 loss| (inf when one is not finite and the other is)."""
+    a, b = res.loss, ctx.ref_loss
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if math.isfinite(a) == math.isfinite(b) else math.inf
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def culprits(ctx: Context, res: PassResult) -> list[str]:
+    """Modules to try in fp32: where inf/NaN start (forward, then backward) and leaves beyond REL_TOL; "" when the
+    cause is the model's own top-level code or the loss (no island can fix that)."""
+    out = [e.module for e in new_origins(ctx, res, "forward")[:1]]
+    out += [e.module for e in new_origins(ctx, res, "backward")[:1]]
+    out += lossy_leaves(ctx, res)
+    return list(dict.fromkeys(out))
+
+
+def pass_ok(ctx: Context, res: PassResult) -> bool:
+    """Nothing to fix in this pass: no new inf/NaN, no lossy leaf, output, loss and gradients within tolerance."""
+    p = res.precision
+    return (not culprits(ctx, res) and loss_gap(ctx, res) <= LOSS_TOL[p] and output_error(ctx, res) <= OUTPUT_TOL[p]
+            and (not res.grads or grad_error(res)[0] <= GRAD_TOL[p]))
+
+
+# -- the rules ---------------------------------------------------------------------------------------------------
+
+def reference_nonfinite(ev: Evidence) -> list[Finding]:
+    """The fp32 run itself has inf/NaN: nothing else can be trusted."""
+    ctx = ev.ctx
+    bad = next((n for n in ctx.order if ctx.records[n].act.nonfinite), None)
+    if math.isfinite(ctx.ref_loss) and bad is None:
+        return []
+    origin = next((e for e in ctx.ref_watch.origins if e.phase == "forward"), None) if ctx.ref_watch else None
+    where = bad if bad is not None else (origin.module if origin else "")
+    return [Finding("nonfinite", where, "fp32", ctx.ref_loss,
+                    f"{quoted(where).capitalize() if where else 'The model'} is already inf/NaN in fp32 (loss "
+                    f"{ctx.ref_loss}): fix the model or its data before looking at mixed precision", "error",
+                    "forward", origin.op if origin else "")]
+
+
+def _overflow_note(ctx: Context, e: OpEvent) -> str:
+    """What the same op reached in fp32, when it passed fp16's max there."""
+    ref = next((o for o in ctx.reference_watch().overflows if (o.module, o.call, o.op, o.index) == (e.module, e.call, e.op,
+                                                                                          e.index)), None)
+    return f"; in fp32 it reaches {ref.value:.3g}, above fp16's max 65504" if ref else ""
+
+
+def forward_origins(ev: Evidence) -> list[Finding]:
+    """The first op whose finite inputs give inf/NaN under autocast (fp32 finite): named by module and op."""
+    out = []
+    for p, res in ev.passes.items():
+        new = new_origins(ev.ctx, res, "forward")
+        if new:
+            e = new[0]
+            fix = ("compute the loss in fp32 (outside autocast, on .float() outputs)" if e.call < 0 and not e.module
+                   else f"run {quoted(e.module)} in fp32 (an fp32 island) or use bf16" if e.module
+                   else "keep this code in fp32 (wrap it in torch.autocast(..., enabled=False) on .float() inputs)")
+            out.append(Finding("nonfinite", e.module, p, math.inf,
+                               f"{e.where}: {e.op} turns finite inputs (max |x| {e.input_max:.3g}) into inf/NaN under "
+                               f"{p} autocast (output {e.dtype}){_overflow_note(ev.ctx, e)}; it is the first op to "
+                               f"do so ({len(new)} in all): {fix}", "error", "forward", e.op))
+        elif not math.isfinite(res.loss) and math.isfinite(ev.ctx.ref_loss):
+            out.append(Finding("nonfinite", "", p, res.loss, f"The loss is {res.loss} under {p} autocast although no "
+                               "op turned finite inputs into inf/NaN: compute the loss in fp32", "error", "forward"))
+    return out
+
+
+def backward_origins(ev: Evidence) -> list[Finding]:
+    """The first backward op whose finite inputs give inf/NaN (the forward may be clean): GradScaler would skip every
+    step."""
+    out = []
+    for p, res in ev.passes.items():
+        if new_origins(ev.ctx, res, "forward"):
+            continue  # the backward of an inf/NaN forward follows from it
+        new = new_origins(ev.ctx, res, "backward")
+        bad = {n: g["nonfinite"] for n, g in res.grads.items() if g["nonfinite"]}
+        scale = f" at loss scale 2**{int(math.log2(res.scale))}" if res.scale != 1 else ""
+        if new:
+            e = new[0]
+            out.append(Finding("backward_nonfinite", e.module, p, math.inf,
+                               f"{e.where}: {e.op} returns inf/NaN from finite inputs (max |x| {e.input_max:.3g}) in "
+                               f"the {p} backward{scale}, though the forward is finite; {len(bad)} parameter "
+                               f"gradient(s) are inf/NaN, so GradScaler would skip every step: run "
+                               f"{quoted(e.module)} in fp32, or give a custom autograd.Function's backward fp32 inputs "
+                               "(torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32))", "error",
+                               "backward", e.op))
+        elif bad:
+            n = next(iter(bad))
+            out.append(Finding("backward_nonfinite", n, p, float(sum(bad.values())),
+                               f"{len(bad)} parameter gradient(s) are inf/NaN after the {p} backward{scale} (first "
+                               f"{quoted(n)}): lower the loss scale or use bf16", "error", "backward"))
+    return out
+
+
+def _cause(ctx: Context, module: str) -> str:
+    """An oversized weight in the module, when one stands out from the model's others (the cause of an overflow)."""
+    try:
+        mod = ctx.ref_model.get_submodule(module)
+    except AttributeError:
+        return ""
+    own = [(n, float(p.detach().abs().max())) for n, p in mod.named_parameters(recurse=False) if p.numel()]
+    others = sorted(float(p.detach().abs().max()) for n, p in ctx.ref_model.named_parameters()
+                    if p.numel() and not n.startswith(f"{module}.") and p.is_floating_point())
+    if not own or not others:
+        return ""
+    name, top = max(own, key=lambda x: x[1])
+    typical = others[len(others) // 2]
+    if top > 100 * typical:
+        full = f"{module}.{name}" if module else name
+        return (f"; the cause is visible: its weight {quoted(full)} reaches {top:.3g}, {top / typical:.3g}x the "
+                f"typical max|w| {typical:.3g} of the model's other parameters")
+    return ""
+
+
+def activation_overflow(ev: Evidence) -> list[Finding]:
+    """Module outputs beyond the format's largest value in fp32: the first such module, and its cause when visible."""
+    ctx, out = ev.ctx, []
+    for p, res in ev.passes.items():
+        top = formats.spec(p).max
+        over = [n for n in ctx.order if ctx.records[n].act.max > top]
+        if not over:
+            continue
+        n = over[0]
+        r = ctx.records[n]
+        v = ev.verdicts.get(p, {})
+        stayed = v.get("status") != "refused" and n not in v.get("tried_fp32_modules", [])
+        share = r.act._share("overflow", 1.0, p)
+        more = f" ({len(over) - 1} module(s) after it too)" if len(over) > 1 else ""
+        out.append(Finding("activation_overflow", n, p, r.act.max,
+                           f"{quoted(n).capitalize()} outputs values up to {r.act.max:.4g} in fp32 ({share:.2%} of them "
+                           f"above {p}'s max {top:g}){more}{_cause(ctx, n)}"
+                           + (f"; they stayed finite here (output {res.records[n].dtype.get(p, '?')}), but any {p} op "
+                              "that reads them overflows" if stayed else "")
+                           + ": keep it and what reads it in fp32, or use bf16", "warning" if stayed else "error",
+                           "forward"))
+    return out
+
+
+def precision_loss(ev: Evidence) -> list[Finding]:
+    """Leaf modules whose own error under autocast exceeds REL_TOL."""
+    out = []
+    for p, res in ev.passes.items():
+        for n in lossy_leaves(ev.ctx, res):
+            err = res.records[n].local_error[p]
+            sqnr = -20 * math.log10(err) if 0 < err < math.inf else math.inf
+            out.append(Finding("precision_loss", n, p, err,
+                               f"{quoted(n).capitalize()}'s own output under {p} autocast differs from fp32 on the same "
+                               f"inputs by {err:.3g} (relative, SQNR {sqnr + 0.0:.1f} dB; tolerance {REL_TOL[p]:.3g}): "
+                               "run it in fp32", "error" if err > 0.5 else "warning", "forward"))
+    return out
+
+
+def output_and_loss(ev: Evidence) -> list[Finding]:
+    """The final output's error and the loss gap: findings, never silently stored numbers."""
+    out = []
+    for p, res in ev.passes.items():
+        err = output_error(ev.ctx, res)
+        if err > OUTPUT_TOL[p]:
+            out.append(Finding("output_error", "", p, err,
+                               f"The model's output under {p} autocast differs from fp32 by {err:.3g} (relative; "
+                               f"tolerance {OUTPUT_TOL[p]:.3g})", "warning", "forward"))
+        gap = loss_gap(ev.ctx, res)
+        if gap > LOSS_TOL[p]:
+            out.append(Finding("loss_gap", "", p, gap,
+                               f"The loss under {p} autocast is {res.loss:.4g} against {ev.ctx.ref_loss:.4g} in fp32 "
+                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})", "warning", "forward"))
+    return out
+
+
+def gradient_error(ev: Evidence) -> list[Finding]:
+    """The gradients of one autocast backward against fp32's (after unscaling), over all parameters."""
+    out = []
+    for p, res in ev.passes.items():
+        if not res.grads:
+            continue
+        err, worst = grad_error(res)
+        if math.isfinite(err) and err > GRAD_TOL[p]:
+            w = res.grads[worst]
+            out.append(Finding("gradient_error", worst, p, err,
+                               f"The parameter gradients of one {p} backward differ from fp32's by {err:.3g} (relative, "
+                               f"all parameters together; tolerance {GRAD_TOL[p]:.3g}); the largest share of it is "
+                               f"{quoted(worst)} (error norm {w['num']:.3g} against its fp32 gradient norm {w['den']:.3g})", "warning",
+                               "backward"))
+    return out
+
+
+def _owner(name: str) -> str:
+    """The module that holds a parameter: 'blocks.0.lin' for 'blocks.0.lin.weight'."""
+    return name.rpartition(".")[0]
+
+
+def gradient_scale(ev: Evidence) -> list[Finding]:
+    """Loss-scale advice from the fp32 gradients, per layer and in aggregate."""
+    ctx, info, scale, out = ev.ctx, ev.gradients, ev.scale, []
+    if not info.get("nonzero"):
+        return out
+    gmax, fmax = info["max"], formats.spec("fp16").max
+    over = zone_thresholds("fp16")[2]
+    k = int(math.log2(scale))
+    low_params = ev.model_dtype in _LOW
+    if info["nonfinite"] or gmax >= over:
+        out.append(Finding("gradient_overflow", "", "fp16", gmax,
+                           f"Gradients reach {gmax:.4g} in fp32 ({info['nonfinite']} inf/NaN), beyond fp16's max {fmax:g} "
+                           f"at scale 1: fp16 needs a scale below 1 (init_scale=2**{k}) or use bf16", "warning",
+                           "backward"))
+    if "fp16" in ev.precisions:
+        flush1, flush_rec, flush_default = info["flush_at_1"], info["flush_at_recommended"], info["flush_at_default"]
+        backoffs = info["default_backoff_steps"]
+        worst = info.get("worst_param")
+        worst_txt = f" (worst parameter: {quoted(worst[0])}, {worst[1]:.0%})" if worst else ""
+        how = ("keep fp32 master weights (fp32 parameters + autocast), then use torch.amp.GradScaler(device, "
+               f"init_scale=2**{k}); GradScaler cannot unscale the fp16 gradients of fp16 parameters" if low_params
+               else f"use torch.amp.GradScaler(device, init_scale=2**{k})")
+        if flush1 > UNDERFLOW_WARN:
+            sev = "warning" if flush1 > 0.5 or flush_default > UNDERFLOW_WARN else "info"
+            out.append(Finding("gradient_underflow", "", "fp16", flush1,
+                               f"{flush1:.1%} of the nonzero gradients of layers that autocast runs in fp16 flush to "
+                               f"zero at scale 1{worst_txt}; GradScaler's default leaves {flush_default:.2%}; at "
+                               f"init_scale=2**{k} (max|grad| {gmax:.3g} x scale stays {GRAD_MARGIN:g}x below {fmax:g}) "
+                               f"{flush_rec:.2%} do: {how}", sev, "backward"))
+        if flush_rec > UNDERFLOW_WARN:
+            out.append(Finding("gradient_underflow", "", "fp16", flush_rec,
+                               f"Even at init_scale=2**{k} {flush_rec:.2%} of the nonzero gradients flush to zero: the "
+                               "gradients span more binades than fp16 holds; use bf16", "warning", "backward"))
+        default_txt = (f"GradScaler's default 2**16 overflows first and needs {backoffs} backoff step(s) (skipped "
+                       f"steps) to get below fp16's max" if backoffs else
+                       f"GradScaler's default 2**16 does not overflow and leaves {flush_default:.2%} flushed")
+        kind = "scaler_needed" if flush1 > 0 or gmax >= over else "no_scaler_needed"
+        if low_params:
+            msg = (f"{flush1:.3%} of the nonzero gradients flush to zero in fp16 at scale 1; the parameters are "
+                   "fp16, where torch.amp.GradScaler refuses to unscale: keep fp32 master weights (fp32 parameters + "
+                   "autocast) and scale there")
+        else:
+            msg = (f"{flush1:.3%} of the nonzero gradients flush to zero in fp16 at scale 1"
+                   + (f" and the largest, {gmax:.3g}, overflows it" if gmax >= over else "")
+                   + ("; use a GradScaler" if kind == "scaler_needed" else "; none flush now, but gradients shrink as "
+                      "training converges, so keep a GradScaler with fp32 parameters")
+                   + f": {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed")
+        out.append(Finding(kind, "", "fp16", flush1, msg, "info", "backward"))
+        out += _layer_underflow(ev)
+    if "bf16" in ev.precisions:
+        bflush = info["bf16_flush_at_1"]
+        out.append(Finding("no_scaler_needed" if bflush == 0 else "scaler_needed", "", "bf16", bflush,
+                           f"{bflush:.3%} of the nonzero gradients flush to zero in bf16 at scale 1 (bf16 has fp32's "
+                           "exponent range)" + ("" if bflush else ": no GradScaler needed"), "info", "backward"))
+    return out
+
+
+def _mass_flushed(h: Log2Hist, scale: float) -> float:
+    """The share of sum |x| held by values that fp16 flushes to zero at this scale (below 2**-25 / scale), to the
+    binade."""
+    bins = h._values()[0].sum(1).astype(np.float64)
+    mass = bins * np.exp2(np.arange(bins.size) + h.LO)
+    total = mass.sum()
+    if total == 0:
+        return 0.0
+    cut = int(math.floor(-25 - math.log2(scale))) - h.LO
+    return float(mass[:max(cut, 0)].sum() / total)
+
+
+def _layer_underflow(ev: Evidence) -> list[Finding]:
+    """Parameters that lose more than half of their gradient in fp16 at scale 1 (predicted from the fp32 histogram,
+    for layers autocast runs in fp16) or at the recommended scale (measured in the fp16 backward)."""
+    ctx, out = ev.ctx, []
+    res = ev.passes.get("fp16")
+    if res is None:
+        return out
+    k = int(math.log2(ev.scale))
+    norms = {n: float(torch.linalg.vector_norm(g)) for n, g in ctx.ref_grads.items()}
+    total = math.sqrt(sum(v * v for v in norms.values()))
+    broken = bool(res.watch.origins) or any(g["nonfinite"] for g in res.grads.values())
+    for n, h in ctx.param_grads.items():
+        owner = _owner(n)
+        low = res.records.get(owner)
+        ran_low = low is not None and low.dtype.get("fp16") == "float16" or ev.model_dtype == torch.float16
+        # A gradient below fp32's own rounding of the whole (a conv bias before BatchNorm: mathematically zero) is
+        # noise: losing it at scale 1 loses nothing. Measured losses at the recommended scale always count.
+        noise = norms.get(n, 0.0) < NOISE * total
+        # Lost at scale 1: its own values flush, or the gradient reaching its module's output does (then the
+        # parameter's gradient, computed from it, is zero however large it is in fp32).
+        # A weight's gradient is a sum over the batch of (output gradient x input): what it loses is the *mass* of
+        # the output gradient that flushes, not the count of flushed values (the small ones barely count).
+        og = ctx.records[owner].grad if owner in ctx.records else Log2Hist()
+        at1 = max(h._share("underflow", 1.0), _mass_flushed(og, 1.0)) if ran_low and not noise else 0.0
+        at_rec = max(h._share("underflow", ev.scale), _mass_flushed(og, ev.scale))
+        measured = 0.0 if broken else res.grads.get(n, {}).get("flushed", 0.0)
+        if max(at1, measured) > LAYER_UNDERFLOW_WARN:
+            which = (f"{measured:.0%} of its gradient came back zero from the fp16 backward at scale 2**{k}"
+                     if measured > LAYER_UNDERFLOW_WARN else f"{at1:.0%} of its gradient flushes to zero in fp16 at "
+                     f"scale 1 ({at_rec:.0%} at the recommended 2**{k})")
+            out.append(Finding("layer_gradient_underflow", n, "fp16", max(at1, measured),
+                               f"{quoted(n).capitalize()} loses more than half of its gradient: {which}; that layer "
+                               "barely trains in fp16 however small the aggregate: use the recommended GradScaler scale"
+                               " (or a larger one), run its module in fp32, or use bf16", "warning", "backward"))
+    return out
+
+
+def optimizer(ev: Evidence) -> list[Finding]:
+    """What one step of the optimizer as it is did: inf/NaN weights, blow-ups, lost updates, eps in the state."""
+    a, out = ev.audit, []
+    if a is None:
+        return out
+    if "error" in a:
+        return [Finding("lost_updates", "", "fp32", math.nan, f"The optimizer could not be copied to audit its step "
+                        f"({a['error']}): nothing about its step was checked", "info", "optimizer")]
+    fmt = "bf16" if "bfloat16" in a["param_dtypes"] else "fp16" if "float16" in a["param_dtypes"] else "fp32"
+    master_ok = math.isfinite(a.get("loss_after_master", math.nan))
+    fix = ("keep fp32 master weights: fp32 parameters + autocast, so the optimizer's state is fp32 too"
+           + (" (or ampcourse.optim.BF16AdamW for bf16 weights)" if fmt == "bf16" else ""))
+    checked = (f" (checked: the same step with fp32 master weights and fp32 state gives loss "
+               f"{a['loss_after_master']:.4g})" if master_ok and not a["fp32_master_weights"] else "")
+    if a["nonfinite_after"]:
+        worst = max(a["params"], key=lambda n: a["params"][n]["nonfinite_after"])
+        out.append(Finding("optimizer_nonfinite", worst, fmt, float(a["nonfinite_after"]),
+                           f"One {a['class']} step makes {a['nonfinite_after']} weight(s) inf/NaN (first "
+                           f"{quoted(worst)}): {fix}{checked}", "error", "optimizer"))
+    after, before = a.get("loss_after", math.nan), a.get("loss_before", math.nan)
+    ratios = {n: r["update_ratio"] for n, r in a["params"].items() if "update_ratio" in r}
+    worst_ratio = max(ratios, key=ratios.get, default=None)
+    blown = (math.isfinite(before) and master_ok and (not math.isfinite(after) or after > max(2 * abs(before),
+                                                                                              before + 1.0)))
+    if not a["nonfinite_after"] and (blown or (worst_ratio and ratios[worst_ratio] > BLOWUP_RATIO)):
+        sq = a.get("second_moment_underflow")
+        why = (f"; {sq:.0%} of Adam's second moment underflowed to zero in the {fmt} state, so m/(sqrt(v)+eps) "
+               "divides by eps alone" if sq else "")
+        out.append(Finding("optimizer_blowup", worst_ratio or "", fmt,
+                           ratios.get(worst_ratio, math.inf) if worst_ratio else after,
+                           f"One {a['class']} step takes the loss from {before:.4g} to {after:.4g}"
+                           + (f" and moves {quoted(worst_ratio)} {ratios[worst_ratio]:.3g}x as far as the fp32-master "
+                              "step" if worst_ratio else "") + f"{why}: {fix}{checked}", "error", "optimizer"))
+    share = a.get("lost_update_share", 0.0)
+    if share > LOST_WARN:
+        worst = max(a["params"], key=lambda n: a["params"][n].get("lost_share", 0.0))
+        out.append(Finding("lost_updates", worst, fmt, share,
+                           f"{share:.1%} of one step's update elements round to no change in the {fmt} parameters "
+                           f"(worst {quoted(worst)}: {a['params'][worst]['lost_share']:.0%}); the update is below half "
+                           f"an ulp of the weight: {fix}{checked}", "warning", "optimizer"))
+    for e in a.get("eps", []):
+        f = formats.spec(e["format"])
+        sq = a.get("second_moment_underflow")
+        measured = f" (measured: {sq:.0%} of the second moment underflowed in one step)" if sq is not None else ""
+        out.append(Finding("eps_underflow", e["first"], e["format"], e["eps"],
+                           f"eps={e['eps']:g} rounds to 0 in the {e['format']} optimizer state of {e['params']} "
+                           f"parameter(s) ({e['format']}'s smallest subnormal is {f.min_subnormal:.3g}); the main "
+                           "cause of low-precision Adam blow-ups is the second moment (g**2) underflowing once |g| is "
+                           f"below about {math.sqrt(f.min_subnormal / 0.001):.1g}{measured}, and then lr*m/eps wrecks "
+                           "the weights whatever eps is: raising eps just past the smallest subnormal does not help. "
+                           "Keep the optimizer state in fp32 (fp32 parameters + autocast)", "warning", "optimizer"))
+    return out
+
+
+def model_precision(ev: Evidence) -> list[Finding]:
+    """A model already in fp16/bf16 (measured against an fp32 copy), and precisions under which autocast ran nothing
+    in low precision (a float64 model)."""
+    out = []
+    dt = ev.model_dtype
+    if dt in _LOW:
+        name = "fp16" if dt == torch.float16 else "bf16"
+        n = sum(1 for p in ev.ctx.model.parameters() if p.dtype == dt)
+        out.append(Finding("low_precision_model", "", name, float(n),
+                           f"The model's own weights are {name} ({n} parameter tensors): the fp32 reference ran on an "
+                           f"fp32 copy, and each precision ran on the model as it is. To train, keep fp32 master weights "
+                           f"(model.float() + autocast) or a low-precision optimizer such as ampcourse.optim.BF16AdamW "
+                           "(bf16)", "info", "model"))
+    for p, v in ev.verdicts.items():
+        if v.get("status") == "unsupported" and v.get("no_low_precision"):
+            out.append(Finding("no_low_precision", "", p, 0.0,
+                               f"{p} autocast ran no op in {p}: {v['reason']}", "warning", "model"))
+    return out
+
+
+RULES: Sequence[Callable[[Evidence], list[Finding]]] = (
+    reference_nonfinite, forward_origins, backward_origins, activation_overflow, precision_loss, output_and_loss,
+    gradient_error, gradient_scale, optimizer, model_precision)
+
+
+def gradient_info(ctx: Context, fp16: PassResult | None = None) -> tuple[dict[str, Any], float]:
+    """The numbers behind the loss-scale advice, from the fp32 gradients, and the recommended init_scale.
+
+    With the fp16 pass given, the flushed shares count only the layers that autocast ran in fp16 (an Embedding's,
+    or on CUDA a LayerNorm's, outputs and gradients stay fp32 under autocast: they lose nothing to fp16).
+    """
+    def ran_low(module: str) -> bool:
+        return fp16 is None or fp16.records.get(module) is None or fp16.records[module].dtype.get("fp16") == "float16"
+    hists = [h for n, h in ctx.param_grads.items() if ran_low(_owner(n))]
+    hists += [ctx.records[n].grad for n in ctx.order if ctx.records[n].leaf and ran_low(n)]
+    total = Log2Hist.merged(hists)
+    everything = Log2Hist.merged([*ctx.param_grads.values(), *(ctx.records[n].grad for n in ctx.order
+                                                                if ctx.records[n].leaf)])
+    gmax, nonzero = everything.max, everything.nonzero
+    info: dict[str, Any] = {"max": gmax, "nonzero": nonzero, "nonfinite": everything.nonfinite, "margin": GRAD_MARGIN}
+    if nonzero == 0:
+        return info, DEFAULT_SCALE
+    fmax = formats.spec("fp16").max
+    over = zone_thresholds("fp16")[2]
+    scale = 2.0 ** max(-126, min(126, math.floor(math.log2(fmax / (gmax * GRAD_MARGIN))))) if gmax > 0 else DEFAULT_SCALE
+    backoffs, s = 0, DEFAULT_SCALE
+    while gmax * s >= over and backoffs < 300:  # what GradScaler(init_scale=2**16) does: skip, halve, try again
+        s, backoffs = s / 2, backoffs + 1
+    info.update(flush_at_1=total._share("underflow", 1.0), recommended_scale=scale,
+                flush_at_recommended=total._share("underflow", scale), flush_at_default=total._share("underflow", s),
+                default_backoff_steps=backoffs,
+                largest_scale_without_overflow=2.0 ** math.floor(math.log2(fmax / gmax)) if gmax > 0 else math.inf,
+                bf16_flush_at_1=total._share("underflow", 1.0, "bf16"),
+                params={n: {"max": h.max, "flush_at_1": h._share("underflow", 1.0),
+                            "flush_at_recommended": h._share("underflow", scale)} for n, h in ctx.param_grads.items()})
+    worst = max(((n, h) for n, h in ctx.param_grads.items() if ran_low(_owner(n))),
+                key=lambda kv: kv[1]._share("underflow"), default=None)
+    if worst is not None:
+        info["worst_param"] = (worst[0], worst[1]._share("underflow"))
+    return info, scale

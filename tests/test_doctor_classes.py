@@ -1,0 +1,478 @@
+"""The six classes of problem a leaf-only, forward-only doctor cannot see (issue 18), and issue 21's doctor items.
+
+Each test plants one problem and checks that the doctor finds it, names the op's module and phase, and gives
+advice that works when followed; healthy controls check that it does not cry wolf.
+"""
+
+import copy
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ampcourse.doctor import examine
+from ampcourse.models import loss_fn, make_model, make_task
+from ampcourse.policy import apply_policy
+
+
+def batch(name: str = "mlp", n: int = 64):
+    x, y = make_task(name, n=n).data.tensors
+    return x, y
+
+
+# -- 1. inline code in a non-leaf module's forward ----------------------------------------------------------------
+
+class InlineRMSBlock(nn.Module):
+    """A block whose RMSNorm is written inline in its own forward (x * x overflows fp16 before the mean)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.weight = nn.Parameter(torch.ones(64))
+        with torch.no_grad():
+            self.up.weight.mul_(500)
+
+    def forward(self, x):
+        h = self.up(x)
+        return h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class WithInlineBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = InlineRMSBlock(), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.block(x)))
+
+
+def test_inline_rmsnorm_is_named_with_its_op_and_the_island_works():
+    torch.manual_seed(0)
+    model = WithInlineBlock()
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn)
+    assert not r.is_clean("fp16")
+    bad = r.find("nonfinite", "fp16")
+    assert bad and bad[0].module == "block" and bad[0].op == "aten::mul" and bad[0].phase == "forward"
+    assert "(inline in forward)" in bad[0].message and "65504" in bad[0].message
+    assert r.verdicts["fp16"]["status"] == "islands" and r.verdicts["fp16"]["fp32_modules"] == ["block"]
+    assert r.is_clean("bf16") and r.recommended_precision == "bf16"
+    # the advice works: with the island, fp16 examines clean and its loss matches fp32
+    apply_policy(model, {"block": "fp32"})
+    fixed = examine(model, x, y, loss_fn=loss_fn, precisions=("fp16",))
+    assert fixed.is_clean("fp16"), fixed.summary()
+
+
+class InlineAttention(nn.Module):
+    """Attention with the logits computed inline and no 1/sqrt(d): q.k passes fp16's max."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        with torch.no_grad():
+            self.q.weight.mul_(80)
+            self.k.weight.mul_(80)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        att = (q @ k.transpose(-2, -1)).softmax(-1)
+        return self.o(att @ v)
+
+
+class TinyAttnModel(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.attn, self.head = InlineAttention(d), nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.head(self.attn(x)).mean(1)
+
+
+def attn_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 12, 32, generator=g) * 3, torch.randint(0, 10, (8,), generator=g)
+
+
+def test_inline_attention_logits_blame_the_attention_not_the_next_leaf():
+    torch.manual_seed(0)
+    model = TinyAttnModel()
+    x, y = attn_batch()
+    r = examine(model, x, y, loss_fn=F.cross_entropy)
+    bad = r.find("nonfinite", "fp16")
+    assert bad and bad[0].module == "attn" and bad[0].op in ("aten::bmm", "aten::mm", "aten::matmul"), r.summary()
+    assert "attn.o" not in r.verdicts["fp16"].get("tried_fp32_modules", [])
+    assert not r.is_clean("fp16")
+
+
+# -- 2. problems that only exist in backward ----------------------------------------------------------------------
+
+class _FusedRMSFn(torch.autograd.Function):
+    """RMSNorm whose forward computes in fp32 (safe), but whose backward recomputes x*x in the input's dtype."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        xf = x.float()
+        return (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        r = torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)  # x*x in fp16 under autocast: overflows
+        return r * (g - x * r * r * (g * x).mean(-1, keepdim=True))
+
+
+class FusedNorm(nn.Module):
+    def forward(self, x):
+        return _FusedRMSFn.apply(x)
+
+
+class WithFusedNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.head = nn.Linear(32, 64), FusedNorm(), nn.Linear(64, 10)
+        with torch.no_grad():
+            self.up.weight.mul_(500)
+
+    def forward(self, x):
+        return self.head(self.norm(self.up(x)))
+
+
+def test_backward_only_overflow_in_a_custom_function_is_found():
+    torch.manual_seed(0)
+    model = WithFusedNorm()
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn)
+    assert not r.find("nonfinite", "fp16"), r.summary()  # the forward is fine
+    bad = r.find("backward_nonfinite", "fp16")
+    assert bad and bad[0].phase == "backward" and bad[0].module == "norm" and bad[0].op == "aten::mul", r.summary()
+    assert "_FusedRMSFnBackward" in bad[0].message
+    assert not r.is_clean("fp16")
+    assert r.verdicts["fp16"]["fp32_modules"] == ["norm"]  # in fp32, its backward gets fp32 inputs too
+    assert r.is_clean("bf16")
+
+
+# -- 3. the optimizer step's real outcome -------------------------------------------------------------------------
+
+def test_pure_fp16_adam_step_outcome_is_checked():
+    torch.manual_seed(0)
+    model = make_model("mlp").half()
+    x, y = batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-8)
+    r = examine(model, x.half(), y, loss_fn=loss_fn, optimizer=opt)
+    broken = r.find("optimizer_nonfinite") + r.find("optimizer_blowup")
+    assert broken and broken[0].severity == "error" and broken[0].phase == "optimizer", r.summary()
+    assert r.optimizer["lost_update_share"] > 0.5 or r.optimizer["nonfinite_after"] > 0
+    text = " ".join(r.advice) + " ".join(f.message for f in r.findings)
+    assert "raise eps" not in text and "or raise eps" not in text
+    assert "fp32 master weights" in text
+    assert not any("GradScaler(" in a for a in r.advice)  # GradScaler refuses fp16 parameters
+    # eps=1e-7 (just past fp16's smallest subnormal) is not a fix: still a blow-up
+    opt7 = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
+    r7 = examine(model, x.half(), y, loss_fn=loss_fn, optimizer=opt7)
+    assert r7.find("optimizer_blowup") or r7.find("optimizer_nonfinite"), r7.summary()
+    assert not r7.is_clean("fp16")
+
+
+@pytest.mark.parametrize("rounding", ["kahan", "stochastic"])
+def test_bf16adamw_is_audited_as_it_is(rounding):
+    from ampcourse.optim import BF16AdamW
+    torch.manual_seed(0)
+    model = make_model("mlp").to(torch.bfloat16)
+    x, y = batch()
+    opt = BF16AdamW(model.parameters(), lr=1e-5, rounding=rounding)
+    r = examine(model, x.bfloat16(), y, loss_fn=loss_fn, optimizer=opt, precisions=("bf16",))
+    assert not r.find("lost_updates"), r.summary()
+    assert r.optimizer["class"] == "BF16AdamW" and r.optimizer["lost_update_share"] < 0.2
+    # the same bf16 weights with plain rounding to nearest do lose the update
+    nearest = BF16AdamW(model.parameters(), lr=1e-5, rounding="nearest")
+    assert examine(model, x.bfloat16(), y, loss_fn=loss_fn, optimizer=nearest, precisions=("bf16",)).find("lost_updates")
+
+
+# -- 4. models already in fp16/bf16 -------------------------------------------------------------------------------
+
+class NormModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.head = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.norm(self.lin(x)))
+
+
+def test_half_model_with_layernorm_runs_against_an_fp32_copy():
+    torch.manual_seed(0)
+    model = NormModel().half()
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    x, y = batch()
+    r = examine(model, x.half(), y, loss_fn=loss_fn)  # default precisions: bf16 autocast on fp16 weights
+    assert not r.find("nonfinite", "fp32"), r.summary()  # the fp32 copy is fine
+    assert r.find("low_precision_model") and r.find("low_precision_model")[0].precision == "fp16"
+    for p, v in r.verdicts.items():
+        assert v["status"] in ("clean", "islands", "refused", "unsupported")
+        if v["status"] == "unsupported":
+            assert v["reason"]
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert model.lin.weight.dtype == torch.float16
+
+
+def test_float64_model_says_autocast_ran_nothing_low():
+    model = make_model("mlp").double()
+    x, y = batch()
+    r = examine(model, x.double(), y, loss_fn=loss_fn)
+    for p in ("fp16", "bf16"):
+        assert r.verdicts[p]["status"] == "unsupported" and "float64" in r.verdicts[p]["reason"]
+        assert not r.is_clean(p)
+        assert r.find("no_low_precision", p)
+
+
+# -- 5. layer-local gradient underflow ----------------------------------------------------------------------------
+
+class TinyFirstLayer(nn.Module):
+    """The first layer sees inputs near 1e-6: its weight gradient (grad_out x input) flushes in fp16 at scale 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(32, 256)
+        self.rest = nn.Sequential(nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                                  nn.Linear(256, 10))
+        with torch.no_grad():
+            self.first.weight.mul_(1e6)
+
+    def forward(self, x):
+        return self.rest(self.first(x * 1e-6))
+
+
+def test_a_layer_losing_its_gradient_is_named_however_small_the_aggregate():
+    torch.manual_seed(0)
+    model = TinyFirstLayer()
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn, precisions=("fp16",))
+    named = {f.module for f in r.find("layer_gradient_underflow", "fp16")}
+    assert "first.weight" in named, r.summary()
+    assert r.gradients["flush_at_1"] < 0.5  # the aggregate alone would not have warned
+    assert all(f.severity == "warning" for f in r.find("layer_gradient_underflow"))
+
+
+class EmbedModel(nn.Module):
+    """An Embedding (its output stays fp32 under autocast) whose gradients are tiny: fp16 does not touch them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 10)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).mean(1))
+
+
+def test_leaves_that_stay_fp32_are_not_counted_as_fp16_gradient_losses():
+    torch.manual_seed(0)
+    model = EmbedModel()
+    g = torch.Generator().manual_seed(0)
+    idx, y = torch.randint(0, 64, (16, 8), generator=g), torch.randint(0, 10, (16,), generator=g)
+    r = examine(model, idx, y, loss_fn=lambda o, t: F.cross_entropy(o, t) * 2.0**-20, precisions=("fp16",))
+    rows = {m["name"]: m for m in r.modules}
+    assert rows["emb"]["dtype"]["fp16"] == "float32"
+    assert "emb.weight" not in {f.module for f in r.find("layer_gradient_underflow")}
+
+
+# -- 6. multi-call modules, in-place forwards, determinism ---------------------------------------------------------
+
+class SharedDropout(nn.Module):
+    """One dropout called twice (as T5's); the overflow comes from 'up' between the two calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop, self.up, self.head = nn.Dropout(0.1), nn.Linear(32, 64), nn.Linear(64, 10)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+
+    def forward(self, x):
+        return self.head(self.drop(self.up(self.drop(x))))
+
+
+def test_a_module_called_twice_is_not_blamed_for_what_follows_its_first_call():
+    torch.manual_seed(0)
+    model = SharedDropout()
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn, precisions=("fp16",))
+    bad = r.find("nonfinite", "fp16")
+    assert bad and bad[0].module == "up", r.summary()
+    assert {m["name"]: m["calls"] for m in r.modules}["drop"] == 2
+
+
+class InPlace(nn.Module):
+    """A forward that edits its input in place and draws Python and NumPy random numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        noise = random.random() + float(np.random.rand())
+        return self.lin(x) * (1 + 1e-3 * noise)
+
+
+def test_in_place_forward_leaves_the_batch_and_two_calls_give_the_same_report():
+    torch.manual_seed(0)
+    model = InPlace()
+    x, y = batch()
+    x0 = x.clone()
+    random.seed(1)
+    np.random.seed(1)
+    r1 = examine(model, x, y, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters()))
+    assert torch.equal(x, x0)
+    r2 = examine(model, x, y, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters()))
+    assert r1.to_dict() == r2.to_dict()
+    assert random.random() == random.Random(1).random()  # the caller's Python RNG is where it was
+
+
+# -- issue 21: a known state, hooks, scripted modules ----------------------------------------------------------------
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "autocast"])
+def test_examine_runs_in_a_known_state_whatever_the_callers(context):
+    torch.manual_seed(0)
+    model = make_model("mlp")
+    x, y = batch()
+    plain = examine(model, x, y, loss_fn=loss_fn).to_dict()
+    ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(),
+           "autocast": torch.autocast("cpu", dtype=torch.bfloat16)}[context]
+    with ctx:
+        inside = examine(model, x, y, loss_fn=loss_fn).to_dict()
+    assert inside == plain
+    assert plain["gradients"]["nonzero"] > 0
+
+
+class ReturnsParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(10))
+
+    def forward(self):
+        return self.w
+
+
+class UsesParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias, self.lin = ReturnsParam(), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.lin(x) + self.bias()
+
+
+def test_no_hook_left_on_a_parameter_a_module_returns():
+    model = UsesParam()
+    x, y = batch()
+    examine(model, x, y, loss_fn=loss_fn)
+    assert not model.bias.w._backward_hooks
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_scripted_module_is_one_clear_line():
+    model = torch.jit.script(nn.Linear(4, 2))
+    with pytest.raises(TypeError, match="ScriptModule.*eager nn.Module"):
+        examine(model, torch.randn(3, 4))
+
+
+def test_healthy_models_stay_clean_with_backward_and_the_op_watch():
+    for name in ("mlp", "cnn", "transformer"):
+        model = make_model(name)
+        x, y = batch(name, 32)
+        r = examine(model, x, y, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        assert r.is_clean("fp16") and r.is_clean("bf16"), r.summary()
+
+
+# -- calibration and the report a learner reads (issue 20: errata 4-7, learner path 7) ----------------------------------
+
+@pytest.mark.parametrize("fmt, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_rel_tol_is_calibrated_on_linear_layers(fmt, dtype):
+    """REL_TOL's comment states what is measured: an nn.Linear's own error under autocast is 0.2-0.4 eps (eps is the
+    spacing at 1; the rounding unit u = eps/2), so REL_TOL = 8 eps is 20-40x a healthy layer's."""
+    from ampcourse import formats
+    from ampcourse.doctor import REL_TOL
+    eps = formats.spec(fmt).eps
+    g = torch.Generator().manual_seed(0)
+    own = []
+    for d in (64, 256):
+        lin = nn.Linear(d, d)
+        x = torch.randn(128, d, generator=g)
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            low = lin(x)
+        with torch.no_grad():
+            ref = lin(x.to(dtype).float())  # the same (rounded) inputs, in fp32: only the layer's own rounding differs
+        own.append(float((low.float() - ref).norm() / ref.norm()) / eps)
+    assert all(0.1 < e < 0.6 for e in own), own
+    assert REL_TOL[fmt] == 8 * eps and REL_TOL[fmt] > 10 * max(own) * eps
+
+
+def test_the_report_reads_as_sentences_quotes_names_and_names_the_oversized_weight():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        model[0].weight.mul_(3e4)
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn)
+    over = r.find("activation_overflow", "fp16")
+    assert over and over[0].module == "0"
+    msg = over[0].message
+    assert msg.startswith("'0' outputs") and "'0.weight'" in msg and "cause" in msg
+    text, page = r.summary(), r._repr_html_()
+    assert "{'fp16'" not in text and "{'fp16'" not in page  # no Python dicts in the advice
+    assert all(isinstance(a, str) and a[0].isupper() and a.rstrip().endswith(".") for a in r.advice)
+    assert "'0'" in page or "&#x27;0&#x27;" in page
+    # policy_snippet: a reason when there is nothing to apply; both forms of the island when there is
+    clean_only = examine(make_model("mlp"), x, y, loss_fn=loss_fn, precisions=("bf16",))
+    assert clean_only.policy_snippet().startswith("# no fp32 islands: bf16 ran clean")
+    torch.manual_seed(0)
+    fixed = examine(WithInlineBlock(), x, y, loss_fn=loss_fn, precisions=("fp16",))
+    snippet = fixed.policy_snippet("fp16")
+    assert "apply_policy(model, {'block': 'fp32'})" in snippet and "torch.autocast" in snippet
+    m2 = WithInlineBlock()
+    plain = snippet.split("# or in plain PyTorch")[1].split("\n", 1)[1]
+    exec(plain, {"model": m2})
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = m2(x)
+    assert torch.isfinite(out).all()  # the plain-PyTorch island works
+
+
+def test_no_scaler_advice_for_fp16_parameters():
+    torch.manual_seed(0)
+    model = make_model("mlp").half()
+    x, y = batch()
+    r = examine(model, x.half(), y, loss_fn=loss_fn, precisions=("fp16",))
+    text = " ".join([f.message for f in r.findings] + r.advice)
+    assert "still the safe default" not in text
+    assert "GradScaler(" not in " ".join(r.advice)
+    assert r.find("low_precision_model")
+
+
+def test_backward_is_still_told_apart_on_a_torch_without_current_autograd_node(monkeypatch):
+    """torch 2.11's floor: if torch._C._current_autograd_node were missing, backward ops keep their phase (the
+    module is then unknown) instead of being blamed on the forward."""
+    monkeypatch.delattr(torch._C, "_current_autograd_node", raising=False)
+    torch.manual_seed(0)
+    x, y = batch()
+    r = examine(WithFusedNorm(), x, y, loss_fn=loss_fn, precisions=("fp16",))
+    bad = r.find("backward_nonfinite", "fp16")
+    assert bad and bad[0].phase == "backward" and not r.find("nonfinite", "fp16"), r.summary()
+    assert not r.is_clean("fp16")
+
+
+class HalvesInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(0.5)
+
+
+def test_a_leaf_that_edits_its_input_in_place_is_not_blamed_by_its_rerun():
+    torch.manual_seed(0)
+    model = nn.Sequential(HalvesInPlace(), nn.Linear(32, 10))
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn)
+    assert not r.find("precision_loss"), r.summary()
+    assert r.is_clean("fp16") and r.is_clean("bf16")
