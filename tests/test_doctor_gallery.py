@@ -229,8 +229,6 @@ def test_the_peer_judges_find_and_name_what_the_peers_really_report():
 
 # -- issue 18: the doctor on the gallery ----------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=False, reason="issue 18: the redesigned doctor (branch `doctor`) is not merged yet; remove "
-                   "this mark when it is")
 def test_doctor_on_gallery():
     """The doctor finds, names and gives working advice on every planted case without blaming a module that only
     passes the trouble on, stays quiet on every healthy one,
