@@ -11,6 +11,7 @@ Modules, one idea each:
     policy     per-module precision policies on top of autocast
     optim      pure-bf16 AdamW: nearest, stochastic or Kahan-compensated weight updates (no fp32 master)
     distributed torchrun env, DDP/FSDP2 wrapping, sharded checkpoints, launch(), SLURM scripts
+    reduce_sim an N-rank all-reduce in bf16/fp16/fp32 (ring or tree), simulated addition by addition
     widgets    ipywidgets + matplotlib explorers used in the chapters
     autocast_ops  the autocast op table, measured live per device and dtype
     memory     bytes saved for backward, weights, gradients, optimizer state
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
-    "fp8", "optim",
+    "fp8", "optim", "reduce_sim",
     "doctor",
 }
 
