@@ -99,14 +99,23 @@ class Monitor:
     softmax_input: bool = False
 
 
-def _scores_max(heads: int) -> Measure:
-    """The largest |q.k|/sqrt(d_head) from a fused qkv projection's output (B, T, 3*D): the pre-softmax logits."""
+def _scores_max(block: nn.Module) -> Measure:
+    """The largest |q.k|/sqrt(d_head) from a block's fused qkv projection output (B, T, 3*D): the pre-softmax logits.
+
+    A block with ``q_norm`` and ``k_norm`` modules (QK-norm) has them applied first, so the monitor reads the
+    logits softmax sees.
+    """
+    heads = block.heads
+    q_norm, k_norm = getattr(block, "q_norm", None), getattr(block, "k_norm", None)
 
     def measure(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         b, t, three_d = out.shape
         d = three_d // 3
         qkv = out.float().view(b, t, 3, heads, d // heads)  # fp32: a bf16 `@` is very slow on most CPUs
         q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)  # views: v is never copied
+        if q_norm is not None and k_norm is not None:
+            with torch.autocast(out.device.type, enabled=False):
+                q, k = q_norm(q), k_norm(k)
         # The causal mask is left out: it hides scores, it never makes the largest one larger than this.
         return torch.linalg.vector_norm(q @ k.transpose(-2, -1), math.inf) / math.sqrt(d // heads)
     return measure
@@ -118,7 +127,7 @@ def _attention_blocks(model: nn.Module) -> list[tuple[str, nn.Module, Measure]]:
     for name, module in model.named_modules():
         qkv, heads = getattr(module, "qkv", None), getattr(module, "heads", None)
         if isinstance(qkv, nn.Linear) and isinstance(heads, int):
-            found.append((name, qkv, _scores_max(heads)))
+            found.append((name, qkv, _scores_max(module)))
     return found
 
 
@@ -128,8 +137,8 @@ def attention_logit_max() -> Monitor:
 
 
 def _abs_max(module: nn.Module, args: tuple, out: Any) -> torch.Tensor:
-    """max |output|, one kernel (the max of bf16 values is a bf16 value: exact in any dtype)."""
-    return torch.linalg.vector_norm(out.detach(), math.inf)
+    """max |output| as 0-d fp32 (the max of bf16 values is a bf16 value: exact in fp32)."""
+    return torch.linalg.vector_norm(out.detach(), math.inf, dtype=torch.float32)
 
 
 def output_logit_max() -> Monitor:
@@ -171,7 +180,9 @@ class _Hooks:
     def _hook(self, label: str, measure: Measure):
         def hook(module, args, out):
             with torch.no_grad():
-                value = measure(module, args, out).detach().float().reshape(())
+                value = measure(module, args, out)
+            if value.dtype != torch.float32 or value.dim():  # the built-in measures return 0-d fp32 already
+                value = value.detach().float().reshape(())
             old = self.values.get(label)
             self.values[label] = value if old is None else torch.maximum(old, value)
         return hook
@@ -237,6 +248,7 @@ class Trial:
     monitors: list[str]
     series: dict[str, dict[str, list[float]]]
     departures: dict[str, Departure | None]
+    softmax_monitors: list[str] = field(default_factory=list)  # monitors judged by rounding error (Monitor.softmax_input)
     seconds: float = 0.0  # wall time of the whole trial
     train_seconds: float = 0.0  # of which inside train_step (the trainings themselves)
     config: dict[str, Any] = field(default_factory=dict)
@@ -246,11 +258,28 @@ class Trial:
         """Wall time of the trial / time spent in the training steps it ran (1.0: no overhead)."""
         return self.seconds / self.train_seconds if self.train_seconds else math.nan
 
-    def departure(self, precision: str) -> Departure | None:
-        """The first departure of one precision's run (None: it stayed within the tolerance)."""
+    def departure(self, precision: str, series: str | None = None, tolerance: float | None = None) -> Departure | None:
+        """The first departure of one precision's run (None: it stayed within the tolerance).
+
+        Args:
+            precision: one of the trial's precisions.
+            series: only this kind of series: ``"loss"``, ``"drift"`` or a monitor's name (default: all of them).
+            tolerance: another tolerance than the trial's (default: the trial's).
+
+        Example::
+
+            t.departure("bf16", series="attention_logit_max")   # when bf16's attention logits got too large
+        """
         if precision not in self.departures:
             raise ValueError(f"precision {precision!r} was not in this trial; it ran {', '.join(self.precisions)}")
-        return self.departures[precision]
+        kinds = ["loss", "drift", *self.monitors]
+        if series is not None and series not in kinds:
+            raise ValueError(f"series must be one of {', '.join(kinds)}, got {series!r}")
+        if series is None and tolerance is None:
+            return self.departures[precision]
+        tol = self.tolerance if tolerance is None else _args.real(tolerance, "tolerance", positive=True)
+        return _first_departure(precision, self.series[precision], self.series[REFERENCE], tol,
+                                self.softmax_monitors, only=series)
 
     def get(self, run: str, name: str) -> list[float]:
         """One series (``t.get("bf16", "drift/blocks.0.qkv")``); ValueError naming what exists otherwise."""
@@ -296,7 +325,7 @@ class Trial:
             return v
         return clean({"precisions": self.precisions, "steps": self.steps, "tolerance": self.tolerance,
                       "device": self.device, "layers": self.layers, "monitors": self.monitors,
-                      "seconds": self.seconds, "train_seconds": self.train_seconds, "config": self.config,
+                      "softmax_monitors": self.softmax_monitors, "seconds": self.seconds, "train_seconds": self.train_seconds, "config": self.config,
                       "departures": {p: (None if d is None else d.__dict__) for p, d in self.departures.items()},
                       "series": self.series})
 
@@ -357,7 +386,8 @@ class _Run:
     hooks: _Hooks
     rng: torch.Tensor
     params: list[torch.Tensor]
-    before: list[torch.Tensor] = field(default_factory=list)  # a buffer: the weights before the step
+    flat: torch.Tensor | None = None  # all trainable weights after the latest step, as one fp32 vector
+    layer_index: torch.Tensor | None = None  # the layer of each element of `flat`
     layer_norms: list[float] = field(default_factory=list)  # ||W|| per layer after the latest step
     series: dict[str, list[float]] = field(default_factory=dict)
     optimizer_steps: int = 0
@@ -374,12 +404,14 @@ def _layers(model: nn.Module) -> tuple[list[str], list[int]]:
     return labels, owner
 
 
-def _per_layer(squares: list[float], owner: list[int], n: int) -> list[float]:
-    """Sum per-parameter squared norms into per-layer norms."""
-    out = [0.0] * n
-    for sq, i in zip(squares, owner):
-        out[i] += sq
-    return [math.sqrt(v) for v in out]
+def _flatten(params: list[torch.Tensor]) -> torch.Tensor:
+    """The parameters as one fp32 vector (one copy, one kernel)."""
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+def _layer_sums(rows: torch.Tensor, layer_index: torch.Tensor, n_layers: int) -> torch.Tensor:
+    """Per-layer sums of each row (R, N) -> (R, n_layers): one index_add, whatever the number of layers."""
+    return torch.zeros(rows.shape[0], n_layers, dtype=rows.dtype, device=rows.device).index_add_(1, layer_index, rows)
 
 
 def _precision(label: str) -> tuple[str, bool]:
@@ -455,20 +487,16 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
                rng=torch.Generator().manual_seed(seed).get_state(),
                params=[p for p in net.parameters() if p.requires_grad])
 
-    run.before = [torch.zeros_like(p) for p in run.params]
-    with torch.no_grad():
-        _, owner = _layers(net)
-        run.layer_norms = _per_layer([n * n for n in torch.stack(torch._foreach_norm(run.params)).tolist()],
-                                     owner, max(owner) + 1)
+    _, owner = _layers(net)
+    run.layer_index = torch.cat([torch.full((p.numel(),), i, dtype=torch.long, device=p.device)
+                                 for p, i in zip(run.params, owner)])
+    run.flat = _flatten(run.params)
+    run.layer_norms = _layer_sums(run.flat.square()[None], run.layer_index, max(owner) + 1)[0].sqrt().tolist()
 
     def count(optimizer, args, kwargs):  # runs only when optimizer.step() really ran (a skip never calls it)
         run.optimizer_steps += 1
     opt.register_step_post_hook(count)
     return run
-
-
-def _record(run: _Run, name: str, value: float) -> None:
-    run.series.setdefault(name, []).append(value)
 
 
 def _check_precisions(precisions) -> tuple[str, ...]:
@@ -565,12 +593,14 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
         for run in runs:
             run.hooks.remove()
     softmax = {m.name for m in monitors if m.softmax_input}
-    departures = {run.label: _first_departure(run, ref, tolerance, softmax) for run in runs[1:]}
+    departures = {run.label: _first_departure(run.label, run.series, ref.series, tolerance, softmax)
+                  for run in runs[1:]}
     config = {"model": ref_name or type(model).__name__, "seed": seed, "lr": lr, "batch_size": batch_size,
               "optimizer": type(ref.optimizer).__name__, "grad_clip": grad_clip, "scaler": scaler_settings,
               "torch": torch.__version__}
     return Trial(list(names), steps, tolerance, ref.amp.describe_device(), labels, [m.name for m in monitors],
-                 {run.label: run.series for run in runs}, departures, seconds=time.perf_counter() - t_start,
+                 {run.label: run.series for run in runs}, departures, softmax_monitors=sorted(softmax),
+                 seconds=time.perf_counter() - t_start,
                  train_seconds=train_seconds, config=config)
 
 
@@ -578,45 +608,45 @@ def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
           owner: list[int], labels: list[str]) -> float:
     """One optimizer step of one run and its record; returns the seconds train_step took.
 
-    The bookkeeping reuses buffers and norms (a copy into `before`, norms that the previous step already took):
-    on a tiny CPU model every extra kernel is a visible share of a step.
+    The weights go into one flat vector per step: update, norm and drift per layer are then a few kernels and one
+    index_add, however many layers there are (per-tensor norms were a visible share of a tiny model's CPU step).
     """
     torch.set_rng_state(run.rng)  # each run draws from its own stream: as if it ran alone
-    with torch.no_grad():
-        torch._foreach_copy_(run.before, run.params)
     t0 = time.perf_counter()
     stats = _train.train_step(run.model, [(x, y)], loss_fn, run.optimizer, run.scaler, run.amp, grad_clip=grad_clip)
     seconds = time.perf_counter() - t0
     run.rng = torch.get_rng_state()
+    n_layers = len(labels)
     with torch.no_grad():
-        torch._foreach_sub_(run.before, run.params)  # minus this step's update
-        parts = [*run.hooks.take(), *torch._foreach_norm(run.before), *torch._foreach_norm(run.params)]
+        new = _flatten(run.params)
+        rows = [(new - run.flat).square(), new.square()]  # run.flat: the weights before this step
         if run is not ref:  # the reference stepped first: drift compares the weights after this step
-            parts += torch._foreach_norm(torch._foreach_sub(run.params, ref.params))
-        values = torch.stack(parts).tolist()  # one read-back per step
-    n_mon, n, n_layers = len(run.hooks.labels), len(run.params), len(labels)
-    monitor_values, upd, wgt, dft = values[:n_mon], values[n_mon:n_mon + n], values[n_mon + n:n_mon + 2 * n], values[n_mon + 2 * n:]
-    _record(run, "loss", stats.loss)
-    _record(run, "grad_norm", stats.grad_norm)
-    _record(run, "scale", stats.scale)
-    _record(run, "skipped", float(stats.skipped))
-    _record(run, "optimizer_steps", float(run.optimizer_steps))
-    k = len(run.series["loss"]) - 1
+            rows.append((new - ref.flat).square())
+        sums = _layer_sums(torch.stack(rows), run.layer_index, n_layers).sqrt().reshape(-1)
+        monitors = run.hooks.take()
+        values = (torch.cat([torch.stack(monitors), sums]) if monitors else sums).tolist()  # one read-back
+        run.flat = new
+    n_mon = len(monitors)
+    monitor_values, ups, wgt = values[:n_mon], values[n_mon:n_mon + n_layers], values[n_mon + n_layers:n_mon + 2 * n_layers]
+    drifts = values[n_mon + 2 * n_layers:]
+    series = run.series
+    for name, v in (("loss", stats.loss), ("grad_norm", stats.grad_norm), ("scale", stats.scale),
+                    ("skipped", float(stats.skipped)), ("optimizer_steps", float(run.optimizer_steps))):
+        series.setdefault(name, []).append(v)
+    k = len(series["loss"]) - 1
     if run is ref:
         gap, ratio = 0.0, 1.0
     else:
         ref_gn = ref.series["grad_norm"][k]
         gap, ratio = stats.loss - ref.series["loss"][k], (stats.grad_norm / ref_gn if ref_gn else math.nan)
-    _record(run, "loss_gap", gap)
-    _record(run, "grad_norm_ratio", ratio)
+    series.setdefault("loss_gap", []).append(gap)
+    series.setdefault("grad_norm_ratio", []).append(ratio)
     for label, v in zip(run.hooks.labels, monitor_values):
-        _record(run, label, v)
-    ups = _per_layer([u * u for u in upd], owner, n_layers)
-    before_norms, run.layer_norms = run.layer_norms, _per_layer([w * w for w in wgt], owner, n_layers)
-    drifts = [0.0] * n_layers if run is ref else _per_layer([d * d for d in dft], owner, n_layers)
+        series.setdefault(label, []).append(v)
+    before_norms, run.layer_norms = run.layer_norms, wgt
     for i, layer in enumerate(labels):
-        _record(run, f"update/{layer}", _ratio(ups[i], before_norms[i]))
-        _record(run, f"drift/{layer}", 0.0 if run is ref else _ratio(drifts[i], ref.layer_norms[i]))
+        series.setdefault(f"update/{layer}", []).append(_ratio(ups[i], before_norms[i]))
+        series.setdefault(f"drift/{layer}", []).append(0.0 if run is ref else _ratio(drifts[i], ref.layer_norms[i]))
     return seconds
 
 
@@ -634,21 +664,25 @@ def unit_roundoff(precision: str) -> float:
     return formats.spec(_precision(precision)[0]).eps / 2
 
 
-def _first_departure(run: _Run, ref: _Run, tolerance: float, softmax: set[str]) -> Departure | None:
+def _first_departure(label: str, series: dict[str, list[float]], ref: dict[str, list[float]], tolerance: float,
+                     softmax: set[str] | list[str], only: str | None = None) -> Departure | None:
     """The first step where loss, a monitor or a layer's drift is more than `tolerance` apart from fp32.
 
     Softmax-input monitors count their rounding error L * u instead (Monitor.softmax_input). Within the
-    first step that departs, the series furthest past the tolerance names the layer.
+    first step that departs, the series furthest past the tolerance names the layer. `only`: look at one
+    series name ("loss", "drift" or a monitor's name).
     """
-    u = unit_roundoff(run.label)
-    compared = [("loss", "model", run.series["loss"], ref.series["loss"])]
-    for key, values in run.series.items():
+    u = unit_roundoff(label)
+    compared = [("loss", "model", series["loss"], ref["loss"])]
+    for key, values in series.items():
         if key.startswith("drift/"):
             compared.append(("drift", key[6:], values, None))
         elif "/" in key and not key.startswith("update/"):
             name, layer = key.split("/", 1)
-            compared.append((name, layer, values, "rounding" if name in softmax else ref.series[key]))
-    for k in range(len(run.series["loss"])):
+            compared.append((name, layer, values, "rounding" if name in softmax else ref[key]))
+    if only is not None:
+        compared = [c for c in compared if c[0] == only]
+    for k in range(len(series["loss"])):
         worst = None
         for name, layer, values, ref_values in compared:
             if ref_values is None:
@@ -662,7 +696,7 @@ def _first_departure(run: _Run, ref: _Run, tolerance: float, softmax: set[str]) 
             if gap > tolerance and (worst is None or gap > worst[0]):
                 worst = (gap, name, layer)
         if worst is not None:
-            return Departure(run.label, k, worst[1], worst[2], worst[0], tolerance)
+            return Departure(label, k, worst[1], worst[2], worst[0], tolerance)
     return None
 
 

@@ -206,3 +206,13 @@ def test_cli_bad_input_is_one_line(argv, message, capsys):
 def test_module_is_on_the_lazy_map():
     import ampcourse
     assert ampcourse.trial is trial_mod and math.isclose(trial_mod.unit_roundoff("bf16"), 2.0**-8)
+
+
+def test_departure_of_one_series_and_another_tolerance():
+    t = trial(lambda: GrowingLogits(1, 4), DATA, precisions=("bf16",), steps=7)
+    assert t.departure("bf16", series="attention_logit_max") == t.departure("bf16")
+    assert t.departure("bf16", series="loss") is None or t.departure("bf16", series="loss").step >= 4
+    assert t.departure("bf16", series="attention_logit_max", tolerance=1e6) is None
+    assert t.departure("bf16", tolerance=1e-9).step == 0
+    with pytest.raises(ValueError, match="series must be one of loss, drift, attention_logit_max"):
+        t.departure("bf16", series="logits")
