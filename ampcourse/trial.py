@@ -138,7 +138,7 @@ def attention_logit_max() -> Monitor:
 
 def _abs_max(module: nn.Module, args: tuple, out: Any) -> torch.Tensor:
     """max |output| as 0-d fp32 (the max of bf16 values is a bf16 value: exact in fp32)."""
-    return torch.linalg.vector_norm(out.detach(), math.inf, dtype=torch.float32)
+    return torch.linalg.vector_norm(out.detach(), math.inf).float()  # in the output's dtype: no fp32 copy of it
 
 
 def output_logit_max() -> Monitor:
@@ -386,8 +386,9 @@ class _Run:
     hooks: _Hooks
     rng: torch.Tensor
     params: list[torch.Tensor]
+    views: list[torch.Tensor] = field(default_factory=list)  # 1-D views of `params`
     flat: torch.Tensor | None = None  # all trainable weights after the latest step, as one fp32 vector
-    layer_index: torch.Tensor | None = None  # the layer of each element of `flat`
+    lengths: list[int] = field(default_factory=list)  # elements per layer in `flat` (layers are contiguous)
     layer_norms: list[float] = field(default_factory=list)  # ||W|| per layer after the latest step
     series: dict[str, list[float]] = field(default_factory=dict)
     optimizer_steps: int = 0
@@ -395,23 +396,35 @@ class _Run:
 
 def _layers(model: nn.Module) -> tuple[list[str], list[int]]:
     """Layer labels (modules that own trainable parameters) and, per trainable parameter, its layer's index."""
-    labels, owner = [], []
+    labels, owner, seen = [], [], set()
     for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        # a parameter shared by two modules counts once, in the first (as model.parameters() yields it)
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
         if own:
             labels.append(name or "model")
             owner += [len(labels) - 1] * len(own)
     return labels, owner
 
 
-def _flatten(params: list[torch.Tensor]) -> torch.Tensor:
-    """The parameters as one fp32 vector (one copy, one kernel)."""
-    return torch.cat([p.detach().reshape(-1).float() for p in params])
+def _flat_views(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D views of the parameters, made once: optimizers update parameters in place, so the views stay current
+    (a non-contiguous parameter is kept as it is and flattened at every step instead)."""
+    return [p.detach().view(-1) if p.is_contiguous() else p.detach() for p in params]
 
 
-def _layer_sums(rows: torch.Tensor, layer_index: torch.Tensor, n_layers: int) -> torch.Tensor:
-    """Per-layer sums of each row (R, N) -> (R, n_layers): one index_add, whatever the number of layers."""
-    return torch.zeros(rows.shape[0], n_layers, dtype=rows.dtype, device=rows.device).index_add_(1, layer_index, rows)
+def _flatten(views: list[torch.Tensor]) -> torch.Tensor:
+    """The parameters as one fp32 vector (one copy)."""
+    flat = torch.cat(views if all(v.dim() == 1 for v in views) else [v.reshape(-1) for v in views])
+    return flat if flat.dtype == torch.float32 else flat.float()
+
+
+def _layer_sums(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Per-layer sums of each row (R, N) -> (R, layers); a layer's elements are contiguous in the flat vector.
+
+    split + sum: measured about 5x faster on a CPU than one index_add_ over the elements.
+    """
+    return torch.stack([part.sum(1) for part in rows.split(lengths, 1)], 1)
 
 
 def _precision(label: str) -> tuple[str, bool]:
@@ -488,10 +501,12 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
                params=[p for p in net.parameters() if p.requires_grad])
 
     _, owner = _layers(net)
-    run.layer_index = torch.cat([torch.full((p.numel(),), i, dtype=torch.long, device=p.device)
-                                 for p, i in zip(run.params, owner)])
-    run.flat = _flatten(run.params)
-    run.layer_norms = _layer_sums(run.flat.square()[None], run.layer_index, max(owner) + 1)[0].sqrt().tolist()
+    run.lengths = [0] * (max(owner) + 1)
+    for p, i in zip(run.params, owner):
+        run.lengths[i] += p.numel()
+    run.views = _flat_views(run.params)
+    run.flat = _flatten(run.views)
+    run.layer_norms = _layer_sums(run.flat.square()[None], run.lengths)[0].sqrt().tolist()
 
     def count(optimizer, args, kwargs):  # runs only when optimizer.step() really ran (a skip never calls it)
         run.optimizer_steps += 1
@@ -608,8 +623,8 @@ def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
           owner: list[int], labels: list[str]) -> float:
     """One optimizer step of one run and its record; returns the seconds train_step took.
 
-    The weights go into one flat vector per step: update, norm and drift per layer are then a few kernels and one
-    index_add, however many layers there are (per-tensor norms were a visible share of a tiny model's CPU step).
+    The weights go into one flat vector per step (layers contiguous): update, norm and drift per layer are then a
+    few kernels and one sum per layer (per-tensor norms were a visible share of a tiny model's CPU step).
     """
     torch.set_rng_state(run.rng)  # each run draws from its own stream: as if it ran alone
     t0 = time.perf_counter()
@@ -618,11 +633,11 @@ def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
     run.rng = torch.get_rng_state()
     n_layers = len(labels)
     with torch.no_grad():
-        new = _flatten(run.params)
+        new = _flatten(run.views)
         rows = [(new - run.flat).square(), new.square()]  # run.flat: the weights before this step
         if run is not ref:  # the reference stepped first: drift compares the weights after this step
             rows.append((new - ref.flat).square())
-        sums = _layer_sums(torch.stack(rows), run.layer_index, n_layers).sqrt().reshape(-1)
+        sums = _layer_sums(torch.stack(rows), run.lengths).sqrt().reshape(-1)
         monitors = run.hooks.take()
         values = (torch.cat([torch.stack(monitors), sums]) if monitors else sums).tolist()  # one read-back
         run.flat = new
