@@ -419,12 +419,13 @@ def _flatten(views: list[torch.Tensor]) -> torch.Tensor:
     return flat if flat.dtype == torch.float32 else flat.float()
 
 
-def _layer_sums(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Per-layer sums of each row (R, N) -> (R, layers); a layer's elements are contiguous in the flat vector.
+def _layer_norms(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """The L2 norm of each layer's slice of a flat vector (layers are contiguous), as 0-d tensors.
 
-    split + sum: measured about 5x faster on a CPU than one index_add_ over the elements.
+    One pass over the vector (no squared copy): on a CPU, one index_add_ over the elements was 5x slower, and
+    squaring, stacking and summing rows cost a visible share of a small model's step in memory traffic.
     """
-    return torch.stack([part.sum(1) for part in rows.split(lengths, 1)], 1)
+    return list(torch._foreach_norm(flat.split(lengths)))
 
 
 def _precision(label: str) -> tuple[str, bool]:
@@ -506,7 +507,7 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
         run.lengths[i] += p.numel()
     run.views = _flat_views(run.params)
     run.flat = _flatten(run.views)
-    run.layer_norms = _layer_sums(run.flat.square()[None], run.lengths)[0].sqrt().tolist()
+    run.layer_norms = torch.stack(_layer_norms(run.flat, run.lengths)).tolist()
 
     def count(optimizer, args, kwargs):  # runs only when optimizer.step() really ran (a skip never calls it)
         run.optimizer_steps += 1
@@ -634,12 +635,12 @@ def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
     n_layers = len(labels)
     with torch.no_grad():
         new = _flatten(run.views)
-        rows = [(new - run.flat).square(), new.square()]  # run.flat: the weights before this step
+        vectors = [new - run.flat, new]  # run.flat: the weights before this step
         if run is not ref:  # the reference stepped first: drift compares the weights after this step
-            rows.append((new - ref.flat).square())
-        sums = _layer_sums(torch.stack(rows), run.lengths).sqrt().reshape(-1)
+            vectors.append(new - ref.flat)
         monitors = run.hooks.take()
-        values = (torch.cat([torch.stack(monitors), sums]) if monitors else sums).tolist()  # one read-back
+        norms = [n for v in vectors for n in _layer_norms(v, run.lengths)]
+        values = torch.stack([*monitors, *norms]).tolist()  # one read-back
         run.flat = new
     n_mon = len(monitors)
     monitor_values, ups, wgt = values[:n_mon], values[n_mon:n_mon + n_layers], values[n_mon + n_layers:n_mon + 2 * n_layers]
