@@ -78,8 +78,9 @@ class Monitor:
     Args:
         name: the series name (``"attention_logit_max"``); its values are ``Trial.series[run][f"{name}/{layer}"]``.
         where: ``where(model)`` returns ``[(layer label, module to hook, measure), ...]``; the measure runs in a
-            forward hook of that module (under ``torch.no_grad``) and returns a 0-d tensor. When a module runs
-            more than once in a step (activation checkpointing recomputes it), the step keeps the largest value.
+            forward hook of that module, gets ``(module, inputs, output.detach())`` and returns a 0-d tensor.
+            When a module runs more than once in a step (activation checkpointing recomputes it), the step keeps
+            the largest value.
         softmax_input: the values feed a softmax (attention scores, output logits). Softmax is shift-invariant, so
             what matters is the *absolute* error of its inputs: rounding a logit of size L to a format with unit
             roundoff u (2**-8 for bf16, 2**-11 for fp16) moves it by up to L*u, which changes the probabilities by
@@ -111,10 +112,10 @@ def _scores_max(block: nn.Module) -> Measure:
     def measure(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         b, t, three_d = out.shape
         d = three_d // 3
-        qkv = out.float().view(b, t, 3, heads, d // heads)  # fp32: a bf16 `@` is very slow on most CPUs
-        q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)  # views: v is never copied
+        qk = out[..., :2 * d].float().view(b, t, 2, heads, d // heads)  # fp32: a bf16 `@` is slow on most CPUs
+        q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)  # v is never copied
         if q_norm is not None and k_norm is not None:
-            with torch.autocast(out.device.type, enabled=False):
+            with torch.no_grad(), torch.autocast(out.device.type, enabled=False):
                 q, k = q_norm(q), k_norm(k)
         # The causal mask is left out: it hides scores, it never makes the largest one larger than this.
         return torch.linalg.vector_norm(q @ k.transpose(-2, -1), math.inf) / math.sqrt(d // heads)
@@ -179,8 +180,8 @@ class _Hooks:
 
     def _hook(self, label: str, measure: Measure):
         def hook(module, args, out):
-            with torch.no_grad():
-                value = measure(module, args, out)
+            # A detached output: the measure's ops build no autograd graph (cheaper than a no_grad block per call).
+            value = measure(module, args, out.detach() if isinstance(out, torch.Tensor) else out)
             if value.dtype != torch.float32 or value.dim():  # the built-in measures return 0-d fp32 already
                 value = value.detach().float().reshape(())
             old = self.values.get(label)
@@ -248,7 +249,7 @@ class Trial:
     monitors: list[str]
     series: dict[str, dict[str, list[float]]]
     departures: dict[str, Departure | None]
-    softmax_monitors: list[str] = field(default_factory=list)  # monitors judged by rounding error (Monitor.softmax_input)
+    softmax_monitors: list[str] = field(default_factory=list)  # judged by rounding error (Monitor.softmax_input)
     seconds: float = 0.0  # wall time of the whole trial
     train_seconds: float = 0.0  # of which inside train_step (the trainings themselves)
     config: dict[str, Any] = field(default_factory=dict)
@@ -325,7 +326,8 @@ class Trial:
             return v
         return clean({"precisions": self.precisions, "steps": self.steps, "tolerance": self.tolerance,
                       "device": self.device, "layers": self.layers, "monitors": self.monitors,
-                      "softmax_monitors": self.softmax_monitors, "seconds": self.seconds, "train_seconds": self.train_seconds, "config": self.config,
+                      "softmax_monitors": self.softmax_monitors, "seconds": self.seconds,
+                      "train_seconds": self.train_seconds, "config": self.config,
                       "departures": {p: (None if d is None else d.__dict__) for p, d in self.departures.items()},
                       "series": self.series})
 
@@ -464,7 +466,7 @@ def _resolve_data(data, name: str | None, size: str, seed: int) -> TensorDataset
     """A TensorDataset from a TensorDataset or an (inputs, targets) pair; the reference model's data for None."""
     if data is None:
         if name is None:
-            raise ValueError("data is None: pass a TensorDataset(inputs, targets) (or a pair of tensors) for your model")
+            raise ValueError("data is None: pass a TensorDataset(inputs, targets) or a pair of tensors for your model")
         return models.make_dataset(name, n=1024, seed=seed, size=size)
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
         data = TensorDataset(*data)
@@ -484,7 +486,8 @@ def _make_optimizer(optimizer_factory, lr: float) -> Callable[[Any], torch.optim
                              "callable(params) that returns a torch.optim.Optimizer")
         return lambda params: _train.make_optimizer(spec, params, lr)
     if not callable(optimizer_factory):
-        raise ValueError(f"optimizer_factory must be a name or a callable(params), got {_args.shown(optimizer_factory)}")
+        raise ValueError(f"optimizer_factory must be a name or a callable(params), "
+                         f"got {_args.shown(optimizer_factory)}")
     return optimizer_factory
 
 
@@ -584,7 +587,8 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     data = _resolve_data(data, ref_name, size, seed)
     models.check_data(model, data, targets=loss_fn is None)
     if batch_size > len(data):
-        raise ValueError(f"batch_size {batch_size} is larger than the dataset ({len(data)} samples); use at most {len(data)}")
+        raise ValueError(f"batch_size {batch_size} is larger than the dataset ({len(data)} samples); "
+                         f"use at most {len(data)}")
     _train._check_finite(data)
     loss = loss_fn or models.loss_fn
 
@@ -643,7 +647,8 @@ def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
         values = torch.stack([*monitors, *norms]).tolist()  # one read-back
         run.flat = new
     n_mon = len(monitors)
-    monitor_values, ups, wgt = values[:n_mon], values[n_mon:n_mon + n_layers], values[n_mon + n_layers:n_mon + 2 * n_layers]
+    monitor_values, ups = values[:n_mon], values[n_mon:n_mon + n_layers]
+    wgt = values[n_mon + n_layers:n_mon + 2 * n_layers]
     drifts = values[n_mon + 2 * n_layers:]
     series = run.series
     for name, v in (("loss", stats.loss), ("grad_norm", stats.grad_norm), ("scale", stats.scale),
@@ -725,7 +730,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = _args.OneLineParser(prog="python -m ampcourse.trial", description=__doc__.split("\n\n")[0],
                              error_prefix="ampcourse.trial", formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help=f"a reference model: {', '.join(models.MODELS)}")
-    ap.add_argument("--precisions", default="bf16", help=f"comma-separated, from {', '.join(PRECISIONS)} (default bf16)")
+    ap.add_argument("--precisions", default="bf16",
+                    help=f"comma-separated, from {', '.join(PRECISIONS)} (default bf16)")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     ap.add_argument("--batch-size", type=int, default=32, help="samples per step (default 32)")

@@ -128,7 +128,8 @@ def test_user_monitor_and_activation_checkpointing_keep_one_value_per_step():
     def log_z(model):
         return [("output", model, lambda m, args, out: out.float().logsumexp(-1).abs().max())]
 
-    t = trial("transformer", DATA, precisions=("bf16",), steps=3, monitors=[*default_monitors(), Monitor("log_z", log_z)])
+    monitors = [*default_monitors(), Monitor("log_z", log_z)]
+    t = trial("transformer", DATA, precisions=("bf16",), steps=3, monitors=monitors)
     assert len(t.series["bf16"]["log_z/output"]) == 3 and t.series["bf16"]["log_z/output"][0] > 0
     assert "log_z" in t.monitors and "log_z" in json.loads(t.to_json())["monitors"]
 
@@ -167,6 +168,8 @@ def test_non_finite_values_survive_json():
     (dict(model_factory=nn.Linear(2, 2)), "must build a fresh model"),
     (dict(model_factory="gpt"), "unknown model 'gpt'"),
     (dict(model_factory=lambda: 3), "must return an nn.Module"),
+    (dict(model_factory=TinyTransformer), "data is None: pass a TensorDataset"),
+    (dict(loss_fn="ce"), "loss_fn must be a callable"),
 ])
 def test_bad_input_gets_one_clear_line(kwargs, message):
     args = {"model_factory": "transformer", **kwargs}

@@ -106,7 +106,8 @@ def check_z_loss(z_loss: Callable) -> None:
                 hint = "upcast before logsumexp, not after: logsumexp in bf16 has already rounded log Z"
             else:
                 hint = "weight * logits.float().logsumexp(-1).square().mean()"
-            failed(title, f"{want.item():.6g} for {str(logits.dtype)[6:]} logits of shape {tuple(logits.shape)}", g, hint)
+            failed(title, f"{want.item():.6g} for {str(logits.dtype)[6:]} logits of shape {tuple(logits.shape)}",
+                   g, hint)
         got.backward()
         if leaf.grad is None or not torch.isfinite(leaf.grad).all():
             failed(title, "finite gradients on the logits", "none" if leaf.grad is None else "non-finite",
