@@ -76,6 +76,7 @@ CHAPTER_OUTLINE: dict[int, str] = {
     7: "beyond the outline: multi-GPU AMP",
     8: "beyond the outline: AMP on your own model (the AMP doctor)",
     9: "beyond the outline: fp8, MX and fp4",
+    10: "beyond the outline: long runs, TF32 and low-precision communication",
 }
 
 _f32, _f16, _bf16 = formats.spec("fp32"), formats.spec("fp16"), formats.spec("bf16")
@@ -120,6 +121,16 @@ GLOSSARY: tuple[Term, ...] = (
     Term("lost update", "更新丢失", "an optimizer step smaller than half an ulp of a low-precision weight: it rounds away", 8),
     Term("microscaling (MX) format", "微缩放格式 (MX)", "blocks of 32 narrow elements sharing one power-of-two (e8m0) scale", 9),
     Term("delayed scaling", "延迟缩放", "an fp8 scale taken from the amax history of earlier steps, not from the tensor being cast", 9),
+    Term("attention-logit growth", "注意力 logit 增长", "pre-softmax attention scores that grow during training; in bf16 a "
+         "logit L carries an absolute error up to L * 2**-8, which softmax turns into wrong probabilities", 10),
+    Term("QK-norm", "QK 归一化", "normalising queries and keys (per head) before the attention scores, which bounds the logits", 10),
+    Term("z-loss", "z 损失", "PaLM's auxiliary loss weight * (log Z)**2 that keeps the softmax normaliser of the output logits near 0", 10),
+    Term("rotary position embedding (RoPE)", "旋转位置编码", "rotating channel pairs by position * frequency; the angles "
+         "must be computed in fp32, since bf16 cannot hold positions above 256", 10),
+    Term("TF32 (TensorFloat-32)", "TF32 (张量浮点 32)", f"how tensor cores read fp32 matmul inputs: "
+         f"{_layout(formats.FormatSpec('tf32', 8, 10))}, fp32 accumulation", 10),
+    Term("silently skipped step", "静默跳过的步", "an optimizer step the GradScaler skipped while the loss looked normal; "
+         "count them with the optimizer's own step counter", 10),
 )
 
 

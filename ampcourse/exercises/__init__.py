@@ -18,6 +18,7 @@ from .ch07 import (check_compressed_ddp, check_data_parallel_step, check_fsdp_po
                    check_restartable, check_state_bytes)
 from .ch08 import check_fp32_islands, check_init_scale
 from .ch09 import check_delayed_scales, check_mx_scale
+from .ch10 import check_reduce_across_ranks, check_tf32_round, check_z_loss
 
 __all__ = ["ExerciseError", "passed", "failed", "checker", "raising", "summary",
            "check_fp16_ulp", "check_largest_exact_integer", "check_subnormal_example",
@@ -29,7 +30,8 @@ __all__ = ["ExerciseError", "passed", "failed", "checker", "raising", "summary",
            "check_data_parallel_step", "check_state_bytes",
            "check_rank_step", "check_compressed_ddp", "check_fsdp_policy", "check_restartable",
            "check_init_scale", "check_fp32_islands",
-           "check_mx_scale", "check_delayed_scales"]
+           "check_mx_scale", "check_delayed_scales",
+           "check_tf32_round", "check_z_loss", "check_reduce_across_ranks"]
 
 # Keep this loop last: every check_* imported above records its verdict for summary() and, in a
 # notebook, shows a wrong answer without a traceback (_core.checker). A new chapter's checkers only

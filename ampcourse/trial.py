@@ -1,0 +1,777 @@
+"""fp32 and AMP side by side over N steps: where a long run in bf16 or fp16 departs from fp32, and in which layer.
+
+The AMP doctor (``ampcourse.doctor``) examines one step. A trial trains the *same* initial model on the *same*
+batches once in fp32 (the reference) and once in each precision asked for, in lockstep, and records per step:
+
+- the loss and its gap to fp32, the gradient-norm ratio, the loss scale and skipped steps (fp16 runs use a real
+  ``torch.amp.GradScaler`` with the settings ``ampcourse.train`` uses), and the optimizer's own step counter
+  (a step the scaler skipped never reaches ``optimizer.step()``: the two counts differ by the skips);
+- per layer (a module that owns parameters): the relative parameter drift from the fp32 run and the
+  update-to-weight ratio of the step;
+- through monitors (forward hooks; add your own): the largest pre-softmax attention logit per block, the largest
+  output logit, and the largest activation per block.
+
+It reports the first step where a precision departs from fp32 by more than ``tolerance`` (relative) and the layer
+that departs first. Only Python floats are kept (series, not tensors), so memory grows with steps x layers, not
+with the model. Each step of every run goes through :func:`ampcourse.train.train_step`, the course's one AMP step.
+
+    >>> from ampcourse.trial import trial
+    >>> t = trial("transformer", precisions=("bf16", "fp16"), steps=200)
+    >>> print(t.summary())        # per precision: final loss gap, worst drift, skips, the first departure
+    >>> t.departure("bf16")       # Departure(step=..., series='attention_logit_max', layer='blocks.1', ...) or None
+    >>> t.plot(); t.to_json("trial.json")
+
+From a shell (like the doctor's)::
+
+    python -m ampcourse.trial --model transformer --steps 200
+    python -m ampcourse.trial --model transformer --precisions bf16,fp16,fp16-noscaler --lr 3e-3 --out trial.json
+
+Precision names: ``fp32`` (a second fp32 run: its gap is exactly zero, a check of determinism), ``bf16``,
+``fp16`` (autocast + GradScaler) and ``fp16-noscaler`` (autocast without a scaler: what happens when people
+forget it). Runs are deterministic: the same arguments give the same series, bit for bit, on one machine.
+How to read a departure: ``series`` names what crossed the tolerance (``loss``, a monitor, or ``drift``),
+``layer`` where; a monitor departs within the forward pass of that step, drift after its update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+from . import _args, _scaler, formats, models
+from . import train as _train
+from .train import checks as _checks
+from .device import AmpSetup, parse_precision, pick
+
+__all__ = ["Monitor", "Departure", "Trial", "trial", "attention_logit_max", "output_logit_max", "activation_max",
+           "default_monitors", "unit_roundoff", "REFERENCE", "PRECISIONS", "main"]
+
+#: The key of the fp32 reference run in Trial.series.
+REFERENCE = "reference"
+#: Precision names a trial compares against the fp32 reference.
+PRECISIONS = ("fp32", "bf16", "fp16", "fp16-noscaler")
+
+#: A monitor's measure: (module, forward inputs, forward output) -> a 0-d tensor (kept on the device until the
+#: end of the step, so a monitor costs no host sync of its own).
+Measure = Callable[[nn.Module, tuple, Any], torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# Monitors: forward hooks that record one number per layer per step
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Monitor:
+    """A per-layer quantity recorded at every step of every run.
+
+    Args:
+        name: the series name (``"attention_logit_max"``); its values are ``Trial.series[run][f"{name}/{layer}"]``.
+        where: ``where(model)`` returns ``[(layer label, module to hook, measure), ...]``; the measure runs in a
+            forward hook of that module, gets ``(module, inputs, output.detach())`` and returns a 0-d tensor.
+            When a module runs more than once in a step (activation checkpointing recomputes it), the step keeps
+            the largest value.
+        softmax_input: the values feed a softmax (attention scores, output logits). Softmax is shift-invariant, so
+            what matters is the *absolute* error of its inputs: rounding a logit of size L to a format with unit
+            roundoff u (2**-8 for bf16, 2**-11 for fp16) moves it by up to L*u, which changes the probabilities by
+            a factor up to exp(L*u). Such a monitor departs when L*u passes the tolerance (bf16 at L > 25.6 for
+            tolerance 0.1), not when its relative gap to fp32 does: logits that grow are caught before the loss
+            shows it. Other monitors depart on their relative gap to the fp32 run.
+
+    Example::
+
+        def logsumexp(model):  # PaLM's z-loss watches log Z of the output logits
+            return [("output", model, lambda m, args, out: out.float().logsumexp(-1).abs().max())]
+        t = trial("transformer", monitors=[*default_monitors(), Monitor("log_z", logsumexp)])
+    """
+
+    name: str
+    where: Callable[[nn.Module], list[tuple[str, nn.Module, Measure]]]
+    softmax_input: bool = False
+
+
+def _scores_max(block: nn.Module) -> Measure:
+    """The largest |q.k|/sqrt(d_head) from a block's fused qkv projection output (B, T, 3*D): the pre-softmax logits.
+
+    A block with ``q_norm`` and ``k_norm`` modules (QK-norm) has them applied first, so the monitor reads the
+    logits softmax sees.
+    """
+    heads = block.heads
+    q_norm, k_norm = getattr(block, "q_norm", None), getattr(block, "k_norm", None)
+
+    def measure(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        b, t, three_d = out.shape
+        d = three_d // 3
+        qk = out[..., :2 * d].float().view(b, t, 2, heads, d // heads)  # fp32: a bf16 `@` is slow on most CPUs
+        q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)  # v is never copied
+        if q_norm is not None and k_norm is not None:
+            with torch.no_grad(), torch.autocast(out.device.type, enabled=False):
+                q, k = q_norm(q), k_norm(k)
+        # The causal mask is left out: it hides scores, it never makes the largest one larger than this.
+        return torch.linalg.vector_norm(q @ k.transpose(-2, -1), math.inf) / math.sqrt(d // heads)
+    return measure
+
+
+def _attention_blocks(model: nn.Module) -> list[tuple[str, nn.Module, Measure]]:
+    """Every module with a fused ``qkv`` Linear and a ``heads`` count (the reference transformer's Block)."""
+    found = []
+    for name, module in model.named_modules():
+        qkv, heads = getattr(module, "qkv", None), getattr(module, "heads", None)
+        if isinstance(qkv, nn.Linear) and isinstance(heads, int):
+            found.append((name, qkv, _scores_max(module)))
+    return found
+
+
+def attention_logit_max() -> Monitor:
+    """The largest pre-softmax attention logit |q.k|/sqrt(d) per block (modules with ``qkv`` and ``heads``)."""
+    return Monitor("attention_logit_max", _attention_blocks, softmax_input=True)
+
+
+def _abs_max(module: nn.Module, args: tuple, out: Any) -> torch.Tensor:
+    """max |output| as 0-d fp32 (the max of bf16 values is a bf16 value: exact in fp32)."""
+    return torch.linalg.vector_norm(out.detach(), math.inf).float()  # in the output's dtype: no fp32 copy of it
+
+
+def output_logit_max() -> Monitor:
+    """The largest |output| of the whole model: the output (vocabulary) logits of a language model."""
+    return Monitor("output_logit_max", lambda model: [("output", model, _abs_max)], softmax_input=True)
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module, Measure]]:
+    """The members of every nn.ModuleList (a transformer's blocks); the top-level children where there is none."""
+    found = [(f"{name}.{i}", block, _abs_max) for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) for i, block in enumerate(module)]
+    return found or [(name, child, _abs_max) for name, child in model.named_children()]
+
+
+def activation_max() -> Monitor:
+    """The largest |activation| leaving each block (ModuleList members, else the top-level children)."""
+    return Monitor("activation_max", _blocks)
+
+
+def default_monitors() -> list[Monitor]:
+    """Attention-logit max per block, output-logit max, activation max per block."""
+    return [attention_logit_max(), output_logit_max(), activation_max()]
+
+
+class _Hooks:
+    """The forward hooks of one run's monitors: each step's values stay 0-d tensors until read()."""
+
+    def __init__(self, model: nn.Module, monitors: Sequence[Monitor]):
+        self.labels: list[str] = []
+        self.values: dict[str, torch.Tensor] = {}
+        self.handles = []
+        for monitor in monitors:
+            for layer, module, measure in monitor.where(model):
+                label = f"{monitor.name}/{layer}"
+                if label not in self.labels:
+                    self.labels.append(label)
+                    self.handles.append(module.register_forward_hook(self._hook(label, measure)))
+
+    def _hook(self, label: str, measure: Measure):
+        def hook(module, args, out):
+            # A detached output: the measure's ops build no autograd graph (cheaper than a no_grad block per call).
+            value = measure(module, args, out.detach() if isinstance(out, torch.Tensor) else out)
+            if value.dtype != torch.float32 or value.dim():  # the built-in measures return 0-d fp32 already
+                value = value.detach().float().reshape(())
+            old = self.values.get(label)
+            self.values[label] = value if old is None else torch.maximum(old, value)
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        """This step's values in label order (nan for a layer that did not run), and a fresh start."""
+        nan = torch.tensor(math.nan)
+        out = [self.values.get(label, nan) for label in self.labels]
+        self.values = {}
+        return out
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# What a trial returns
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Departure:
+    """The first step where a precision's run left the fp32 run by more than the tolerance, and where."""
+
+    precision: str
+    step: int  # 0-based optimizer step
+    series: str  # "loss", a monitor name, or "drift"
+    layer: str  # the layer label ("blocks.1", "blocks.0.qkv", "output"; "model" for the loss)
+    gap: float  # relative gap |run - fp32| / |fp32| (inf when only one is finite); for a softmax-input monitor
+    #             the rounding error of its largest value, L * u (see Monitor)
+    tolerance: float
+
+    def __str__(self) -> str:
+        return (f"{self.precision} departs from fp32 at step {self.step}: {self.series} of {self.layer} "
+                f"is {self.gap:.3g} apart (relative; tolerance {self.tolerance:g})")
+
+
+def _relative_gap(value: float, ref: float) -> float:
+    """|value - ref| / |ref|; 0 when both are equal (nan == nan too), inf when only one is finite."""
+    if value == ref or (math.isnan(value) and math.isnan(ref)):
+        return 0.0
+    if not (math.isfinite(value) and math.isfinite(ref)):
+        return math.inf
+    return abs(value - ref) / max(abs(ref), 1e-30)
+
+
+@dataclass
+class Trial:
+    """Per-step series of an fp32 reference run and of each precision's run (Python floats only).
+
+    ``series[run][name]`` is a list with one value per step; ``run`` is ``"reference"`` or a precision name.
+    Names: ``loss``, ``loss_gap`` (run - fp32), ``grad_norm``, ``grad_norm_ratio`` (run / fp32), ``scale``,
+    ``skipped`` (1.0 when the GradScaler skipped the step), ``optimizer_steps`` (how many times
+    ``optimizer.step()`` has run, cumulative), ``drift/<layer>`` (||W_run - W_fp32|| / ||W_fp32|| after the
+    step), ``update/<layer>`` (||W_after - W_before|| / ||W_before||), and ``<monitor>/<layer>``.
+    """
+
+    precisions: list[str]
+    steps: int
+    tolerance: float
+    device: str
+    layers: list[str]
+    monitors: list[str]
+    series: dict[str, dict[str, list[float]]]
+    departures: dict[str, Departure | None]
+    softmax_monitors: list[str] = field(default_factory=list)  # judged by rounding error (Monitor.softmax_input)
+    seconds: float = 0.0  # wall time of the whole trial
+    train_seconds: float = 0.0  # of which inside train_step (the trainings themselves)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def overhead(self) -> float:
+        """Wall time of the trial / time spent in the training steps it ran (1.0: no overhead)."""
+        return self.seconds / self.train_seconds if self.train_seconds else math.nan
+
+    def departure(self, precision: str, series: str | None = None, tolerance: float | None = None) -> Departure | None:
+        """The first departure of one precision's run (None: it stayed within the tolerance).
+
+        Args:
+            precision: one of the trial's precisions.
+            series: only this kind of series: ``"loss"``, ``"drift"`` or a monitor's name (default: all of them).
+            tolerance: another tolerance than the trial's (default: the trial's).
+
+        Example::
+
+            t.departure("bf16", series="attention_logit_max")   # when bf16's attention logits got too large
+        """
+        if precision not in self.departures:
+            raise ValueError(f"precision {precision!r} was not in this trial; it ran {', '.join(self.precisions)}")
+        kinds = ["loss", "drift", *self.monitors]
+        if series is not None and series not in kinds:
+            raise ValueError(f"series must be one of {', '.join(kinds)}, got {series!r}")
+        if series is None and tolerance is None:
+            return self.departures[precision]
+        tol = self.tolerance if tolerance is None else _args.real(tolerance, "tolerance", positive=True)
+        return _first_departure(precision, self.series[precision], self.series[REFERENCE], tol,
+                                self.softmax_monitors, only=series)
+
+    def get(self, run: str, name: str) -> list[float]:
+        """One series (``t.get("bf16", "drift/blocks.0.qkv")``); ValueError naming what exists otherwise."""
+        if run not in self.series:
+            raise ValueError(f"run {run!r} is not in this trial; runs: {', '.join(self.series)}")
+        if name not in self.series[run]:
+            raise ValueError(f"no series {name!r}; series: {', '.join(self.series[run])}")
+        return self.series[run][name]
+
+    def layer_series(self, run: str, prefix: str) -> dict[str, list[float]]:
+        """{layer: values} for every series ``prefix/<layer>`` of a run (``"drift"``, ``"attention_logit_max"``)."""
+        start = prefix.rstrip("/") + "/"
+        return {k[len(start):]: v for k, v in self.series[run].items() if k.startswith(start)}
+
+    def summary(self) -> str:
+        """One line per precision: final loss gap, worst drift and its layer, skipped steps, the first departure."""
+        lines = [f"trial: {self.steps} steps on {self.device}, tolerance {self.tolerance:g} (relative to fp32)"]
+        for p in self.precisions:
+            s = self.series[p]
+            drift = {k: v[-1] for k, v in self.layer_series(p, "drift").items()}
+            worst = max(drift, key=lambda k: drift[k] if math.isfinite(drift[k]) else math.inf) if drift else "-"
+            skipped = int(sum(s["skipped"]))
+            dep = self.departures[p]
+            lines.append(f"  {p:14} final loss {s['loss'][-1]:.5g} (gap {s['loss_gap'][-1]:+.3g}), "
+                         f"worst drift {drift.get(worst, math.nan):.3g} in {worst}, skipped {skipped}, "
+                         f"optimizer steps {int(s['optimizer_steps'][-1])}; "
+                         + (f"departs at step {dep.step} ({dep.series} of {dep.layer}, gap {dep.gap:.3g})"
+                            if dep else "stays within the tolerance"))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Trial({', '.join(self.precisions)} vs fp32, {self.steps} steps)"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as JSON-ready values (non-finite floats as the strings 'nan', 'inf', '-inf')."""
+        def clean(v):
+            if isinstance(v, float) and not math.isfinite(v):
+                return str(v)
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return [clean(x) for x in v]
+            return v
+        return clean({"precisions": self.precisions, "steps": self.steps, "tolerance": self.tolerance,
+                      "device": self.device, "layers": self.layers, "monitors": self.monitors,
+                      "softmax_monitors": self.softmax_monitors, "seconds": self.seconds,
+                      "train_seconds": self.train_seconds, "config": self.config,
+                      "departures": {p: (None if d is None else d.__dict__) for p, d in self.departures.items()},
+                      "series": self.series})
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The trial as JSON text; written to `path` too when one is given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(_args.writable_file(path, "path")).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    def plot(self, precision: str | None = None):
+        """Three panels: loss and its gap, logit growth (attention and output), drift per layer of one precision."""
+        import matplotlib.pyplot as plt
+
+        from .plots import legend_outside
+        p = precision or self.precisions[0]
+        self.departure(p)  # names the precisions if p is not one of them
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), dpi=80, layout="constrained")
+        for run in [REFERENCE, *self.precisions]:
+            axes[0].plot(self.series[run]["loss"], label=run, lw=3 if run == REFERENCE else 1.2,
+                         alpha=0.5 if run == REFERENCE else 1.0)
+        gap_ax = axes[0].twinx()
+        gap_ax.plot(self.series[p]["loss_gap"], color="k", lw=0.8, ls=":", label=f"{p} - fp32")
+        gap_ax.set_ylabel(f"loss gap ({p} - fp32)")
+        axes[0].set(xlabel="step", ylabel="loss", title="loss and its gap to fp32")
+        axes[0].legend(fontsize=8, loc="upper right")
+        for run, style in ((REFERENCE, dict(lw=2.5, alpha=0.5)), (p, dict(lw=1.0, ls="--"))):
+            for i, (layer, values) in enumerate({**self.layer_series(run, "attention_logit_max"),
+                                                 **self.layer_series(run, "output_logit_max")}.items()):
+                axes[1].plot(values, color=f"C{i}", label=f"{layer} ({'fp32' if run == REFERENCE else run})", **style)
+        axes[1].set(xlabel="step", ylabel="max |logit|", title="logit growth (attention per block, output)")
+        axes[1].set_yscale("log")
+        legend_outside(axes[1])
+        drift = self.layer_series(p, "drift")
+        for layer, values in drift.items():
+            axes[2].plot([v if v > 0 else math.nan for v in values], label=layer, lw=1.0)
+        axes[2].axhline(self.tolerance, color="k", lw=0.8, ls=":")
+        axes[2].set(xlabel="step", ylabel="||W - W_fp32|| / ||W_fp32||", title=f"{p}: parameter drift per layer")
+        axes[2].set_yscale("log")
+        if len(drift) <= 12:
+            legend_outside(axes[2])
+        return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# The runs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    """One training run of a trial: its model, optimizer, scaler, hooks, random stream and series."""
+
+    label: str
+    amp: AmpSetup
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    hooks: _Hooks
+    rng: torch.Tensor
+    params: list[torch.Tensor]
+    views: list[torch.Tensor] = field(default_factory=list)  # 1-D views of `params`
+    flat: torch.Tensor | None = None  # all trainable weights after the latest step, as one fp32 vector
+    lengths: list[int] = field(default_factory=list)  # elements per layer in `flat` (layers are contiguous)
+    layer_norms: list[float] = field(default_factory=list)  # ||W|| per layer after the latest step
+    series: dict[str, list[float]] = field(default_factory=dict)
+    optimizer_steps: int = 0
+
+
+def _layers(model: nn.Module) -> tuple[list[str], list[int]]:
+    """Layer labels (modules that own trainable parameters) and, per trainable parameter, its layer's index."""
+    labels, owner, seen = [], [], set()
+    for name, module in model.named_modules():
+        # a parameter shared by two modules counts once, in the first (as model.parameters() yields it)
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            labels.append(name or "model")
+            owner += [len(labels) - 1] * len(own)
+    return labels, owner
+
+
+def _flat_views(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D views of the parameters, made once: optimizers update parameters in place, so the views stay current
+    (a non-contiguous parameter is kept as it is and flattened at every step instead)."""
+    return [p.detach().view(-1) if p.is_contiguous() else p.detach() for p in params]
+
+
+def _flatten(views: list[torch.Tensor]) -> torch.Tensor:
+    """The parameters as one fp32 vector (one copy)."""
+    flat = torch.cat(views if all(v.dim() == 1 for v in views) else [v.reshape(-1) for v in views])
+    return flat if flat.dtype == torch.float32 else flat.float()
+
+
+def _layer_norms(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """The L2 norm of each layer's slice of a flat vector (layers are contiguous), as 0-d tensors.
+
+    One pass over the vector (no squared copy): on a CPU, one index_add_ over the elements was 5x slower, and
+    squaring, stacking and summing rows cost a visible share of a small model's step in memory traffic.
+    """
+    return list(torch._foreach_norm(flat.split(lengths)))
+
+
+def _precision(label: str) -> tuple[str, bool]:
+    """(autocast precision, scaler enabled) for a precision name of a trial."""
+    if label == "fp16-noscaler":
+        return "fp16", False
+    if label == REFERENCE:
+        return "fp32", False
+    return parse_precision(label), label == "fp16"
+
+
+def _build_model(model_factory: Callable[[], nn.Module] | str, size: str, seed: int) -> tuple[nn.Module, str | None]:
+    """The initial model (built once, seeded; every run gets a deep copy) and its reference name."""
+    if isinstance(model_factory, str):
+        if model_factory not in models.MODELS:
+            raise ValueError(f"unknown model {model_factory!r}; choose one of {', '.join(models.MODELS)} "
+                             "or pass a callable that returns an nn.Module")
+        return models.make_model(model_factory, size=size, seed=seed), model_factory
+    if isinstance(model_factory, nn.Module):
+        raise ValueError("model_factory must build a fresh model (a callable such as `lambda: MyNet()`), not a model: "
+                         "a trial trains several copies and must not change yours")
+    if not callable(model_factory):
+        raise ValueError(f"model_factory must be a reference model name ({', '.join(models.MODELS)}) or a callable "
+                         f"returning an nn.Module, got {_args.shown(model_factory)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model_factory() must return an nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"the model from model_factory ({type(model).__name__}) has no trainable parameters")
+    return model, None
+
+
+def _resolve_data(data, name: str | None, size: str, seed: int) -> TensorDataset:
+    """A TensorDataset from a TensorDataset or an (inputs, targets) pair; the reference model's data for None."""
+    if data is None:
+        if name is None:
+            raise ValueError("data is None: pass a TensorDataset(inputs, targets) or a pair of tensors for your model")
+        return models.make_dataset(name, n=1024, seed=seed, size=size)
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        data = TensorDataset(*data)
+    if not isinstance(data, TensorDataset) or len(data.tensors) != 2:
+        raise ValueError(f"data must be a TensorDataset(inputs, targets) or a pair of tensors, got {_args.shown(data)}")
+    if len(data) == 0:
+        raise ValueError("data is empty (0 samples); pass at least batch_size samples")
+    return data
+
+
+def _make_optimizer(optimizer_factory, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
+    """A callable(params) -> Optimizer from a name ('adamw', 'adam', 'sgd') or a callable(params)."""
+    if optimizer_factory is None or isinstance(optimizer_factory, str):
+        spec = optimizer_factory or "adamw"
+        if spec not in _train.OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {spec!r}; choose one of {', '.join(_train.OPTIMIZERS)} or pass a "
+                             "callable(params) that returns a torch.optim.Optimizer")
+        return lambda params: _train.make_optimizer(spec, params, lr)
+    if not callable(optimizer_factory):
+        raise ValueError(f"optimizer_factory must be a name or a callable(params), "
+                         f"got {_args.shown(optimizer_factory)}")
+    return optimizer_factory
+
+
+def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: dict, monitors, seed: int) -> _Run:
+    """A deep copy of the initial model on the device, its optimizer, scaler and hooks, and a seeded random stream."""
+    prec, scaled = _precision(label)
+    amp = pick(device, prec)
+    net = copy.deepcopy(model).to(amp.device)
+    opt = make_opt(net.parameters())
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"optimizer_factory(params) must return a torch.optim.Optimizer, got {type(opt).__name__}")
+    scaler = amp.make_scaler(**{**scaler_kwargs, "enabled": scaled})
+    run = _Run(label, amp, net, opt, scaler, _Hooks(net, monitors),
+               rng=torch.Generator().manual_seed(seed).get_state(),
+               params=[p for p in net.parameters() if p.requires_grad])
+
+    _, owner = _layers(net)
+    run.lengths = [0] * (max(owner) + 1)
+    for p, i in zip(run.params, owner):
+        run.lengths[i] += p.numel()
+    run.views = _flat_views(run.params)
+    run.flat = _flatten(run.views)
+    run.layer_norms = torch.stack(_layer_norms(run.flat, run.lengths)).tolist()
+
+    def count(optimizer, args, kwargs):  # runs only when optimizer.step() really ran (a skip never calls it)
+        run.optimizer_steps += 1
+    opt.register_step_post_hook(count)
+    return run
+
+
+def _check_precisions(precisions) -> tuple[str, ...]:
+    """Precision names, each once, from PRECISIONS (dtype aliases such as 'bfloat16' accepted)."""
+    names = _args.names(precisions, "precisions", [*PRECISIONS, "bfloat16", "float16", "float32", "half"])
+    out = tuple(dict.fromkeys(n if n in PRECISIONS else parse_precision(n) for n in names))
+    return out
+
+
+def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tuple | None = None,
+          precisions: Sequence[str] = ("bf16",), steps: int = 200, optimizer_factory: Callable | str | None = None,
+          seed: int = 0, monitors: Sequence[Monitor] | None = None, *, lr: float = 1e-3, batch_size: int = 32,
+          loss_fn: Callable | None = None, tolerance: float = 0.1, device: str | torch.device | None = None,
+          scaler_kwargs: dict | None = None, size: str = "tiny", grad_clip: float | None = None) -> Trial:
+    """Train the same initial model on the same batches in fp32 and in each precision; compare them step by step.
+
+    Args:
+        model_factory: a reference model name (``"mlp"``, ``"cnn"``, ``"transformer"``, built with ``size`` and
+            ``seed``) or a callable returning a fresh nn.Module (called once under ``torch.manual_seed(seed)``;
+            every run trains a deep copy of that one model).
+        data: TensorDataset(inputs, targets) or a pair of tensors; None: the reference model's synthetic data.
+        precisions: names from ``PRECISIONS`` compared against the fp32 reference (default ``("bf16",)``).
+        steps: optimizer steps per run (all runs in lockstep, one batch per step, the same batch for every run).
+        optimizer_factory: ``"adamw"`` (default), ``"adam"``, ``"sgd"`` (with ``lr``) or a callable(params).
+        seed: model init (for a name or a factory), batch order and each run's random stream (dropout).
+        monitors: per-layer forward measurements (default: :func:`default_monitors`); ``[]`` for none.
+        lr: learning rate of a named optimizer. batch_size: samples per step (at most the dataset's size).
+        loss_fn: callable(output, targets) -> loss; default: ``ampcourse.models.loss_fn`` (cross entropy).
+        tolerance: the relative gap to fp32 (loss, monitors, per-layer drift) that counts as a departure.
+        device: as ``ampcourse.device.pick`` takes it (default: the best available).
+        scaler_kwargs: GradScaler settings for fp16 runs (init_scale, growth_factor, backoff_factor,
+            growth_interval), checked as ``ampcourse.train`` checks them; its defaults otherwise.
+        grad_clip: clip the true (unscaled) gradient norm, as in ``ampcourse.train``.
+
+    Returns:
+        a :class:`Trial`. Raises ValueError (one line that says what to pass) on bad input, before any step.
+
+    Example::
+
+        t = trial("transformer", precisions=("bf16", "fp16"), steps=100, lr=3e-3)
+        t.departure("bf16"), t.get("fp16", "scale")[-1], t.overhead
+    """
+    t_start = time.perf_counter()
+    names = _check_precisions(precisions)
+    steps = _args.integer(steps, "steps", low=1)
+    seed = _args.seed(seed)
+    lr = _args.real(lr, "lr", positive=True)
+    batch_size = _args.integer(batch_size, "batch_size", low=1)
+    tolerance = _args.real(tolerance, "tolerance", positive=True)
+    grad_clip = None if grad_clip is None else _args.real(grad_clip, "grad_clip", positive=True)
+    if not isinstance(size, str) or size not in models.SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable(output, targets) or None, got {_args.shown(loss_fn)}")
+    monitors = default_monitors() if monitors is None else list(monitors)
+    bad = [m for m in monitors if not isinstance(m, Monitor)]
+    if bad:
+        raise ValueError(f"monitors must be Monitor objects (ampcourse.trial.Monitor), got {_args.shown(bad[0])}")
+    if len({m.name for m in monitors}) != len(monitors):
+        raise ValueError(f"monitor names must differ, got {[m.name for m in monitors]}")
+    scaler_settings = {**_scaler.DEFAULTS, **{k: v for k, v in _scaler.gradscaler_kwargs(scaler_kwargs).items() if k != "enabled"}}
+    make_opt = _make_optimizer(optimizer_factory, lr)
+    for name in names:  # fp16 on a device without fp16 autocast: say so now, not at step 0
+        amp = pick(device, _precision(name)[0])
+        problem = _checks._amp_works(amp.device_type, amp.precision)
+        if problem:
+            raise ValueError(f"precision {name!r} cannot run on {amp.device} ({problem}); choose another")
+    model, ref_name = _build_model(model_factory, size, seed)
+    data = _resolve_data(data, ref_name, size, seed)
+    models.check_data(model, data, targets=loss_fn is None)
+    if batch_size > len(data):
+        raise ValueError(f"batch_size {batch_size} is larger than the dataset ({len(data)} samples); "
+                         f"use at most {len(data)}")
+    _checks._check_finite(data)
+    loss = loss_fn or models.loss_fn
+
+    ref_amp = pick(device, "fp32")
+    labels, owner = _layers(model)
+    runs = [_start_run(label, model, device, make_opt, scaler_settings, monitors, seed)
+            for label in (REFERENCE, *names)]
+    ref = runs[0]
+    probe = data.tensors[0][:1].to(ref_amp.device), data.tensors[1][:1].to(ref_amp.device)
+    _checks.preflight(ref.model, *probe, loss if loss_fn is None else None, ref.amp)  # bad data: one line, now
+    ref.hooks.take()
+    xs, ys = data.tensors
+    train_seconds = 0.0
+    try:
+        with torch.random.fork_rng(devices=[ref_amp.device] if ref_amp.device_type == "cuda" else []):
+            for step in range(steps):
+                idx = _train.batch_indices(step, seed, len(data), batch_size)
+                x, y = xs[idx].to(ref_amp.device), ys[idx].to(ref_amp.device)
+                for run in runs:
+                    train_seconds += _step(run, ref, x, y, loss, grad_clip, owner, labels)
+    finally:
+        for run in runs:
+            run.hooks.remove()
+    softmax = {m.name for m in monitors if m.softmax_input}
+    departures = {run.label: _first_departure(run.label, run.series, ref.series, tolerance, softmax)
+                  for run in runs[1:]}
+    config = {"model": ref_name or type(model).__name__, "seed": seed, "lr": lr, "batch_size": batch_size,
+              "optimizer": type(ref.optimizer).__name__, "grad_clip": grad_clip, "scaler": scaler_settings,
+              "torch": torch.__version__}
+    return Trial(list(names), steps, tolerance, ref.amp.describe_device(), labels, [m.name for m in monitors],
+                 {run.label: run.series for run in runs}, departures, softmax_monitors=sorted(softmax),
+                 seconds=time.perf_counter() - t_start,
+                 train_seconds=train_seconds, config=config)
+
+
+def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, grad_clip: float | None,
+          owner: list[int], labels: list[str]) -> float:
+    """One optimizer step of one run and its record; returns the seconds train_step took.
+
+    The weights go into one flat vector per step (layers contiguous): update, norm and drift per layer are then a
+    few kernels and one sum per layer (per-tensor norms were a visible share of a tiny model's CPU step).
+    """
+    torch.set_rng_state(run.rng)  # each run draws from its own stream: as if it ran alone
+    t0 = time.perf_counter()
+    stats = _train.train_step(run.model, [(x, y)], loss_fn, run.optimizer, run.scaler, run.amp, grad_clip=grad_clip)
+    seconds = time.perf_counter() - t0
+    run.rng = torch.get_rng_state()
+    n_layers = len(labels)
+    with torch.no_grad():
+        new = _flatten(run.views)
+        vectors = [new - run.flat, new]  # run.flat: the weights before this step
+        if run is not ref:  # the reference stepped first: drift compares the weights after this step
+            vectors.append(new - ref.flat)
+        monitors = run.hooks.take()
+        norms = [n for v in vectors for n in _layer_norms(v, run.lengths)]
+        values = torch.stack([*monitors, *norms]).tolist()  # one read-back
+        run.flat = new
+    n_mon = len(monitors)
+    monitor_values, ups = values[:n_mon], values[n_mon:n_mon + n_layers]
+    wgt = values[n_mon + n_layers:n_mon + 2 * n_layers]
+    drifts = values[n_mon + 2 * n_layers:]
+    series = run.series
+    for name, v in (("loss", stats.loss), ("grad_norm", stats.grad_norm), ("scale", stats.scale),
+                    ("skipped", float(stats.skipped)), ("optimizer_steps", float(run.optimizer_steps))):
+        series.setdefault(name, []).append(v)
+    k = len(series["loss"]) - 1
+    if run is ref:
+        gap, ratio = 0.0, 1.0
+    else:
+        ref_gn = ref.series["grad_norm"][k]
+        gap, ratio = stats.loss - ref.series["loss"][k], (stats.grad_norm / ref_gn if ref_gn else math.nan)
+    series.setdefault("loss_gap", []).append(gap)
+    series.setdefault("grad_norm_ratio", []).append(ratio)
+    for label, v in zip(run.hooks.labels, monitor_values):
+        series.setdefault(label, []).append(v)
+    before_norms, run.layer_norms = run.layer_norms, wgt
+    for i, layer in enumerate(labels):
+        series.setdefault(f"update/{layer}", []).append(_ratio(ups[i], before_norms[i]))
+        series.setdefault(f"drift/{layer}", []).append(0.0 if run is ref else _ratio(drifts[i], ref.layer_norms[i]))
+    return seconds
+
+
+def _ratio(num: float, den: float) -> float:
+    """num / den for norms: 0 when both are 0, inf when only den is; non-finite stays non-finite (as inf)."""
+    if not math.isfinite(num):
+        return math.inf
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return num / den
+
+
+def unit_roundoff(precision: str) -> float:
+    """Half the gap between 1 and the next number of the autocast format of a precision (bf16 2**-8, fp32 2**-24)."""
+    return formats.spec(_precision(precision)[0]).eps / 2
+
+
+def _first_departure(label: str, series: dict[str, list[float]], ref: dict[str, list[float]], tolerance: float,
+                     softmax: set[str] | list[str], only: str | None = None) -> Departure | None:
+    """The first step where loss, a monitor or a layer's drift is more than `tolerance` apart from fp32.
+
+    Softmax-input monitors count their rounding error L * u instead (Monitor.softmax_input). Within the
+    first step that departs, the series furthest past the tolerance names the layer. `only`: look at one
+    series name ("loss", "drift" or a monitor's name).
+    """
+    u = unit_roundoff(label)
+    compared = [("loss", "model", series["loss"], ref["loss"])]
+    for key, values in series.items():
+        if key.startswith("drift/"):
+            compared.append(("drift", key[6:], values, None))
+        elif "/" in key and not key.startswith("update/"):
+            name, layer = key.split("/", 1)
+            compared.append((name, layer, values, "rounding" if name in softmax else ref[key]))
+    if only is not None:
+        compared = [c for c in compared if c[0] == only]
+    for k in range(len(series["loss"])):
+        worst = None
+        for name, layer, values, ref_values in compared:
+            if ref_values is None:
+                gap = values[k]
+            elif ref_values == "rounding":
+                gap = abs(values[k]) * u
+            else:
+                gap = _relative_gap(values[k], ref_values[k])
+            if math.isnan(gap):
+                gap = math.inf
+            if gap > tolerance and (worst is None or gap > worst[0]):
+                worst = (gap, name, layer)
+        if worst is not None:
+            return Departure(label, k, worst[1], worst[2], worst[0], tolerance)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line of python -m ampcourse.trial."""
+    ap = _args.OneLineParser(prog="python -m ampcourse.trial", description=__doc__.split("\n\n")[0],
+                             error_prefix="ampcourse.trial", formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help=f"a reference model: {', '.join(models.MODELS)}")
+    ap.add_argument("--precisions", default="bf16",
+                    help=f"comma-separated, from {', '.join(PRECISIONS)} (default bf16)")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    ap.add_argument("--batch-size", type=int, default=32, help="samples per step (default 32)")
+    ap.add_argument("--tolerance", type=float, default=0.1, help="relative gap that counts as a departure (0.1)")
+    ap.add_argument("--seed", type=int, default=0, help="seed for the model, the batches and dropout (default 0)")
+    ap.add_argument("--size", default="tiny", help=f"reference model size: {', '.join(models.SIZES)} (default tiny)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    ap.add_argument("--out", default=None, help="write the trial as JSON here")
+    ap.add_argument("--plot", default=None, help="save the plot (PNG) here")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a trial from the command line; 0 on success, 2 with one line on stderr for bad input."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return done.code if isinstance(done.code, int) else 2
+    try:
+        for flag, path in (("--out", args.out), ("--plot", args.plot)):  # before the work, not after it
+            if path is not None:
+                _args.writable_file(path, flag)
+        if args.model not in models.MODELS:
+            raise ValueError(f"--model must be one of {', '.join(models.MODELS)}, got {args.model!r}")
+        precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+        t = trial(args.model, precisions=precisions, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+                  tolerance=args.tolerance, seed=args.seed, size=args.size, device=args.device)
+        print(t.summary())
+        if args.out:
+            t.to_json(args.out)
+        if args.plot:
+            import matplotlib
+            matplotlib.use("Agg")
+            t.plot().savefig(args.plot)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"ampcourse.trial: error: {(str(err).splitlines() or [''])[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""ampcourse.trial: fp32 and AMP side by side over N steps (issue 22).
+
+What is checked: runs are deterministic; an fp32 run against the fp32 reference has a gap of exactly zero; a
+planted attention-logit growth is caught in the layer and at the step where it was planted (and nowhere else);
+a healthy model is not flagged; skipped steps show in the scaler's record and in the optimizer's own counter;
+only Python floats are kept; bad input gets one line that says what to pass (API and command line).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ampcourse import models, trial as trial_mod
+from ampcourse.models import TinyTransformer
+from ampcourse.trial import REFERENCE, Monitor, default_monitors, main, trial
+
+
+class GrowingLogits(TinyTransformer):
+    """The reference transformer with a planted fault: from training step `start` on, block `layer` multiplies its
+    queries and keys by a factor that grows every step, so its pre-softmax logits grow (in fp32 too)."""
+
+    def __init__(self, layer: int = 1, start: int = 6, growth: float = 8.0):
+        super().__init__()
+        self.calls, self.start, self.growth = 0, start, growth
+        self.blocks[layer].qkv.register_forward_hook(self._grow)
+
+    def _grow(self, module, args, out):
+        k = self.calls - self.start
+        if k < 0:
+            return out
+        d = out.shape[-1] // 3
+        scale = torch.ones(3 * d, dtype=out.dtype, device=out.device)
+        scale[:2 * d] = 1.0 + self.growth * (k + 1)
+        return out * scale
+
+    def forward(self, idx):
+        out = super().forward(idx)
+        if self.training:  # count training steps (the trial's one-batch preflight runs in eval mode)
+            self.calls += 1
+        return out
+
+
+DATA = models.make_dataset("transformer", n=256, seed=0)
+
+
+def test_fp32_against_fp32_has_a_zero_gap():
+    t = trial("transformer", DATA, precisions=("fp32",), steps=8)
+    s = t.series["fp32"]
+    assert s["loss"] == t.series[REFERENCE]["loss"] and set(s["loss_gap"]) == {0.0}
+    assert set(s["grad_norm_ratio"]) == {1.0}
+    drift = t.layer_series("fp32", "drift")
+    assert len(drift) == len(t.layers) == 15 and {v for vs in drift.values() for v in vs} == {0.0}
+    for key in s:  # every monitor reads the same value in both runs
+        if key.split("/")[0] in t.monitors:
+            assert s[key] == t.series[REFERENCE][key], key
+    assert t.departure("fp32") is None
+
+
+def test_deterministic():
+    a = trial("transformer", DATA, precisions=("bf16", "fp16"), steps=6, seed=3)
+    b = trial("transformer", DATA, precisions=("bf16", "fp16"), steps=6, seed=3)
+    assert a.series == b.series and a.departures == b.departures
+    c = trial("transformer", DATA, precisions=("bf16", "fp16"), steps=6, seed=4)
+    assert c.series[REFERENCE]["loss"] != a.series[REFERENCE]["loss"]  # the seed matters: not a constant
+
+
+def test_callers_random_stream_is_left_alone():
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    trial("transformer", DATA, steps=2)
+    assert torch.equal(torch.rand(3), want)
+
+
+@pytest.mark.parametrize("layer,start", [(1, 6), (0, 4)])
+def test_planted_logit_growth_is_caught_at_its_layer_and_step(layer, start):
+    t = trial(lambda: GrowingLogits(layer, start), DATA, precisions=("bf16", "fp16"), steps=start + 4)
+    bf16, fp16 = t.departure("bf16"), t.departure("fp16")
+    assert (bf16.step, bf16.series, bf16.layer) == (start, "attention_logit_max", f"blocks.{layer}")
+    # fp16 keeps 3 more mantissa bits: the same logits are caught one step later (its rounding error is 1/8)
+    assert (fp16.step, fp16.series, fp16.layer) == (start + 1, "attention_logit_max", f"blocks.{layer}")
+    before = t.series[REFERENCE][f"attention_logit_max/blocks.{layer}"][:start]
+    assert max(before) < 10 < t.series[REFERENCE][f"attention_logit_max/blocks.{layer}"][start]
+    assert "departs at step" in t.summary() and str(bf16).startswith(f"bf16 departs from fp32 at step {start}")
+
+
+def test_a_healthy_model_is_not_flagged():
+    t = trial("transformer", DATA, precisions=("bf16", "fp16"), steps=60)
+    assert t.departure("bf16") is None and t.departure("fp16") is None, t.summary()
+    assert 0 < max(v[-1] for v in t.layer_series("bf16", "drift").values()) < t.tolerance
+    assert t.series["bf16"]["loss"][-1] < t.series["bf16"]["loss"][0]  # it trained
+    assert "stays within the tolerance" in t.summary()
+
+
+def test_a_lower_tolerance_flags_the_same_healthy_run():
+    """The departure rule can fire on a healthy run too: the tolerance is what decides."""
+    t = trial("transformer", DATA, precisions=("bf16",), steps=10, tolerance=1e-4)
+    assert t.departure("bf16") is not None and t.departure("bf16").gap > 1e-4
+
+
+def test_skips_show_in_the_scaler_and_in_the_optimizer_counter():
+    # init_scale 2**40: the first steps overflow fp16 and are skipped until the scale has come down
+    t = trial("mlp", precisions=("fp16", "fp16-noscaler", "bf16"), steps=40, scaler_kwargs={"init_scale": 2.0**40})
+    fp16 = t.series["fp16"]
+    skipped = int(sum(fp16["skipped"]))
+    assert skipped >= 10 and fp16["skipped"][0] == 1.0 and fp16["scale"][0] == 2.0**40
+    assert fp16["optimizer_steps"][-1] == 40 - skipped  # optimizer.step() never ran on a skipped step
+    done = [k + 1 - sum(fp16["skipped"][:k + 1]) for k in range(40)]  # steps taken so far, by the scaler's record
+    assert fp16["optimizer_steps"] == done and fp16["optimizer_steps"][9] == 0.0
+    assert t.series["fp16-noscaler"]["optimizer_steps"][-1] == 40 and set(t.series["bf16"]["scale"]) == {1.0}
+    # the skipped steps left fp16 behind fp32 (its weights did not move): the trial sees it before the skips end
+    assert t.departure("fp16") is not None and t.departure("fp16").step < skipped
+
+
+def test_only_python_floats_are_kept():
+    t = trial("transformer", DATA, precisions=("bf16",), steps=3)
+    for run, series in t.series.items():
+        for name, values in series.items():
+            assert len(values) == 3 and all(type(v) is float for v in values), (run, name)
+    tensors = [k for k, v in vars(t).items() if isinstance(v, (torch.Tensor, nn.Module))]
+    assert not tensors
+
+
+def test_user_monitor_and_activation_checkpointing_keep_one_value_per_step():
+    def log_z(model):
+        return [("output", model, lambda m, args, out: out.float().logsumexp(-1).abs().max())]
+
+    monitors = [*default_monitors(), Monitor("log_z", log_z)]
+    t = trial("transformer", DATA, precisions=("bf16",), steps=3, monitors=monitors)
+    assert len(t.series["bf16"]["log_z/output"]) == 3 and t.series["bf16"]["log_z/output"][0] > 0
+    assert "log_z" in t.monitors and "log_z" in json.loads(t.to_json())["monitors"]
+
+
+def test_to_json_and_plot(tmp_path):
+    t = trial("transformer", DATA, precisions=("bf16", "fp16-noscaler"), steps=3)
+    path = tmp_path / "t.json"
+    text = t.to_json(path)
+    back = json.loads(path.read_text())
+    assert json.loads(text) == back and back["series"]["bf16"]["loss"] == t.series["bf16"]["loss"]
+    assert back["precisions"] == ["bf16", "fp16-noscaler"] and back["departures"]["bf16"] is None
+    fig = t.plot("bf16")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "loss and its gap to fp32" in titles and "bf16: parameter drift per layer" in titles
+    assert any("logit growth" in title for title in titles)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_non_finite_values_survive_json():
+    t = trial("mlp", precisions=("fp16",), steps=2, scaler_kwargs={"init_scale": 2.0**40})
+    back = json.loads(t.to_json())
+    assert back["series"]["fp16"]["grad_norm"][0] in ("inf", "nan")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(precisions=("fp8",)), "precisions: unknown name"),
+    (dict(precisions=()), "precisions must be a non-empty sequence"),
+    (dict(steps=0), "steps must be an int >= 1"),
+    (dict(tolerance=-1), "tolerance must be a finite number > 0"),
+    (dict(batch_size=10_000), "batch_size 10000 is larger than the dataset"),
+    (dict(monitors=["attention"]), "monitors must be Monitor objects"),
+    (dict(optimizer_factory="lamb"), "unknown optimizer 'lamb'"),
+    (dict(scaler_kwargs={"init_scale": -1}), "init_scale"),
+    (dict(data=(torch.randn(8, 16), torch.zeros(8, dtype=torch.long))), "data inputs"),
+    (dict(model_factory=nn.Linear(2, 2)), "must build a fresh model"),
+    (dict(model_factory="gpt"), "unknown model 'gpt'"),
+    (dict(model_factory=lambda: 3), "must return an nn.Module"),
+    (dict(model_factory=TinyTransformer), "data is None: pass a TensorDataset"),
+    (dict(loss_fn="ce"), "loss_fn must be a callable"),
+])
+def test_bad_input_gets_one_clear_line(kwargs, message):
+    args = {"model_factory": "transformer", **kwargs}
+    with pytest.raises(ValueError, match=message) as err:
+        trial(args.pop("model_factory"), **args)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_precision_lookup_names_the_runs():
+    t = trial("mlp", precisions=("bf16",), steps=1)
+    with pytest.raises(ValueError, match="it ran bf16"):
+        t.departure("fp16")
+    with pytest.raises(ValueError, match="series: loss"):
+        t.get("bf16", "nothing")
+
+
+def test_cli(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["--model", "mlp", "--steps", "3", "--precisions", "bf16,fp16", "--out", str(out)]) == 0
+    assert "trial: 3 steps" in capsys.readouterr().out
+    assert json.loads(out.read_text())["steps"] == 3
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt"], "--model must be one of mlp, cnn, transformer"),
+    (["--model", "mlp", "--precisions", "fp8"], "precisions: unknown name"),
+    (["--model", "mlp", "--steps", "0"], "steps must be an int >= 1"),
+    (["--model", "mlp", "--out", "/nonexistent/x.json"], "cannot write --out"),
+    (["--model", "mlp", "--steps", "x"], "invalid int value"),
+])
+def test_cli_bad_input_is_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ampcourse.trial: error:") and message in err and err.count("\n") == 1
+
+
+def test_module_is_on_the_lazy_map():
+    import ampcourse
+    assert ampcourse.trial is trial_mod and math.isclose(trial_mod.unit_roundoff("bf16"), 2.0**-8)
+
+
+def test_departure_of_one_series_and_another_tolerance():
+    t = trial(lambda: GrowingLogits(1, 4), DATA, precisions=("bf16",), steps=7)
+    assert t.departure("bf16", series="attention_logit_max") == t.departure("bf16")
+    assert t.departure("bf16", series="loss") is None or t.departure("bf16", series="loss").step >= 4
+    assert t.departure("bf16", series="attention_logit_max", tolerance=1e6) is None
+    assert t.departure("bf16", tolerance=1e-9).step == 0
+    with pytest.raises(ValueError, match="series must be one of loss, drift, attention_logit_max"):
+        t.departure("bf16", series="logits")
