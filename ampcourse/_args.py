@@ -24,6 +24,7 @@ import argparse
 import math
 import numbers
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -156,7 +157,8 @@ def writable_file(path: Any, name: str) -> Path:
     """path as a Path whose file can be written, checked by creating it (then removed if it was new).
 
     Looking at the folder is not enough: /proc/x has a folder, a read-only mount or a full quota says no
-    only when a file is opened. An existing file is opened for appending, which changes nothing in it.
+    only when a file is opened. An existing file is opened for appending, which changes nothing in it; a device
+    such as /dev/full gets one probe byte, since only a write tells whether it takes data.
     """
     if isinstance(path, bool) or not isinstance(path, (str, Path)) or not str(path):
         raise ValueError(f"{name} must be a file path (str or pathlib.Path), got {shown(path)}")
@@ -166,8 +168,11 @@ def writable_file(path: Any, name: str) -> Path:
                          f"{'it is a directory' if target.is_dir() else 'its folder does not exist'}")
     existed = target.exists()
     try:
-        with open(target, "a"):
-            pass
+        with open(target, "a") as fh:
+            if existed and not stat.S_ISREG(os.stat(target).st_mode):
+                # a device (such as /dev/full) opens fine and refuses only data: one probe byte tells
+                fh.write("\n")
+                fh.flush()
     except OSError as err:
         raise ValueError(f"cannot write {name} {str(path)!r}: {err.strerror or err}; choose a file you can write to") from None
     if not existed:

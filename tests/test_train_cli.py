@@ -132,8 +132,9 @@ def test_docstring_has_the_launch_commands():
 
 
 def test_an_output_the_disk_refuses_is_one_line(tmp_path, capsys):
-    """/dev/full opens (the pre-check passes) and refuses the write (ENOSPC): one line, exit 2, no traceback."""
+    """/dev/full opens and refuses data (ENOSPC): the pre-check's probe byte finds it before any training, one line,
+    exit 2, no traceback (a disk that fills during the run: test_a_file_size_limit_in_the_cli_is_one_line)."""
     if not Path("/dev/full").exists():
         pytest.skip("/dev/full is Linux's")
     err = cli_error(capsys, [*BASE, "--out", "/dev/full"])
-    assert "cannot write the output: No space left on device" in err
+    assert "cannot write --out '/dev/full': No space left on device" in err

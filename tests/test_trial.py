@@ -198,6 +198,8 @@ def test_cli(tmp_path, capsys):
     (["--model", "mlp", "--precisions", "fp8"], "precisions: unknown name"),
     (["--model", "mlp", "--steps", "0"], "steps must be an int >= 1"),
     (["--model", "mlp", "--out", "/nonexistent/x.json"], "cannot write --out"),
+    # a device that opens but refuses data: found by _args.writable_file's probe byte, before the trainings
+    (["--model", "mlp", "--plot", "/dev/full"], "cannot write --plot '/dev/full': No space left on device"),
     (["--model", "mlp", "--steps", "x"], "invalid int value"),
 ])
 def test_cli_bad_input_is_one_line(argv, message, capsys):

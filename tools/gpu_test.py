@@ -239,7 +239,9 @@ def descendants(pid: int) -> list[int]:
     """PIDs of every descendant of pid, from /proc (Linux); empty where /proc does not exist.
 
     torchrun starts each worker in a session of its own, so killing a step's process group alone would
-    leave them (and the GPU memory they hold) behind.
+    leave them (and the GPU memory they hold) behind. ampcourse.distributed has the same walk; this parent
+    process imports nothing of ampcourse (issue 19 item 2: the image's Python may not find the package), so it
+    keeps its own copy.
     """
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):

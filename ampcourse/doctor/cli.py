@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import stat
 import sys
 from collections.abc import Sequence
 
@@ -62,18 +61,12 @@ def _factory_setup(spec: str):
 
 
 def _writable(path: str, flag: str) -> None:
-    """Check before the work that a report can be written to path: a file is created (then removed if new); a
-    device (such as /dev/full) gets one probe byte, since only a write tells whether it takes data."""
+    """Check before the work that a report can be written to path (_args.writable_file: a device such as /dev/full
+    gets a probe byte), as one CLI error line."""
     try:
         _args.writable_file(path, flag)
-        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
-            with open(path, "w") as fh:
-                fh.write("\n")
-                fh.flush()
-    except OSError as err:
-        raise CliError(f"cannot write {flag} {path!r}: {err.strerror or err}; choose a file you can write to") from None
     except ValueError as err:
-        raise CliError(f"{flag}: {err}") from None
+        raise CliError(str(err) if str(err).startswith("cannot write") else f"{flag}: {err}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
