@@ -14,21 +14,11 @@ import pytest
 
 from ampcourse.exercises import ExerciseError, ch07
 from ampcourse.exercises._torchrun import learner_source, run_on_ranks
+from learner_variants import variants
 
 pytestmark = pytest.mark.slow
 
 
-def variants(fn, **edits) -> dict:
-    """{name: (source, function name)}: the reference `fn` and copies with text replaced (the wrong answers)."""
-    src = inspect.getsource(fn)
-    out = {"right": (src, fn.__name__)}
-    for name, pairs in edits.items():
-        changed = src
-        for old, new in pairs:
-            assert old in changed, old
-            changed = changed.replace(old, new)
-        out[name] = (changed, fn.__name__)
-    return out
 
 
 def verdict(judge, res, name, capsys) -> str:

@@ -3,13 +3,13 @@
 10.3 runs on 2 CPU ranks under torchrun: the reference and the wrong answers share one launch.
 """
 
-import inspect
 
 import pytest
 import torch
 
 from ampcourse.exercises import ExerciseError, ch10, check_tf32_round, check_z_loss
 from ampcourse.exercises._torchrun import run_on_ranks
+from learner_variants import variants
 
 
 def rne(x):
@@ -65,16 +65,6 @@ def test_z_loss_rejects(answer, hint, capsys):
 
 # --- 10.3 under torchrun ----------------------------------------------------------------------------
 
-def variants(fn, **edits) -> dict:
-    src = inspect.getsource(fn)
-    out = {"right": (src, fn.__name__)}
-    for name, pairs in edits.items():
-        changed = src
-        for old, new in pairs:
-            assert old in changed, old
-            changed = changed.replace(old, new)
-        out[name] = (changed, fn.__name__)
-    return out
 
 
 @pytest.fixture(scope="module")
