@@ -22,7 +22,8 @@ def test_every_module_is_in_the_readme_package_table():
 
 
 def _imports() -> dict[str, set[str]]:
-    """Every ampcourse module (file) and the ampcourse modules it imports, at module level or inside a function."""
+    """Every ampcourse module (file) and the ampcourse modules it imports, at module level or inside a function
+    (not those under ``if TYPE_CHECKING:``, which never run)."""
     import ast
 
     pkg = ROOT / "ampcourse"
@@ -32,7 +33,14 @@ def _imports() -> dict[str, set[str]]:
     for name, path in names.items():
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        # imports under `if TYPE_CHECKING:` never run (annotations only): they make no floor and no cycle
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.ImportFrom):
                 base = here[:len(here) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""

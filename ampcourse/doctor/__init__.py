@@ -44,7 +44,7 @@ Each finding says what (``kind``), where (``module``: a quoted qualified name, '
 forward, backward, optimizer or model; ``op``: the aten op), in which precision, the number it rests on
 (``value``) and what to do. ``report.is_clean(p)`` is True only when p ran and no error or warning concerns it.
 
-Adding a finding kind: add its name to :data:`KINDS` (``report.py``; the order is the sort order within one
+Adding a finding kind: add its name to :data:`KINDS` (``vocab.py``, the report's vocabulary; the order is the sort order within one
 severity), then write a rule in ``rules.py`` with the one shape every rule has, ``def my_rule(ev: Evidence) ->
 list[Finding]``, reading what the passes measured (``ev.passes[p]``, ``ev.ctx``, ``ev.audit``), and append it to
 ``rules.RULES``. If the rule needs a measurement no pass takes yet, add it to ``capture.py`` (a module hook or the

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import html
 import math
+from typing import TYPE_CHECKING
 
 from .. import formats
-from .report import SEVERITIES, Report, quoted
+from .vocab import SEVERITIES, quoted
+
+if TYPE_CHECKING:  # the report imports this module lazily to render itself: no import back at run time
+    from .report import Report
 
 __all__ = ["text", "html_page", "plot"]
 

@@ -14,21 +14,9 @@ import numpy as np
 
 from .. import _args
 from ..device import parse_precision
+from .vocab import KINDS, PHASES, SEVERITIES, STATUSES, quoted  # noqa: F401 (re-exported)
 
 __all__ = ["Finding", "Report", "KINDS", "SEVERITIES", "PHASES"]
-
-#: Every kind of finding, in the order the report sorts them within one severity. Add a kind here and a rule in
-#: rules.RULES that returns Findings of it (see the package docstring).
-KINDS = ("nonfinite", "backward_nonfinite", "activation_overflow", "precision_loss", "output_error", "loss_gap",
-         "gradient_error", "gradient_overflow", "gradient_underflow", "layer_gradient_underflow",
-         "optimizer_nonfinite", "optimizer_blowup", "lost_updates", "eps_underflow", "low_precision_model",
-         "no_low_precision", "scaler_needed", "no_scaler_needed")
-SEVERITIES = ("error", "warning", "info")
-#: Where a finding was measured: a forward pass, a backward pass, the optimizer step, or the model as a whole.
-PHASES = ("forward", "backward", "optimizer", "model")
-#: Verdict statuses: ran with nothing to fix, ran clean once fp32 islands were added, no fix found, could not run.
-STATUSES = ("clean", "islands", "refused", "unsupported")
-
 
 @dataclass
 class Finding:
@@ -65,11 +53,6 @@ def _sort_key(f: Finding) -> tuple:
     """Worst first: errors, then warnings, then information; within one, by kind, then the larger value."""
     v = f.value if math.isfinite(f.value) else 1e300
     return SEVERITIES.index(f.severity), KINDS.index(f.kind), -v
-
-
-def quoted(name: str) -> str:
-    """A module or parameter name as the report writes it: quoted ('0' is a name, not a number); '' is the model."""
-    return f"'{name}'" if name else "the model"
 
 
 @dataclass
