@@ -145,7 +145,9 @@ def element_formats() -> list[str]:
         >>> element_formats()[:3]
         ['fp16', 'bf16', 'fp8_e4m3']
     """
-    return [name for name, f in formats.FORMATS.items() if f.signed and f.bits < formats.spec("fp32").bits]
+    # formats.names(narrow=True): the storage formats (TF32 is a compute format: nothing is stored in it)
+    return [name for name in formats.names(narrow=True)
+            if formats.spec(name).signed and formats.spec(name).bits < formats.spec("fp32").bits]
 
 
 def _element(element) -> formats.FormatSpec:

@@ -428,7 +428,8 @@ API = {
     "outlier_explorer block_size 2.5": Row(lambda t: widgets.outlier_explorer(block_size=2.5), "2.5", "block_size must be an int"),
     "OutlierExplorer seed 2**64": Row(lambda t: widgets.OutlierExplorer(seed=2**64), str(2**64), "seed must be"),
     "outlier_explorer x text": Row(lambda t: widgets.outlier_explorer("abc"), "'abc'", "x must be real numbers"),
-    "format_explorer fmts None": Row(lambda t: widgets.format_explorer(1.0, fmts=None), "None", "non-empty tuple of format names"),
+    # fmts=None is the default now (the formats registry's training formats); an empty tuple is still refused
+    "format_explorer fmts empty": Row(lambda t: widgets.format_explorer(1.0, fmts=()), "()", "non-empty tuple of format names"),
 }
 
 

@@ -67,4 +67,4 @@ def test_fp32_islands_accepts_an_equivalent_answer_the_doctor_did_not_name(data,
     x, y = data
     exercises.check_fp32_islands(["up", "boost"], make, x, y, F.cross_entropy)
     out = capsys.readouterr().out
-    assert "✅" in out and "The doctor named ['boost', 'norm']" in out
+    assert "✅" in out and "The doctor named ['boost', 'norm']" in " ".join(out.split())  # verdicts wrap between words

@@ -7,13 +7,18 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import formats
 from ..reduce_sim import simulate_reduction
 from ._core import call_learner, failed, passed
-from ._torchrun import RankResults, learner_source, run_on_ranks
+
+# _torchrun is imported where a launch happens, never at import (as in ch07): torchrun runs it as a script
+# (-m ampcourse.exercises._torchrun), and a module the package already imported makes runpy warn in every worker.
+if TYPE_CHECKING:
+    from ._torchrun import RankResults
 
 __all__ = ["check_tf32_round", "check_z_loss", "check_reduce_across_ranks", "TF32", "real_reduction"]
 
@@ -167,6 +172,8 @@ def check_reduce_across_ranks(reduce: Callable, nproc: int | None = None, device
     """Exercise 10.3: reduce(grad, dtype) averages each rank's fp32 gradient over all ranks, communicating in
     `dtype`, and returns fp32; checked on N ranks under torchrun, with its error reported."""
     title = "Exercise 10.3 (gradients reduced in bf16 vs fp32 across ranks)"
+    from ._torchrun import learner_source, run_on_ranks
+
     source = learner_source(title, reduce)
     res = run_on_ranks(title, f"{_RUNNERS}:_run_reduce", {"yours": (source, reduce.__name__)}, nproc=nproc,
                        device=device)
@@ -221,6 +228,8 @@ def judge_reduce(title: str, res: RankResults, name: str) -> None:
 def real_reduction(nproc: int | None = None, device: str | None = None) -> dict[str, float]:
     """Run the reference reduction on N real ranks (2 gloo CPU processes, or one per GPU): its relative errors
     in fp32 and bf16 against the exact mean, and the simulated bf16 ring error for the same gradients."""
+    from ._torchrun import run_on_ranks
+
     res = run_on_ranks("chapter 10.5", f"{_RUNNERS}:_run_reduce",
                        {"reference": (inspect.getsource(reference_reduce), "reference_reduce")}, nproc=nproc,
                        device=device)
