@@ -147,3 +147,28 @@ def test_healthy_reference_models_get_no_inline_precision_loss(name):
         assert not measured  # containers with no inline compute ops are not rerun (cost)
     for errors in measured.values():
         assert all(errors[p] < REL_TOL[p] for p in errors)
+
+
+class BufferBlock(nn.Module):
+    """Inline code that multiplies by a buffer (autograd saves it for the backward) around a BatchNorm child in
+    training mode (its forward writes its running statistics)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(dim, dim), nn.BatchNorm1d(dim)
+        self.register_buffer("gain", torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gain * self.bn(self.fc(x)) + x @ self.fc.weight.t()
+
+
+def test_the_reruns_leave_saved_buffers_alone_and_put_back_what_they_write():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), BufferBlock(), nn.Linear(32, 10))
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = examine(model, x, y, loss_fn=F.cross_entropy)
+    # restoring an unwritten buffer would bump its version and break the backward ("modified by an inplace operation")
+    assert all(v["status"] != "unsupported" for v in report.verdicts.values()), report.verdicts
+    assert set(_own_error(report, "1")) == set(PRECISIONS)  # the block's inline code was measured
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())

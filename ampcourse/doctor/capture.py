@@ -659,7 +659,9 @@ class Tracker:
         dtype = next((q.dtype for q in module.parameters(recurse=False) if q.is_floating_point()), torch.float32)
         prefix = f"{rec.name}." if rec.name else ""
         kids = [(prefix + n, m) for n, m in module.named_modules() if m is not module]
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]  # BatchNorm statistics: two more calls
+        # BatchNorm's statistics would take two more updates: put back what the reruns wrote (only that: a write
+        # bumps a tensor's version, and autograd refuses a saved tensor whose version moved, such as a buffer a mul used)
+        buffers = [(b, b._version, b.detach().clone()) for b in module.buffers()]
         low_ops, ref_ops = _InlineOps(), _InlineOps()
         self.busy = True
         try:
@@ -675,8 +677,9 @@ class Tracker:
         finally:
             self.busy = False
             with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+                for b, version, saved in buffers:
+                    if b._version != version:
+                        b.copy_(saved)
             self._set_rng_state(after)
         low_t, ref_t = list(float_tensors(low)), list(float_tensors(ref))
         if not (low_t and ref_t):
