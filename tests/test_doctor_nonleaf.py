@@ -172,3 +172,41 @@ def test_the_reruns_leave_saved_buffers_alone_and_put_back_what_they_write():
     assert all(v["status"] != "unsupported" for v in report.verdicts.values()), report.verdicts
     assert set(_own_error(report, "1")) == set(PRECISIONS)  # the block's inline code was measured
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+class Counter:
+    """A stateful argument, like a Hugging Face KV cache that each attention call appends to."""
+
+    def __init__(self):
+        self.calls = 0
+
+
+class CountingBlock(nn.Module):
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, counter: Counter) -> torch.Tensor:
+        counter.calls += 1
+        return self.fc(x) * 1.5 + x @ self.fc.weight.t()  # inline low-precision compute ops
+
+
+class CountingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(16, 32), CountingBlock(), nn.Linear(32, 10)
+        self.counters: list[Counter] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.counters.append(Counter())
+        return self.head(self.block(self.inp(x), self.counters[-1]))
+
+
+def test_a_module_called_with_a_stateful_object_is_not_rerun():
+    torch.manual_seed(0)
+    model = CountingNet()
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    report = examine(model, x, y, loss_fn=F.cross_entropy)
+    assert model.counters and all(c.calls == 1 for c in model.counters)  # a rerun would have called it again
+    assert not _own_error(report, "block")  # so no own error for it (a rerun would see the state after the call)
+    assert not report.find("precision_loss")

@@ -623,7 +623,8 @@ class Tracker:
         if versions != [t._version for t in float_tensors(args)]:
             return  # it changed its inputs in place: a rerun would see other inputs, so no own error for it
         if not rec.leaf:
-            if bad == 0 and self.watch is not None and self.watch.inline_low.get((rec.name, ncall)):
+            if (bad == 0 and self.watch is not None and self.watch.inline_low.get((rec.name, ncall))
+                    and _plain(args) and _plain(kwargs)):
                 self._inline_error(module, rec, before, tensors, args, kwargs)
             return
         if type(module) in _EXACT:
@@ -751,6 +752,22 @@ def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, 
                 del m.forward
             else:
                 m.forward = forward
+
+
+_PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice)
+
+
+def _plain(obj) -> bool:
+    """Tensors, numbers, strings and (nested) tuples, lists and dicts of them: nothing whose state a call may change
+    besides a tensor's values (which the versions check). A module called with anything else (a Hugging Face KV
+    cache, which the call appends to) is not rerun: a rerun would see the state after the call and change it again."""
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(_plain(o) for o in obj)
+    if isinstance(obj, dict):
+        return all(_plain(v) for v in obj.values())
+    return False
 
 
 def _cast_like(obj, dtypes: Iterator[torch.dtype]):
