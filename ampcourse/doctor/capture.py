@@ -11,9 +11,13 @@ Two instruments, both removed when a pass ends:
   fp16's largest value is an overflow waiting to happen.
 
 Per module call it keeps log2 histograms (:mod:`.hist`) of the outputs and their gradients, a sample of 1024
-output values (to compare a precision's outputs with fp32's, call by call), and for leaf modules their *own*
-error under autocast (the module rerun in fp32 on the same inputs). Every pass starts from cloned inputs and the
-caller's torch, CUDA, Python and NumPy RNG states, so passes see the same data and dropout masks.
+output values (to compare a precision's outputs with fp32's, call by call), and each module's *own* error under
+autocast, what its children do not explain: for a leaf, its output against the module rerun in fp32 on the same
+inputs; for a non-leaf module whose inline code ran fp16/bf16 compute ops (the op watcher counts them per call; a
+container that only calls its children is not rerun), its output rerun under autocast with every descendant exact
+(fp32 inside, outputs handed back in the dtypes autocast gave them) against its fp32 rerun. Every pass starts from
+cloned inputs and the caller's torch, CUDA, Python and NumPy RNG states, so passes see the same data and dropout
+masks.
 """
 
 from __future__ import annotations
@@ -661,7 +665,7 @@ class Tracker:
         prefix = f"{rec.name}." if rec.name else ""
         kids = [(prefix + n, m) for n, m in module.named_modules() if m is not module]
         # BatchNorm's statistics would take two more updates: put back what the reruns wrote (only that: a write
-        # bumps a tensor's version, and autograd refuses a saved tensor whose version moved, such as a buffer a mul used)
+        # bumps a tensor's version, and autograd refuses a saved tensor whose version moved, as a buffer a mul saved)
         buffers = [(b, b._version, b.detach().clone()) for b in module.buffers()]
         low_ops, ref_ops = _InlineOps(), _InlineOps()
         self.busy = True
