@@ -210,3 +210,29 @@ def test_a_module_called_with_a_stateful_object_is_not_rerun():
     assert model.counters and all(c.calls == 1 for c in model.counters)  # a rerun would have called it again
     assert not _own_error(report, "block")  # so no own error for it (a rerun would see the state after the call)
     assert not report.find("precision_loss")
+
+
+class InlineTop(nn.Module):
+    """The model's own forward standardizes inline: the module is the model itself ('')."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(16, 32), nn.Linear(32, 10)
+        with torch.no_grad():
+            self.fc.bias.fill_(100.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(naive_standardize(self.fc(x)))
+
+
+def test_inline_code_of_the_model_itself_is_pinned_on_the_model():
+    torch.manual_seed(0)
+    model, x, y = InlineTop(), torch.randn(64, 16), torch.randint(0, 10, (64,))
+    report = examine(model, x, y, loss_fn=F.cross_entropy)
+    for p in PRECISIONS:
+        [f] = report.find("precision_loss", p)
+        assert f.module == "" and f.op == "aten::sub", report.summary()
+        assert f.message.startswith("The model (inline in forward)") and "fp32 island" not in f.message
+        assert "torch.autocast(..., enabled=False)" in f.message
+    # no fp32 island can fix the model's own code (one on the whole model is fp32 training): refused, not islands
+    assert report.verdicts["bf16"]["status"] == "refused"

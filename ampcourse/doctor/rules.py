@@ -255,9 +255,9 @@ def precision_loss(ev: Evidence) -> list[Finding]:
             what = (f"{quoted(n).capitalize()}'s own output" if leaf else
                     f"{quoted(n).capitalize()} (inline in forward): its own code's output"
                     + (f" (from {op} on)" if op else ""))
-            fix = ("run it in fp32" if leaf else
-                   f"run {quoted(n)} in fp32 (an fp32 island), or keep that code in fp32 (torch.autocast(..., "
-                   "enabled=False) on .float() inputs)")
+            keep = "keep that code in fp32 (torch.autocast(..., enabled=False) on .float() inputs)"
+            fix = ("run it in fp32" if leaf else f"run {quoted(n)} in fp32 (an fp32 island), or {keep}" if n
+                   else keep)  # an island on the whole model would be fp32 training
             out.append(Finding("precision_loss", n, p, err,
                                f"{what} under {p} autocast differs from fp32 on the same inputs by {err:.3g} "
                                f"(relative, SQNR {sqnr + 0.0:.1f} dB; tolerance {REL_TOL[p]:.3g})"
