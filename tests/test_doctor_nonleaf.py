@@ -236,3 +236,23 @@ def test_inline_code_of_the_model_itself_is_pinned_on_the_model():
         assert "torch.autocast(..., enabled=False)" in f.message
     # no fp32 island can fix the model's own code (one on the whole model is fp32 training): refused, not islands
     assert report.verdicts["bf16"]["status"] == "refused"
+
+
+def test_a_child_that_cannot_be_wrapped_leaves_every_other_child_as_it_was(monkeypatch):
+    """If wrapping a child's forward fails half-way, the children wrapped so far get their own forward back."""
+    from ampcourse.doctor import capture
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].__dict__["forward"] = own = model[1].forward  # an instance forward of the caller's, kept as it is
+
+    class Refuses(nn.Module):
+        def __setattr__(self, name, value):
+            if name == "forward":
+                raise AttributeError("this module refuses a new forward")
+            super().__setattr__(name, value)
+
+    kids = [("0", model[0]), ("1", model[1]), ("2", Refuses())]
+    with pytest.raises(AttributeError, match="refuses a new forward"):
+        with capture._exact_children(kids, {}, "cpu"):
+            pass
+    assert "forward" not in model[0].__dict__ and model[1].__dict__["forward"] is own

@@ -731,7 +731,7 @@ def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, 
     so the caller's inline code sees the dtypes it saw, without the children's errors. A child called inside another
     runs as part of it."""
     depth = [0]
-    saved = [(m, m.__dict__.get("forward")) for _, m in kids]
+    saved: list[tuple[nn.Module, Any]] = []  # (module, its own instance forward or None), for those wrapped so far
 
     def exact(name: str, forward):
         def run(*args, **kwargs):
@@ -748,7 +748,9 @@ def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, 
 
     try:
         for name, m in kids:
+            own = m.__dict__.get("forward")
             m.forward = exact(name, m.forward)
+            saved.append((m, own))
         yield
     finally:
         for m, forward in saved:
