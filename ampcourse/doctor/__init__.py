@@ -23,8 +23,12 @@ states; gradients on, inference mode and the caller's autocast off, whatever the
    inline in a non-leaf module's ``forward`` is seen and attributed to that module;
 2. per precision, one forward + backward of the model as it is under ``torch.autocast`` (fp16's backward through a
    real ``torch.amp.GradScaler`` at the recommended scale): the first op whose finite inputs give inf/NaN, in
-   forward or in backward (a custom ``autograd.Function``'s backward included), each leaf's own error, the output,
-   loss and gradient errors against fp32, and per parameter the share of its gradient that came back zero;
+   forward or in backward (a custom ``autograd.Function``'s backward included), each module's own error (what its
+   children do not explain: a leaf rerun in fp32 on the same inputs; a non-leaf module that runs fp16/bf16 compute
+   ops inline, and only such a one, rerun twice more, under autocast with its children exact and in fp32, so a
+   finite loss in its inline code is pinned on it, "(inline in forward)", with the op where it appears; not a call
+   handed a stateful object such as a KV cache), the output, loss and gradient errors against fp32, and per
+   parameter the share of its gradient that came back zero;
 3. fp32 islands (:func:`ampcourse.policy.apply_policy`) for the modules named, checked by rerunning both passes;
 4. an optimizer audit (:mod:`.audit`): a copy of the optimizer as it is takes one step; inf/NaN weights, the update
    against fp32 master weights, updates lost to rounding, Adam's second moment underflowing, the loss after it.

@@ -11,14 +11,19 @@ Two instruments, both removed when a pass ends:
   fp16's largest value is an overflow waiting to happen.
 
 Per module call it keeps log2 histograms (:mod:`.hist`) of the outputs and their gradients, a sample of 1024
-output values (to compare a precision's outputs with fp32's, call by call), and for leaf modules their *own*
-error under autocast (the module rerun in fp32 on the same inputs). Every pass starts from cloned inputs and the
-caller's torch, CUDA, Python and NumPy RNG states, so passes see the same data and dropout masks.
+output values (to compare a precision's outputs with fp32's, call by call), and each module's *own* error under
+autocast, what its children do not explain: for a leaf, its output against the module rerun in fp32 on the same
+inputs; for a non-leaf module whose inline code ran fp16/bf16 compute ops (the op watcher counts them per call; a
+container that only calls its children is not rerun), its output rerun under autocast with every descendant exact
+(fp32 inside, outputs handed back in the dtypes autocast gave them) against its fp32 rerun. Every pass starts from
+cloned inputs and the caller's torch, CUDA, Python and NumPy RNG states, so passes see the same data and dropout
+masks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import random
@@ -45,6 +50,14 @@ _EXACT = frozenset({nn.Identity, nn.Flatten, nn.Unflatten, nn.ReLU, nn.MaxPool1d
 _TAG = "ampcourse.doctor"  # key of the (module, call) tag in an autograd node's metadata
 _LOW = (torch.float16, torch.bfloat16)
 #: Ops whose output is uninitialised memory or a fill value: never the origin of an inf/NaN.
+#: Ops that move or cast values without computing new ones: inline code made of these alone has no own error worth a
+#: rerun (autocast's own casts, aten::_to_copy, are attributed to the module whose op autocast lowers).
+_NO_COMPUTE = frozenset(f"aten::{n}" for n in (
+    "_to_copy", "clone", "copy_", "cat", "stack", "_unsafe_view", "index", "index_select", "gather", "constant_pad_nd",
+    "masked_fill", "masked_fill_", "where", "repeat", "flip", "roll", "tril", "triu", "contiguous", "zeros_like",
+    "ones_like", "fill_", "fill", "full", "full_like", "empty", "empty_like", "new_empty", "new_zeros", "new_ones",
+    "zero_", "detach", "lift_fresh", "scalar_tensor", "neg", "relu", "abs", "split", "split_with_sizes", "unbind",
+    "chunk", "select", "slice", "narrow"))
 _NO_ORIGIN = ("empty", "new_empty", "empty_like", "empty_strided", "full", "full_like", "fill", "scalar_tensor",
               "lift_fresh", "detach", "alias")
 
@@ -289,6 +302,9 @@ class ModuleRecord:
     nonfinite: dict[str, int] = field(default_factory=dict)
     local_error: dict[str, float] = field(default_factory=dict)
     output_error: dict[str, float] = field(default_factory=dict)
+    #: non-leaf modules: per precision, (aten op, relative error) of each inline op of the call with the largest own
+    #: error, in the order they ran (children exact); the rules name the first beyond the tolerance
+    inline_ops: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     calls: int = 0
 
 
@@ -404,6 +420,7 @@ class OpWatch(TorchDispatchMode):
         self.seen_nonfinite = False  # any op output so far had an inf/NaN (until then, module outputs are finite)
         self.low_ops = 0
         self.ops = 0
+        self.inline_low: dict[tuple[str, int], int] = {}  # (module, call) -> inline fp16/bf16 compute ops in forward
         self._seen: dict[tuple, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -417,10 +434,13 @@ class OpWatch(TorchDispatchMode):
         if not outs:
             return out
         self.ops += 1
-        if any(t.dtype in _LOW for t in outs):
+        low = any(t.dtype in _LOW for t in outs)
+        if low:
             self.low_ops += 1
         name = _op_name(func)
         phase, module, ncall, inline, node = self.tracker.where()
+        if low and inline and ncall >= 0 and phase == "forward" and name not in _NO_COMPUTE:
+            self.inline_low[(module, ncall)] = self.inline_low.get((module, ncall), 0) + 1
         key = (phase, module, ncall, name, node)
         index = self._seen.get(key, 0)
         self._seen[key] = index + 1
@@ -462,6 +482,7 @@ class Tracker:
         self.handles: list = []
         self.grad_handles: list = []  # tensor hooks: removed when the pass ends (a module may return a parameter)
         self.leaves: dict[str, bool] = {}
+        self.out_dtypes: dict[str, tuple[torch.dtype, ...]] = {}  # module -> its last call's floating output dtypes
 
     def __enter__(self) -> Tracker:
         for name, module in self.model.named_modules():
@@ -514,7 +535,7 @@ class Tracker:
             rec = self.records[name]
             self.stack.append((name, rec.calls))
             rec.calls += 1
-            if self.precision != "fp32" and self._reruns(module):
+            if self.precision != "fp32" and (self._reruns(module) or not self.leaves[name]):
                 # The inputs' versions too: a forward that edits its input in place leaves nothing to rerun it on.
                 self.rng_before[id(module)] = (self._rng_state(), [t._version for t in float_tensors(args)])
             return None
@@ -533,6 +554,7 @@ class Tracker:
                 if self.precision == "fp32":
                     self._reference(name, rec, tensors)
                 elif tensors:
+                    self.out_dtypes[name] = tuple(t.dtype for t in tensors)
                     self._under_autocast(module, rec, ncall, tensors, args, kwargs)
             return None
         return hook
@@ -604,6 +626,11 @@ class Tracker:
         before, versions = before
         if versions != [t._version for t in float_tensors(args)]:
             return  # it changed its inputs in place: a rerun would see other inputs, so no own error for it
+        if not rec.leaf:
+            if (bad == 0 and self.watch is not None and self.watch.inline_low.get((rec.name, ncall))
+                    and _plain(args) and _plain(kwargs)):
+                self._inline_error(module, rec, before, tensors, args, kwargs)
+            return
         if type(module) in _EXACT:
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), 0.0 if bad == 0 else math.inf)
             return
@@ -624,6 +651,147 @@ class Tracker:
         if ref_t:
             err = rel_error(tensors[0], ref_t[0]) if bad == 0 else math.inf
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), err)
+
+
+    def _inline_error(self, module: nn.Module, rec: ModuleRecord, before, tensors, args, kwargs) -> None:
+        """A non-leaf module's own error: what its children do not explain. The module runs twice more on copies of
+        the same inputs, from the same RNG state: under autocast with every descendant exact (run in fp32, and its
+        outputs handed back in the dtypes autocast gave them in this pass, so the inline code sees what it saw), and
+        in fp32 (inputs converted exactly). Their outputs' relative error is the error of the module's inline code;
+        each inline op's output is compared too, to name the op where the error appears."""
+        p = self.precision
+        after = self._rng_state()
+        dtype = next((q.dtype for q in module.parameters(recurse=False) if q.is_floating_point()), torch.float32)
+        prefix = f"{rec.name}." if rec.name else ""
+        kids = [(prefix + n, m) for n, m in module.named_modules() if m is not module]
+        # BatchNorm's statistics would take two more updates: put back what the reruns wrote (only that: a write
+        # bumps a tensor's version, and autograd refuses a saved tensor whose version moved, as a buffer a mul saved)
+        buffers = [(b, b._version, b.detach().clone()) for b in module.buffers()]
+        low_ops, ref_ops = _InlineOps(), _InlineOps()
+        self.busy = True
+        try:
+            with torch.no_grad():
+                self._set_rng_state(before)
+                with _exact_children(kids, self.out_dtypes, self.dev.type), low_ops:
+                    low = module(*fresh_copy(args), **fresh_copy(kwargs))
+                self._set_rng_state(before)
+                with _exact_children(kids, {}, self.dev.type), torch.autocast(self.dev.type, enabled=False), ref_ops:
+                    ref = module(*copy_as(args, dtype), **copy_as(kwargs, dtype))
+        except Exception:  # a module that cannot run this way on these inputs: no own error for it
+            return
+        finally:
+            self.busy = False
+            with torch.no_grad():
+                for b, version, saved in buffers:
+                    if b._version != version:
+                        b.copy_(saved)
+            self._set_rng_state(after)
+        low_t, ref_t = list(float_tensors(low)), list(float_tensors(ref))
+        if not (low_t and ref_t):
+            return
+        err = rel_error(low_t[0], ref_t[0])
+        if err >= rec.local_error.get(p, 0.0):
+            rec.local_error[p] = err
+            rec.inline_ops[p] = low_ops.errors(ref_ops)
+
+
+class _InlineOps(TorchDispatchMode):
+    """A sample of every op output a module's own forward computes (its children run outside this mode)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: dict[tuple[str, int], torch.Tensor] = {}  # (aten op, index among that op's calls) -> sample
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = _op_name(func)
+        if _is_view(func) or name in _NO_COMPUTE:
+            return out
+        t = next(float_tensors(out), None)
+        if t is not None and t.numel():
+            index = sum(k[0] == name for k in self.samples)
+            self.samples[(name, index)] = sample(t)
+        return out
+
+    def errors(self, ref: _InlineOps) -> list[tuple[str, float]]:
+        """(op, relative error against the same op call in ref) for each op call both ran, in this one's order."""
+        return [(k[0], rel_error(v, ref.samples[k])) for k, v in self.samples.items()
+                if k in ref.samples and ref.samples[k].shape == v.shape]
+
+
+@contextlib.contextmanager
+def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, tuple[torch.dtype, ...]],
+                    device_type: str):
+    """While inside: each module of kids runs its forward in fp32 (autocast off, floating inputs cast to fp32, no
+    dispatch mode), and hands back its floating outputs in the dtypes out_dtypes names (those it gave under autocast),
+    so the caller's inline code sees the dtypes it saw, without the children's errors. A child called inside another
+    runs as part of it."""
+    depth = [0]
+    saved: list[tuple[nn.Module, Any]] = []  # (module, its own instance forward or None), for those wrapped so far
+
+    def exact(name: str, forward):
+        def run(*args, **kwargs):
+            if depth[0]:
+                return forward(*args, **kwargs)
+            depth[0] += 1
+            try:
+                with _disable_current_modes(), torch.autocast(device_type, enabled=False):
+                    out = forward(*copy_as(args, torch.float32), **copy_as(kwargs, torch.float32))
+            finally:
+                depth[0] -= 1
+            return _cast_like(out, iter(out_dtypes.get(name, ())))
+        return run
+
+    try:
+        for name, m in kids:
+            own = m.__dict__.get("forward")
+            m.forward = exact(name, m.forward)
+            saved.append((m, own))
+        yield
+    finally:
+        for m, forward in saved:
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
+
+
+_PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice)
+
+
+def _plain(obj) -> bool:
+    """Tensors, numbers, strings and (nested) tuples, lists and dicts of them: nothing whose state a call may change
+    besides a tensor's values (which the versions check). A module called with anything else (a Hugging Face KV
+    cache, which the call appends to) is not rerun: a rerun would see the state after the call and change it again."""
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(_plain(o) for o in obj)
+    if isinstance(obj, dict):
+        return all(_plain(v) for v in obj.values())
+    return False
+
+
+def _cast_like(obj, dtypes: Iterator[torch.dtype]):
+    """obj with its floating tensors (in float_tensors' order) cast to the next dtype when that is fp16/bf16."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_floating_point():
+            return obj
+        dt = next(dtypes, None)
+        return obj.to(dt) if dt in _LOW and obj.dtype != dt else obj
+    if isinstance(obj, (list, tuple)):
+        items = [_cast_like(o, dtypes) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, Mapping):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _cast_like(v, dtypes)
+        return out
+    return obj
 
 
 # -- the passes ------------------------------------------------------------------------------------------------

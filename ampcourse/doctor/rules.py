@@ -21,8 +21,9 @@ from .capture import Context, OpEvent, PassResult
 from .hist import Log2Hist
 from .report import Finding, quoted
 
-#: A leaf module's own relative error under autocast (its output against the same module rerun in fp32 on the same,
-#: already-rounded inputs) that counts as precision loss: 8 eps (fp16 ~0.8%, bf16 ~6%). eps is the format's spacing at
+#: A module's own relative error under autocast (a leaf's output against the same module rerun in fp32 on the same,
+#: already-rounded inputs; a non-leaf module's with its children exact, see capture.Tracker._inline_error) that counts
+#: as precision loss: 8 eps (fp16 ~0.8%, bf16 ~6%). eps is the format's spacing at
 #: 1 (2**-10, 2**-7); the rounding unit is u = eps/2. Calibration, measured by tests/test_doctor.py::
 #: test_rel_tol_is_calibrated_on_linear_layers: an nn.Linear's own error is 0.2-0.4 eps in both formats (the output
 #: rounding once, relative RMS ~ u/sqrt(3) ~ 0.3 eps), so 8 eps is 20-40x a healthy layer's.
@@ -73,11 +74,19 @@ def new_origins(ev_ctx: Context, res: PassResult, phase: str) -> list[OpEvent]:
     return [e for e in mine if e.key not in ref]
 
 
-def lossy_leaves(ctx: Context, res: PassResult) -> list[str]:
-    """Leaf modules whose own relative error exceeds REL_TOL (not counting inf/NaN ones)."""
+def lossy_modules(ctx: Context, res: PassResult) -> list[str]:
+    """Modules whose own relative error exceeds REL_TOL (not counting inf/NaN ones): a leaf's, or a non-leaf
+    module's inline code (measured with its children exact, see capture.Tracker._inline_error)."""
     p = res.precision
-    return [n for n in ctx.order if res.records[n].leaf and res.records[n].nonfinite.get(p, 0) == 0
+    return [n for n in ctx.order if res.records[n].nonfinite.get(p, 0) == 0
             and res.records[n].local_error.get(p, 0.0) > REL_TOL[p]]
+
+
+def inline_op(res: PassResult, module: str) -> str:
+    """The first inline op of a non-leaf module whose own output is beyond REL_TOL against fp32 (where the error
+    appears: the ops before it were within tolerance), or "" when no single op is."""
+    p = res.precision
+    return next((op for op, err in res.records[module].inline_ops.get(p, []) if err > REL_TOL[p]), "")
 
 
 def grad_error(res: PassResult) -> tuple[float, str]:
@@ -108,7 +117,7 @@ def culprits(ctx: Context, res: PassResult) -> list[str]:
     cause is the model's own top-level code or the loss (no island can fix that)."""
     out = [e.module for e in new_origins(ctx, res, "forward")[:1]]
     out += [e.module for e in new_origins(ctx, res, "backward")[:1]]
-    out += lossy_leaves(ctx, res)
+    out += lossy_modules(ctx, res)
     return list(dict.fromkeys(out))
 
 
@@ -234,16 +243,26 @@ def activation_overflow(ev: Evidence) -> list[Finding]:
 
 
 def precision_loss(ev: Evidence) -> list[Finding]:
-    """Leaf modules whose own error under autocast exceeds REL_TOL."""
+    """Modules whose own error under autocast exceeds REL_TOL: a leaf's output, or the code a non-leaf module runs
+    inline in its forward (its children exact)."""
     out = []
     for p, res in ev.passes.items():
-        for n in lossy_leaves(ev.ctx, res):
+        for n in lossy_modules(ev.ctx, res):
             err = res.records[n].local_error[p]
             sqnr = -20 * math.log10(err) if 0 < err < math.inf else math.inf
+            leaf = res.records[n].leaf
+            op = "" if leaf else inline_op(res, n)
+            what = (f"{quoted(n).capitalize()}'s own output" if leaf else
+                    f"{quoted(n).capitalize()} (inline in forward): its own code's output"
+                    + (f" (from {op} on)" if op else ""))
+            keep = "keep that code in fp32 (torch.autocast(..., enabled=False) on .float() inputs)"
+            fix = ("run it in fp32" if leaf else f"run {quoted(n)} in fp32 (an fp32 island), or {keep}" if n
+                   else keep)  # an island on the whole model would be fp32 training
             out.append(Finding("precision_loss", n, p, err,
-                               f"{quoted(n).capitalize()}'s own output under {p} autocast differs from fp32 on the same "
-                               f"inputs by {err:.3g} (relative, SQNR {sqnr + 0.0:.1f} dB; tolerance {REL_TOL[p]:.3g}): "
-                               "run it in fp32", "error" if err > 0.5 else "warning", "forward"))
+                               f"{what} under {p} autocast differs from fp32 on the same inputs by {err:.3g} "
+                               f"(relative, SQNR {sqnr + 0.0:.1f} dB; tolerance {REL_TOL[p]:.3g})"
+                               + ("" if leaf else ", with its children run exactly") + f": {fix}",
+                               "error" if err > 0.5 else "warning", "forward", op))
     return out
 
 
