@@ -371,7 +371,9 @@ class _FigureImage:
 
     Speed: the static part (axes, ticks, zones) is drawn once and cached as a bitmap; an update
     restores it and draws only the artists in ``dynamic`` (blitting). Call ``invalidate()`` after
-    changing anything static (limits, labels, zones).
+    changing anything static (limits, labels, zones). The PNG is encoded by ``_PngFrames``, which
+    deflates again only the bands of rows that changed since the last frame (about half of them per
+    move); the figure is drawn once and encoded once per update.
     """
 
     def __init__(self, figsize: tuple[float, float], css_dpi: int = 96, pixel_ratio: int = 2, css_class: str = ""):
