@@ -1,4 +1,5 @@
-"""Time one slider move of the chapter-6 widgets (target: under 50 ms median).
+"""Time one slider move of every widget: format explorer (ch. 1), range explorer and scaler simulator (ch. 6),
+outlier explorer (ch. 9). Target: under 50 ms median.
 
     .venv/bin/python benchmarks/widget_update.py [--repeats 60]
 
