@@ -135,8 +135,8 @@ def peak_child(name: str, what: str, device: str) -> None:
         # Warm up first: the first GEMMs allocate cuBLAS/cuBLASLt workspaces (tens of MiB on Hopper) that stay
         # allocated; reset after them, or that one-time cost lands in both peaks and hides the ratio.
         fwd_bwd(model, x, y, loss_fn)
-        for precision in ("fp16", "bf16"):
-            autocast_fwd(model, x, y, loss_fn, dev, precision)
+        for precision in ("fp16", "bf16"):  # the low-precision GEMMs' workspaces too
+            fwd_bwd(model, x, y, loss_fn, pick(dev, precision))
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
