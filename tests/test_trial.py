@@ -221,3 +221,18 @@ def test_departure_of_one_series_and_another_tolerance():
     assert t.departure("bf16", tolerance=1e-9).step == 0
     with pytest.raises(ValueError, match="series must be one of loss, drift, attention_logit_max"):
         t.departure("bf16", series="logits")
+
+
+def test_attention_monitor_computes_scores_in_fp32_inside_autocast():
+    """The hooks run inside the step's autocast region; the scores must not be rounded to bf16 there."""
+    model = TinyTransformer()
+    (layer, module, measure), *_ = trial_mod.attention_logit_max().where(model)
+    torch.manual_seed(0)
+    out = (torch.randn(4, 16, 96) * 3).to(torch.bfloat16)  # a bf16 qkv output, as autocast makes it
+    want = measure(module, (), out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = measure(module, (), out)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    q, k = (out[..., i * 32:(i + 1) * 32].float().view(4, 16, 4, 8).transpose(1, 2) for i in (0, 1))
+    assert torch.equal(want, (q @ k.transpose(-2, -1)).abs().amax() / math.sqrt(8))  # the fp32 value
+    assert float(got) != float(want.to(torch.bfloat16))  # and not one rounded to bf16 (this input tells them apart)
