@@ -409,7 +409,35 @@ class _Run:
     lengths: list[int] = field(default_factory=list)  # elements per layer in `flat` (layers are contiguous)
     layer_norms: list[float] = field(default_factory=list)  # ||W|| per layer after the latest step
     series: dict[str, list[float]] = field(default_factory=dict)
+    rows: _Rows | None = None  # the lists of `series`, bound once
     optimizer_steps: int = 0
+
+
+#: The per-step scalars of every run, in the order _step appends them.
+_SCALARS = ("loss", "grad_norm", "scale", "skipped", "optimizer_steps", "loss_gap", "grad_norm_ratio")
+
+
+@dataclass
+class _Rows:
+    """A run's series lists, made once with their keys: a step appends to them without building a key."""
+
+    scalars: list[list[float]]  # in the order of _SCALARS
+    monitors: list[list[float]]  # in the order of the run's hook labels
+    update: list[list[float]]  # per layer
+    drift: list[list[float]]  # per layer
+    loss: list[float]
+    grad_norm: list[float]
+
+
+def _make_rows(series: dict[str, list[float]], monitor_labels: list[str], layers: list[str]) -> _Rows:
+    """Create the (empty) series of a run in their lasting order; return their lists, bound for _step."""
+    scalars = [series.setdefault(name, []) for name in _SCALARS]
+    monitors = [series.setdefault(label, []) for label in monitor_labels]
+    update, drift = [], []
+    for layer in layers:
+        update.append(series.setdefault(f"update/{layer}", []))
+        drift.append(series.setdefault(f"drift/{layer}", []))
+    return _Rows(scalars, monitors, update, drift, series["loss"], series["grad_norm"])
 
 
 def _layers(model: nn.Module) -> tuple[list[str], list[int]]:
@@ -520,7 +548,8 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
                rng=torch.Generator().manual_seed(seed).get_state(),
                params=[p for p in net.parameters() if p.requires_grad])
 
-    _, owner = _layers(net)
+    labels, owner = _layers(net)
+    run.rows = _make_rows(run.series, run.hooks.labels, labels)
     run.lengths = [0] * (max(owner) + 1)
     for p, i in zip(run.params, owner):
         run.lengths[i] += p.numel()
@@ -659,31 +688,34 @@ def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
         if run is not ref:  # the reference stepped first: drift compares the weights after this step
             vectors.append(new - ref.flat)
         monitors = run.hooks.take()
-        norms = [n for v in vectors for n in _layer_norms(v, run.lengths)]
-        values = torch.stack([*monitors, *norms]).tolist()  # one read-back
+        # all layers of all vectors in one foreach call, then one read-back for everything
+        norms = torch._foreach_norm([part for v in vectors for part in v.split(run.lengths)])
+        values = torch.stack([*monitors, *norms]).tolist()
         run.flat = new
     n_mon = len(monitors)
-    monitor_values, ups = values[:n_mon], values[n_mon:n_mon + n_layers]
-    wgt = values[n_mon + n_layers:n_mon + 2 * n_layers]
+    ups, wgt = values[n_mon:n_mon + n_layers], values[n_mon + n_layers:n_mon + 2 * n_layers]
     drifts = values[n_mon + 2 * n_layers:]
-    series = run.series
-    for name, v in (("loss", stats.loss), ("grad_norm", stats.grad_norm), ("scale", stats.scale),
-                    ("skipped", float(stats.skipped)), ("optimizer_steps", float(run.optimizer_steps))):
-        series.setdefault(name, []).append(v)
-    k = len(series["loss"]) - 1
+    rows = run.rows  # the series' lists, bound once (no key lookups or formatting per step)
     if run is ref:
         gap, ratio = 0.0, 1.0
     else:
-        ref_gn = ref.series["grad_norm"][k]
-        gap, ratio = stats.loss - ref.series["loss"][k], (stats.grad_norm / ref_gn if ref_gn else math.nan)
-    series.setdefault("loss_gap", []).append(gap)
-    series.setdefault("grad_norm_ratio", []).append(ratio)
-    for label, v in zip(run.hooks.labels, monitor_values):
-        series.setdefault(label, []).append(v)
+        k = len(rows.loss)
+        ref_gn = ref.rows.grad_norm[k]
+        gap, ratio = stats.loss - ref.rows.loss[k], (stats.grad_norm / ref_gn if ref_gn else math.nan)
+    for values_list, v in zip(rows.scalars, (stats.loss, stats.grad_norm, stats.scale, float(stats.skipped),
+                                             float(run.optimizer_steps), gap, ratio)):
+        values_list.append(v)
+    for values_list, v in zip(rows.monitors, values[:n_mon]):
+        values_list.append(v)
     before_norms, run.layer_norms = run.layer_norms, wgt
-    for i, layer in enumerate(labels):
-        series.setdefault(f"update/{layer}", []).append(_ratio(ups[i], before_norms[i]))
-        series.setdefault(f"drift/{layer}", []).append(0.0 if run is ref else _ratio(drifts[i], ref.layer_norms[i]))
+    for values_list, up, before in zip(rows.update, ups, before_norms):
+        values_list.append(_ratio(up, before))
+    if run is ref:
+        for values_list in rows.drift:
+            values_list.append(0.0)
+    else:
+        for values_list, drift, ref_norm in zip(rows.drift, drifts, ref.layer_norms):
+            values_list.append(_ratio(drift, ref_norm))
     return seconds
 
 
