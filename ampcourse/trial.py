@@ -56,12 +56,14 @@ from .train import checks as _checks
 from .device import AmpSetup, parse_precision, pick
 
 __all__ = ["Monitor", "Departure", "Trial", "trial", "attention_logit_max", "output_logit_max", "activation_max",
-           "default_monitors", "unit_roundoff", "REFERENCE", "PRECISIONS", "main"]
+           "default_monitors", "unit_roundoff", "REFERENCE", "PRECISIONS", "CHUNK_BYTES", "main"]
 
 #: The key of the fp32 reference run in Trial.series.
 REFERENCE = "reference"
 #: Precision names a trial compares against the fp32 reference.
 PRECISIONS = ("fp32", "bf16", "fp16", "fp16-noscaler")
+#: The default chunk (trial's `chunk`) keeps at most this many bytes of the reference's weights (fp32 copies).
+CHUNK_BYTES = 64 * 2**20
 
 #: A monitor's measure: (module, forward inputs, forward output) -> a 0-d tensor (kept on the device until the
 #: end of the step, so a monitor costs no host sync of its own).
@@ -574,7 +576,8 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
           precisions: Sequence[str] = ("bf16",), steps: int = 200, optimizer_factory: Callable | str | None = None,
           seed: int = 0, monitors: Sequence[Monitor] | None = None, *, lr: float = 1e-3, batch_size: int = 32,
           loss_fn: Callable | None = None, tolerance: float = 0.1, device: str | torch.device | None = None,
-          scaler_kwargs: dict | None = None, size: str = "tiny", grad_clip: float | None = None) -> Trial:
+          scaler_kwargs: dict | None = None, size: str = "tiny", grad_clip: float | None = None,
+          chunk: int | None = None) -> Trial:
     """Train the same initial model on the same batches in fp32 and in each precision; compare them step by step.
 
     Args:
@@ -594,6 +597,12 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
         scaler_kwargs: GradScaler settings for fp16 runs (init_scale, growth_factor, backoff_factor,
             growth_interval), checked as ``ampcourse.train`` checks them; its defaults otherwise.
         grad_clip: clip the true (unscaled) gradient norm, as in ``ampcourse.train``.
+        chunk: how many steps one run takes before the next run takes the same steps (the fp32 reference first;
+            drift compares each step with the reference's weights after that step, kept as one fp32 copy per
+            step of a chunk). 1 is strict lockstep; None (default): as many steps as fit in
+            ``CHUNK_BYTES`` (64 MiB) of those copies, at least 1. Every value gives the same series bit for bit
+            on a CPU (each run has its own random stream); longer chunks save the cost of switching models at
+            every step (cache locality on a CPU: measured 2-10% of a tiny model's training, benchmarks/README.md).
 
     Returns:
         a :class:`Trial`. Raises ValueError (one line that says what to pass) on bad input, before any step.
@@ -611,6 +620,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     batch_size = _args.integer(batch_size, "batch_size", low=1)
     tolerance = _args.real(tolerance, "tolerance", positive=True)
     grad_clip = None if grad_clip is None else _args.real(grad_clip, "grad_clip", positive=True)
+    chunk = None if chunk is None else _args.integer(chunk, "chunk", low=1)
     if not isinstance(size, str) or size not in models.SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
     if loss_fn is not None and not callable(loss_fn):
@@ -638,7 +648,10 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     loss = loss_fn or models.loss_fn
 
     ref_amp = pick(device, "fp32")
-    labels, owner = _layers(model)
+    labels, _ = _layers(model)
+    if chunk is None:
+        weights = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        chunk = max(1, min(steps, CHUNK_BYTES // (4 * weights)))
     runs = [_start_run(label, model, device, make_opt, scaler_settings, monitors, seed)
             for label in (REFERENCE, *names)]
     ref = runs[0]
@@ -649,11 +662,14 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     train_seconds = 0.0
     try:
         with torch.random.fork_rng(devices=[ref_amp.device] if ref_amp.device_type == "cuda" else []):
-            for step in range(steps):
-                idx = _train.batch_indices(step, seed, len(data), batch_size)
-                x, y = xs[idx].to(ref_amp.device), ys[idx].to(ref_amp.device)
-                for run in runs:
-                    train_seconds += _step(run, ref, x, y, loss, grad_clip, owner, labels)
+            for start in range(0, steps, chunk):
+                batches = []
+                for step in range(start, min(start + chunk, steps)):
+                    idx = _train.batch_indices(step, seed, len(data), batch_size)
+                    batches.append((xs[idx].to(ref_amp.device), ys[idx].to(ref_amp.device)))
+                ref_after: list[tuple[torch.Tensor, list[float]]] = []  # the reference's weights after each step
+                for run in runs:  # the reference first: drift compares against its weights after the same step
+                    train_seconds += _steps(run, ref, batches, ref_after, loss, grad_clip, len(labels))
     finally:
         for run in runs:
             run.hooks.remove()
@@ -662,31 +678,43 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
                   for run in runs[1:]}
     config = {"model": ref_name or type(model).__name__, "seed": seed, "lr": lr, "batch_size": batch_size,
               "optimizer": type(ref.optimizer).__name__, "grad_clip": grad_clip, "scaler": scaler_settings,
-              "torch": torch.__version__}
+              "chunk": chunk, "torch": torch.__version__}
     return Trial(list(names), steps, tolerance, ref.amp.describe_device(), labels, [m.name for m in monitors],
                  {run.label: run.series for run in runs}, departures, softmax_monitors=sorted(softmax),
                  seconds=time.perf_counter() - t_start,
                  train_seconds=train_seconds, config=config)
 
 
+def _steps(run: _Run, ref: _Run, batches: list[tuple[torch.Tensor, torch.Tensor]],
+           ref_after: list[tuple[torch.Tensor, list[float]]], loss_fn: Callable, grad_clip: float | None,
+           n_layers: int) -> float:
+    """One run's steps on a chunk of batches, in its own random stream; returns the seconds train_step took."""
+    torch.set_rng_state(run.rng)  # each run draws from its own stream: as if it ran alone
+    seconds = 0.0
+    for j, (x, y) in enumerate(batches):
+        seconds += _step(run, ref, x, y, loss_fn, grad_clip, n_layers, ref_after, j)
+    run.rng = torch.get_rng_state()
+    return seconds
+
+
 def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, grad_clip: float | None,
-          owner: list[int], labels: list[str]) -> float:
+          n_layers: int, ref_after: list[tuple[torch.Tensor, list[float]]], j: int) -> float:
     """One optimizer step of one run and its record; returns the seconds train_step took.
 
     The weights go into one flat vector per step (layers contiguous): update, norm and drift per layer are then a
-    few kernels and one sum per layer (per-tensor norms were a visible share of a tiny model's CPU step).
+    few kernels and one foreach norm (per-tensor norms were a visible share of a tiny model's CPU step). The
+    reference appends its weights and layer norms after the step to `ref_after`; another run compares its own
+    weights after the step with entry `j` there.
     """
-    torch.set_rng_state(run.rng)  # each run draws from its own stream: as if it ran alone
     t0 = time.perf_counter()
     stats = _train.train_step(run.model, [(x, y)], loss_fn, run.optimizer, run.scaler, run.amp, grad_clip=grad_clip)
     seconds = time.perf_counter() - t0
-    run.rng = torch.get_rng_state()
-    n_layers = len(labels)
     with torch.no_grad():
         new = _flatten(run.views)
         vectors = [new - run.flat, new]  # run.flat: the weights before this step
-        if run is not ref:  # the reference stepped first: drift compares the weights after this step
-            vectors.append(new - ref.flat)
+        if run is not ref:  # the reference took this step first
+            ref_flat, ref_norms = ref_after[j]
+            vectors.append(new - ref_flat)
         monitors = run.hooks.take()
         # all layers of all vectors in one foreach call, then one read-back for everything
         norms = torch._foreach_norm([part for v in vectors for part in v.split(run.lengths)])
@@ -711,10 +739,11 @@ def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
     for values_list, up, before in zip(rows.update, ups, before_norms):
         values_list.append(_ratio(up, before))
     if run is ref:
+        ref_after.append((new, wgt))
         for values_list in rows.drift:
             values_list.append(0.0)
     else:
-        for values_list, drift, ref_norm in zip(rows.drift, drifts, ref.layer_norms):
+        for values_list, drift, ref_norm in zip(rows.drift, drifts, ref_norms):
             values_list.append(_ratio(drift, ref_norm))
     return seconds
 
