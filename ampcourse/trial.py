@@ -115,6 +115,8 @@ def _scores_max(block: nn.Module) -> Measure:
     def measure(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         # The hook runs inside the step's autocast region, where `@` would cast q and k back to bf16/fp16: the
         # scores would be rounded, and on a CPU a low-precision `@` of this shape took ~4x as long (torch 2.13).
+        if not torch.is_autocast_enabled(out.device.type):  # the fp32 run: no context to enter
+            return _scores(out)
         with torch.autocast(out.device.type, enabled=False):
             return _scores(out)
 
@@ -157,7 +159,7 @@ def _abs_amax(x: torch.Tensor) -> torch.Tensor:
 
 def _abs_max(module: nn.Module, args: tuple, out: Any) -> torch.Tensor:
     """max |output| as 0-d fp32 (the max of bf16 values is a bf16 value: exact in fp32)."""
-    return _abs_amax(out.detach()).float()  # in the output's dtype: no fp32 copy of it
+    return _abs_amax(out).float()  # in the output's dtype: no fp32 copy of it (the hook passes it detached)
 
 
 def output_logit_max() -> Monitor:
