@@ -1,7 +1,8 @@
 """fp32 and AMP side by side over N steps: where a long run in bf16 or fp16 departs from fp32, and in which layer.
 
 The AMP doctor (``ampcourse.doctor``) examines one step. A trial trains the *same* initial model on the *same*
-batches once in fp32 (the reference) and once in each precision asked for, in lockstep, and records per step:
+batches once in fp32 (the reference) and once in each precision asked for, in lockstep (in chunks of steps, the
+reference first: see ``chunk``), and records per step:
 
 - the loss and its gap to fp32, the gradient-norm ratio, the loss scale and skipped steps (fp16 runs use a real
   ``torch.amp.GradScaler`` with the settings ``ampcourse.train`` uses), and the optimizer's own step counter
@@ -603,7 +604,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
             every run trains a deep copy of that one model).
         data: TensorDataset(inputs, targets) or a pair of tensors; None: the reference model's synthetic data.
         precisions: names from ``PRECISIONS`` compared against the fp32 reference (default ``("bf16",)``).
-        steps: optimizer steps per run (all runs in lockstep, one batch per step, the same batch for every run).
+        steps: optimizer steps per run (one batch per step, the same batch for every run).
         optimizer_factory: ``"adamw"`` (default), ``"adam"``, ``"sgd"`` (with ``lr``) or a callable(params).
         seed: model init (for a name or a factory), batch order and each run's random stream (dropout).
         monitors: per-layer forward measurements (default: :func:`default_monitors`); ``[]`` for none.

@@ -8,8 +8,8 @@ initial model, its AdamW and (fp16) GradScaler, and ``steps`` calls of ``ampcour
 batches, one run after another; "plain in lockstep" runs the same steps interleaved (step k of every run, then
 step k+1: the trial's ``chunk=1``), which costs cache locality on a CPU: three models' weights and optimizer state
 take turns. The trial itself runs chunks of steps (its default ``chunk``: every step at once for these sizes), so
-trial / plain is the ratio the goal is about. "Trial" is ``trial(...)`` with its default monitors (attention-logit max, output-logit max, activation
-max), per-layer drift and update ratios. All include building the runs. They run interleaved, ``--repeats``
+trial / plain is the ratio the goal is about. "Trial" is ``trial(...)`` with its default monitors (attention-logit
+max, output-logit max, activation max), per-layer drift and update ratios. All include building the runs. They run interleaved, ``--repeats``
 times each after one warm-up of each; the medians and the ratios trial / plain and trial / lockstep are reported
 (goal <= 1.1).
 On a CPU the clock is this process's CPU time (one torch thread: other jobs on a shared machine do not count);
