@@ -1,7 +1,8 @@
 """fp32 and AMP side by side over N steps: where a long run in bf16 or fp16 departs from fp32, and in which layer.
 
 The AMP doctor (``ampcourse.doctor``) examines one step. A trial trains the *same* initial model on the *same*
-batches once in fp32 (the reference) and once in each precision asked for, in lockstep, and records per step:
+batches once in fp32 (the reference) and once in each precision asked for, in lockstep (in chunks of steps, the
+reference first: see ``chunk``), and records per step:
 
 - the loss and its gap to fp32, the gradient-norm ratio, the loss scale and skipped steps (fp16 runs use a real
   ``torch.amp.GradScaler`` with the settings ``ampcourse.train`` uses), and the optimizer's own step counter
@@ -56,12 +57,14 @@ from .train import checks as _checks
 from .device import AmpSetup, parse_precision, pick
 
 __all__ = ["Monitor", "Departure", "Trial", "trial", "attention_logit_max", "output_logit_max", "activation_max",
-           "default_monitors", "unit_roundoff", "REFERENCE", "PRECISIONS", "main"]
+           "default_monitors", "unit_roundoff", "REFERENCE", "PRECISIONS", "CHUNK_BYTES", "main"]
 
 #: The key of the fp32 reference run in Trial.series.
 REFERENCE = "reference"
 #: Precision names a trial compares against the fp32 reference.
 PRECISIONS = ("fp32", "bf16", "fp16", "fp16-noscaler")
+#: The default chunk (trial's `chunk`) keeps at most this many bytes of the reference's weights (fp32 copies).
+CHUNK_BYTES = 64 * 2**20
 
 #: A monitor's measure: (module, forward inputs, forward output) -> a 0-d tensor (kept on the device until the
 #: end of the step, so a monitor costs no host sync of its own).
@@ -111,15 +114,23 @@ def _scores_max(block: nn.Module) -> Measure:
     q_norm, k_norm = getattr(block, "q_norm", None), getattr(block, "k_norm", None)
 
     def measure(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        # The hook runs inside the step's autocast region, where `@` would cast q and k back to bf16/fp16: the
+        # scores would be rounded, and on a CPU a low-precision `@` of this shape took ~4x as long (torch 2.13).
+        if not torch.is_autocast_enabled(out.device.type):  # the fp32 run: no context to enter
+            return _scores(out)
+        with torch.autocast(out.device.type, enabled=False):
+            return _scores(out)
+
+    def _scores(out: torch.Tensor) -> torch.Tensor:
         b, t, three_d = out.shape
         d = three_d // 3
-        qk = out[..., :2 * d].float().view(b, t, 2, heads, d // heads)  # fp32: a bf16 `@` is slow on most CPUs
+        qk = out[..., :2 * d].float().view(b, t, 2, heads, d // heads)  # fp32 (see measure)
         q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)  # v is never copied
         if q_norm is not None and k_norm is not None:
-            with torch.no_grad(), torch.autocast(out.device.type, enabled=False):
+            with torch.no_grad():  # their weights require grad: without this they would build a graph
                 q, k = q_norm(q), k_norm(k)
         # The causal mask is left out: it hides scores, it never makes the largest one larger than this.
-        return torch.linalg.vector_norm(q @ k.transpose(-2, -1), math.inf) / math.sqrt(d // heads)
+        return _abs_amax(q @ k.transpose(-2, -1)) / math.sqrt(d // heads)
     return measure
 
 
@@ -138,9 +149,18 @@ def attention_logit_max() -> Monitor:
     return Monitor("attention_logit_max", _attention_blocks, softmax_input=True)
 
 
+def _abs_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-d tensor of x's dtype (nan if any element is nan).
+
+    ``x.abs().amax()``, not ``torch.linalg.vector_norm(x, inf)``: the same value, but on a CPU (torch 2.13, a
+    tensor of 16k-32k elements) the norm took ~45-90 us against ~5-12 us, a visible share of a tiny model's step.
+    """
+    return x.abs().amax()
+
+
 def _abs_max(module: nn.Module, args: tuple, out: Any) -> torch.Tensor:
     """max |output| as 0-d fp32 (the max of bf16 values is a bf16 value: exact in fp32)."""
-    return torch.linalg.vector_norm(out.detach(), math.inf).float()  # in the output's dtype: no fp32 copy of it
+    return _abs_amax(out).float()  # in the output's dtype: no fp32 copy of it (the hook passes it detached)
 
 
 def output_logit_max() -> Monitor:
@@ -171,6 +191,8 @@ class _Hooks:
     def __init__(self, model: nn.Module, monitors: Sequence[Monitor]):
         self.labels: list[str] = []
         self.values: dict[str, torch.Tensor] = {}
+        # made once, on the model's device: it is stacked with the other values in the step's one read-back
+        self.nan = torch.tensor(math.nan, device=next(model.parameters()).device)
         self.handles = []
         for monitor in monitors:
             for layer, module, measure in monitor.where(model):
@@ -191,7 +213,7 @@ class _Hooks:
 
     def take(self) -> list[torch.Tensor]:
         """This step's values in label order (nan for a layer that did not run), and a fresh start."""
-        nan = torch.tensor(math.nan)
+        nan = self.nan
         out = [self.values.get(label, nan) for label in self.labels]
         self.values = {}
         return out
@@ -391,10 +413,43 @@ class _Run:
     params: list[torch.Tensor]
     views: list[torch.Tensor] = field(default_factory=list)  # 1-D views of `params`
     flat: torch.Tensor | None = None  # all trainable weights after the latest step, as one fp32 vector
+    # Buffers of flat's size, reused every step (a fresh 1.6 MB vector per step and per difference cost the
+    # small transformer ~1 ms of a ~28 ms CPU step): the update, and the next step's weights.
+    scratch: torch.Tensor | None = None
+    spare: torch.Tensor | None = None
+    history: torch.Tensor | None = None  # the reference only: its weights after each step of a chunk (chunk x N)
     lengths: list[int] = field(default_factory=list)  # elements per layer in `flat` (layers are contiguous)
     layer_norms: list[float] = field(default_factory=list)  # ||W|| per layer after the latest step
     series: dict[str, list[float]] = field(default_factory=dict)
+    rows: _Rows | None = None  # the lists of `series`, bound once
     optimizer_steps: int = 0
+
+
+#: The per-step scalars of every run, in the order _step appends them.
+_SCALARS = ("loss", "grad_norm", "scale", "skipped", "optimizer_steps", "loss_gap", "grad_norm_ratio")
+
+
+@dataclass
+class _Rows:
+    """A run's series lists, made once with their keys: a step appends to them without building a key."""
+
+    scalars: list[list[float]]  # in the order of _SCALARS
+    monitors: list[list[float]]  # in the order of the run's hook labels
+    update: list[list[float]]  # per layer
+    drift: list[list[float]]  # per layer
+    loss: list[float]
+    grad_norm: list[float]
+
+
+def _make_rows(series: dict[str, list[float]], monitor_labels: list[str], layers: list[str]) -> _Rows:
+    """Create the (empty) series of a run in their lasting order; return their lists, bound for _step."""
+    scalars = [series.setdefault(name, []) for name in _SCALARS]
+    monitors = [series.setdefault(label, []) for label in monitor_labels]
+    update, drift = [], []
+    for layer in layers:
+        update.append(series.setdefault(f"update/{layer}", []))
+        drift.append(series.setdefault(f"drift/{layer}", []))
+    return _Rows(scalars, monitors, update, drift, series["loss"], series["grad_norm"])
 
 
 def _layers(model: nn.Module) -> tuple[list[str], list[int]]:
@@ -420,6 +475,13 @@ def _flatten(views: list[torch.Tensor]) -> torch.Tensor:
     """The parameters as one fp32 vector (one copy)."""
     flat = torch.cat(views if all(v.dim() == 1 for v in views) else [v.reshape(-1) for v in views])
     return flat if flat.dtype == torch.float32 else flat.float()
+
+
+def _flatten_into(views: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """The parameters written into `out` (an fp32 vector of their total size), without allocating one."""
+    if all(v.dim() == 1 and v.dtype == torch.float32 for v in views):
+        return torch.cat(views, out=out)
+    return out.copy_(_flatten(views))
 
 
 def _layer_norms(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
@@ -505,12 +567,14 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
                rng=torch.Generator().manual_seed(seed).get_state(),
                params=[p for p in net.parameters() if p.requires_grad])
 
-    _, owner = _layers(net)
+    labels, owner = _layers(net)
+    run.rows = _make_rows(run.series, run.hooks.labels, labels)
     run.lengths = [0] * (max(owner) + 1)
     for p, i in zip(run.params, owner):
         run.lengths[i] += p.numel()
     run.views = _flat_views(run.params)
     run.flat = _flatten(run.views)
+    run.scratch, run.spare = torch.empty_like(run.flat), torch.empty_like(run.flat)
     run.layer_norms = torch.stack(_layer_norms(run.flat, run.lengths)).tolist()
 
     def count(optimizer, args, kwargs):  # runs only when optimizer.step() really ran (a skip never calls it)
@@ -530,7 +594,8 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
           precisions: Sequence[str] = ("bf16",), steps: int = 200, optimizer_factory: Callable | str | None = None,
           seed: int = 0, monitors: Sequence[Monitor] | None = None, *, lr: float = 1e-3, batch_size: int = 32,
           loss_fn: Callable | None = None, tolerance: float = 0.1, device: str | torch.device | None = None,
-          scaler_kwargs: dict | None = None, size: str = "tiny", grad_clip: float | None = None) -> Trial:
+          scaler_kwargs: dict | None = None, size: str = "tiny", grad_clip: float | None = None,
+          chunk: int | None = None) -> Trial:
     """Train the same initial model on the same batches in fp32 and in each precision; compare them step by step.
 
     Args:
@@ -539,7 +604,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
             every run trains a deep copy of that one model).
         data: TensorDataset(inputs, targets) or a pair of tensors; None: the reference model's synthetic data.
         precisions: names from ``PRECISIONS`` compared against the fp32 reference (default ``("bf16",)``).
-        steps: optimizer steps per run (all runs in lockstep, one batch per step, the same batch for every run).
+        steps: optimizer steps per run (one batch per step, the same batch for every run).
         optimizer_factory: ``"adamw"`` (default), ``"adam"``, ``"sgd"`` (with ``lr``) or a callable(params).
         seed: model init (for a name or a factory), batch order and each run's random stream (dropout).
         monitors: per-layer forward measurements (default: :func:`default_monitors`); ``[]`` for none.
@@ -550,6 +615,12 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
         scaler_kwargs: GradScaler settings for fp16 runs (init_scale, growth_factor, backoff_factor,
             growth_interval), checked as ``ampcourse.train`` checks them; its defaults otherwise.
         grad_clip: clip the true (unscaled) gradient norm, as in ``ampcourse.train``.
+        chunk: how many steps one run takes before the next run takes the same steps (the fp32 reference first;
+            drift compares each step with the reference's weights after that step, kept as one fp32 copy per
+            step of a chunk). 1 is strict lockstep; None (default): as many steps as fit in
+            ``CHUNK_BYTES`` (64 MiB) of those copies, at least 1. Every value gives the same series bit for bit
+            on a CPU (each run has its own random stream); longer chunks save the cost of switching models at
+            every step (cache locality on a CPU: measured 2-10% of a tiny model's training, benchmarks/README.md).
 
     Returns:
         a :class:`Trial`. Raises ValueError (one line that says what to pass) on bad input, before any step.
@@ -567,6 +638,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     batch_size = _args.integer(batch_size, "batch_size", low=1)
     tolerance = _args.real(tolerance, "tolerance", positive=True)
     grad_clip = None if grad_clip is None else _args.real(grad_clip, "grad_clip", positive=True)
+    chunk = None if chunk is None else _args.integer(chunk, "chunk", low=1)
     if not isinstance(size, str) or size not in models.SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
     if loss_fn is not None and not callable(loss_fn):
@@ -594,10 +666,15 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     loss = loss_fn or models.loss_fn
 
     ref_amp = pick(device, "fp32")
-    labels, owner = _layers(model)
+    labels, _ = _layers(model)
+    if chunk is None:
+        weights = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        chunk = max(1, min(steps, CHUNK_BYTES // (4 * weights)))
+    chunk = min(chunk, steps)
     runs = [_start_run(label, model, device, make_opt, scaler_settings, monitors, seed)
             for label in (REFERENCE, *names)]
     ref = runs[0]
+    ref.history = ref.flat.new_empty((chunk, ref.flat.numel()))  # at most CHUNK_BYTES by default
     probe = data.tensors[0][:1].to(ref_amp.device), data.tensors[1][:1].to(ref_amp.device)
     _checks.preflight(ref.model, *probe, loss if loss_fn is None else None, ref.amp)  # bad data: one line, now
     ref.hooks.take()
@@ -605,11 +682,14 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     train_seconds = 0.0
     try:
         with torch.random.fork_rng(devices=[ref_amp.device] if ref_amp.device_type == "cuda" else []):
-            for step in range(steps):
-                idx = _train.batch_indices(step, seed, len(data), batch_size)
-                x, y = xs[idx].to(ref_amp.device), ys[idx].to(ref_amp.device)
-                for run in runs:
-                    train_seconds += _step(run, ref, x, y, loss, grad_clip, owner, labels)
+            for start in range(0, steps, chunk):
+                batches = []
+                for step in range(start, min(start + chunk, steps)):
+                    idx = _train.batch_indices(step, seed, len(data), batch_size)
+                    batches.append((xs[idx].to(ref_amp.device), ys[idx].to(ref_amp.device)))
+                ref_after: list[tuple[torch.Tensor, list[float]]] = []  # the reference's weights after each step
+                for run in runs:  # the reference first: drift compares against its weights after the same step
+                    train_seconds += _steps(run, ref, batches, ref_after, loss, grad_clip, len(labels))
     finally:
         for run in runs:
             run.hooks.remove()
@@ -618,57 +698,78 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
                   for run in runs[1:]}
     config = {"model": ref_name or type(model).__name__, "seed": seed, "lr": lr, "batch_size": batch_size,
               "optimizer": type(ref.optimizer).__name__, "grad_clip": grad_clip, "scaler": scaler_settings,
-              "torch": torch.__version__}
+              "chunk": chunk, "torch": torch.__version__}
     return Trial(list(names), steps, tolerance, ref.amp.describe_device(), labels, [m.name for m in monitors],
                  {run.label: run.series for run in runs}, departures, softmax_monitors=sorted(softmax),
                  seconds=time.perf_counter() - t_start,
                  train_seconds=train_seconds, config=config)
 
 
+def _steps(run: _Run, ref: _Run, batches: list[tuple[torch.Tensor, torch.Tensor]],
+           ref_after: list[tuple[torch.Tensor, list[float]]], loss_fn: Callable, grad_clip: float | None,
+           n_layers: int) -> float:
+    """One run's steps on a chunk of batches, in its own random stream; returns the seconds train_step took."""
+    torch.set_rng_state(run.rng)  # each run draws from its own stream: as if it ran alone
+    seconds = 0.0
+    for j, (x, y) in enumerate(batches):
+        seconds += _step(run, ref, x, y, loss_fn, grad_clip, n_layers, ref_after, j)
+    run.rng = torch.get_rng_state()
+    return seconds
+
+
 def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, grad_clip: float | None,
-          owner: list[int], labels: list[str]) -> float:
+          n_layers: int, ref_after: list[tuple[torch.Tensor, list[float]]], j: int) -> float:
     """One optimizer step of one run and its record; returns the seconds train_step took.
 
     The weights go into one flat vector per step (layers contiguous): update, norm and drift per layer are then a
-    few kernels and one sum per layer (per-tensor norms were a visible share of a tiny model's CPU step).
+    few kernels and one foreach norm (per-tensor norms were a visible share of a tiny model's CPU step). The
+    reference appends its weights and layer norms after the step to `ref_after`; another run compares its own
+    weights after the step with entry `j` there.
     """
-    torch.set_rng_state(run.rng)  # each run draws from its own stream: as if it ran alone
     t0 = time.perf_counter()
     stats = _train.train_step(run.model, [(x, y)], loss_fn, run.optimizer, run.scaler, run.amp, grad_clip=grad_clip)
     seconds = time.perf_counter() - t0
-    run.rng = torch.get_rng_state()
-    n_layers = len(labels)
     with torch.no_grad():
-        new = _flatten(run.views)
-        vectors = [new - run.flat, new]  # run.flat: the weights before this step
-        if run is not ref:  # the reference stepped first: drift compares the weights after this step
-            vectors.append(new - ref.flat)
+        # buffers reused every step; the reference's weights go to a row of its history for the other runs
+        new = _flatten_into(run.views, ref.history[j] if run is ref else run.spare)
+        vectors = [torch.sub(new, run.flat, out=run.scratch), new]  # run.flat: the weights before this step
+        if run is not ref:  # the reference took this step first
+            ref_flat, ref_norms = ref_after[j]
+            vectors.append(torch.sub(new, ref_flat, out=run.flat))  # the weights before are no longer needed
         monitors = run.hooks.take()
-        norms = [n for v in vectors for n in _layer_norms(v, run.lengths)]
-        values = torch.stack([*monitors, *norms]).tolist()  # one read-back
-        run.flat = new
+        # all layers of all vectors in one foreach call, then one read-back for everything (the sync also makes
+        # the buffers safe to reuse on a GPU)
+        norms = torch._foreach_norm([part for v in vectors for part in v.split(run.lengths)])
+        values = torch.stack([*monitors, *norms]).tolist()
+        if run is ref:
+            run.flat.copy_(new)
+        else:
+            run.flat, run.spare = new, run.flat
     n_mon = len(monitors)
-    monitor_values, ups = values[:n_mon], values[n_mon:n_mon + n_layers]
-    wgt = values[n_mon + n_layers:n_mon + 2 * n_layers]
+    ups, wgt = values[n_mon:n_mon + n_layers], values[n_mon + n_layers:n_mon + 2 * n_layers]
     drifts = values[n_mon + 2 * n_layers:]
-    series = run.series
-    for name, v in (("loss", stats.loss), ("grad_norm", stats.grad_norm), ("scale", stats.scale),
-                    ("skipped", float(stats.skipped)), ("optimizer_steps", float(run.optimizer_steps))):
-        series.setdefault(name, []).append(v)
-    k = len(series["loss"]) - 1
+    rows = run.rows  # the series' lists, bound once (no key lookups or formatting per step)
     if run is ref:
         gap, ratio = 0.0, 1.0
     else:
-        ref_gn = ref.series["grad_norm"][k]
-        gap, ratio = stats.loss - ref.series["loss"][k], (stats.grad_norm / ref_gn if ref_gn else math.nan)
-    series.setdefault("loss_gap", []).append(gap)
-    series.setdefault("grad_norm_ratio", []).append(ratio)
-    for label, v in zip(run.hooks.labels, monitor_values):
-        series.setdefault(label, []).append(v)
+        k = len(rows.loss)
+        ref_gn = ref.rows.grad_norm[k]
+        gap, ratio = stats.loss - ref.rows.loss[k], (stats.grad_norm / ref_gn if ref_gn else math.nan)
+    for values_list, v in zip(rows.scalars, (stats.loss, stats.grad_norm, stats.scale, float(stats.skipped),
+                                             float(run.optimizer_steps), gap, ratio)):
+        values_list.append(v)
+    for values_list, v in zip(rows.monitors, values[:n_mon]):
+        values_list.append(v)
     before_norms, run.layer_norms = run.layer_norms, wgt
-    for i, layer in enumerate(labels):
-        series.setdefault(f"update/{layer}", []).append(_ratio(ups[i], before_norms[i]))
-        series.setdefault(f"drift/{layer}", []).append(0.0 if run is ref else _ratio(drifts[i], ref.layer_norms[i]))
+    for values_list, up, before in zip(rows.update, ups, before_norms):
+        values_list.append(_ratio(up, before))
+    if run is ref:
+        ref_after.append((new, wgt))
+        for values_list in rows.drift:
+            values_list.append(0.0)
+    else:
+        for values_list, drift, ref_norm in zip(rows.drift, drifts, ref_norms):
+            values_list.append(_ratio(drift, ref_norm))
     return seconds
 
 

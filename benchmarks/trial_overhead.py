@@ -5,10 +5,11 @@
 
 "Plain" is what a trial runs, without the trial: for the fp32 reference and each precision, a copy of the same
 initial model, its AdamW and (fp16) GradScaler, and ``steps`` calls of ``ampcourse.train.train_step`` on the same
-batches, one run after another; "plain in lockstep" runs the same steps interleaved as the trial does (step k of
-every run, then step k+1), which costs cache locality on a CPU: three models' weights and optimizer state take
-turns. "Trial" is ``trial(...)`` with its default monitors (attention-logit max, output-logit max, activation
-max), per-layer drift and update ratios. All include building the runs. They run interleaved, ``--repeats``
+batches, one run after another; "plain in lockstep" runs the same steps interleaved (step k of every run, then
+step k+1: the trial's ``chunk=1``), which costs cache locality on a CPU: three models' weights and optimizer state
+take turns. The trial itself runs chunks of steps (its default ``chunk``: every step at once for these sizes), so
+trial / plain is the ratio the goal is about. "Trial" is ``trial(...)`` with its default monitors (attention-logit
+max, output-logit max, activation max), per-layer drift and update ratios. All include building the runs. They run interleaved, ``--repeats``
 times each after one warm-up of each; the medians and the ratios trial / plain and trial / lockstep are reported
 (goal <= 1.1).
 On a CPU the clock is this process's CPU time (one torch thread: other jobs on a shared machine do not count);
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -83,7 +85,8 @@ def main(argv=None) -> int:
     precisions = tuple(args.precisions.split(","))
     amp = pick(args.device, "fp32")
     print(f"torch {torch.__version__}, {amp.describe_device()}, {torch.get_num_threads()} thread(s), "
-          f"precisions fp32 + {', '.join(precisions)}, {args.steps} steps, batch {args.batch}")
+          f"precisions fp32 + {', '.join(precisions)}, {args.steps} steps, batch {args.batch}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     results = []
     for size in args.sizes:
         kw = dict(precisions=precisions, steps=args.steps, batch_size=args.batch, device=args.device, size=size)
@@ -114,7 +117,9 @@ def main(argv=None) -> int:
               f"trial {med['trial']:.3f} s; trial / plain {row['ratio']:.3f} "
               f"(per repeat {', '.join(f'{r:.3f}' for r in row['ratios'])}), trial / lockstep "
               f"{row['ratio_lockstep']:.3f} (per repeat {', '.join(f'{r:.3f}' for r in row['ratios_lockstep'])}); "
-              f"trial.overhead {row['trial_overhead_attr']:.3f}")
+              f"trial.overhead {row['trial_overhead_attr']:.3f}; chunk {t.config['chunk']}; "
+              f"load average {os.getloadavg()[0]:.1f}")
+        row["chunk"], row["load_average"] = t.config["chunk"], os.getloadavg()[0]
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"torch": torch.__version__, "device": amp.describe_device(), "results": results}, fh, indent=1)

@@ -170,6 +170,7 @@ def test_non_finite_values_survive_json():
     (dict(model_factory=lambda: 3), "must return an nn.Module"),
     (dict(model_factory=TinyTransformer), "data is None: pass a TensorDataset"),
     (dict(loss_fn="ce"), "loss_fn must be a callable"),
+    (dict(chunk=0), "chunk must be an int >= 1"),
 ])
 def test_bad_input_gets_one_clear_line(kwargs, message):
     args = {"model_factory": "transformer", **kwargs}
@@ -221,3 +222,30 @@ def test_departure_of_one_series_and_another_tolerance():
     assert t.departure("bf16", tolerance=1e-9).step == 0
     with pytest.raises(ValueError, match="series must be one of loss, drift, attention_logit_max"):
         t.departure("bf16", series="logits")
+
+
+def test_attention_monitor_computes_scores_in_fp32_inside_autocast():
+    """The hooks run inside the step's autocast region; the scores must not be rounded to bf16 there."""
+    model = TinyTransformer()
+    (layer, module, measure), *_ = trial_mod.attention_logit_max().where(model)
+    torch.manual_seed(0)
+    out = (torch.randn(4, 16, 96) * 3).to(torch.bfloat16)  # a bf16 qkv output, as autocast makes it
+    want = measure(module, (), out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = measure(module, (), out)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    q, k = (out[..., i * 32:(i + 1) * 32].float().view(4, 16, 4, 8).transpose(1, 2) for i in (0, 1))
+    assert torch.equal(want, (q @ k.transpose(-2, -1)).abs().amax() / math.sqrt(8))  # the fp32 value
+    assert float(got) != float(want.to(torch.bfloat16))  # and not one rounded to bf16 (this input tells them apart)
+
+
+@pytest.mark.parametrize("precisions", [("bf16", "fp16"), ("fp32",)])
+def test_chunks_give_the_same_series_as_strict_lockstep(precisions):
+    """Runs take a chunk of steps each (the reference first): any chunk gives the lockstep series, bit for bit."""
+    strict = trial("transformer", DATA, precisions=precisions, steps=7, chunk=1)
+    assert strict.config["chunk"] == 1
+    for chunk in (3, None):
+        t = trial("transformer", DATA, precisions=precisions, steps=7, chunk=chunk)
+        assert t.series == strict.series and t.departures == strict.departures
+    assert t.config["chunk"] == 7  # the default: every step at once for a model this small (CHUNK_BYTES)
+    assert trial_mod.CHUNK_BYTES == 64 * 2**20
