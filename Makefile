@@ -12,9 +12,16 @@ PORT   ?= 8888
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
+# One kernel: "python3" (the name every notebook asks for), shown as "ampcourse" (tools/nbtool.py KERNELSPEC),
+# in .venv, with one OpenMP thread. Installed by setup, so `make test`'s JupyterLab (tests/test_browser.py) finds
+# the kernel the stored chapters name and does not rewrite their metadata; again by `make lab` (under a second),
+# so a .venv from before gets it too. The lab config hides any other kernel.
+KERNEL_INSTALL = $(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name ampcourse --env OMP_NUM_THREADS 1 >/dev/null
+
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[lab,test]'
+	$(KERNEL_INSTALL)
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv with pinned dependencies and ampcourse (editable)
@@ -32,11 +39,9 @@ WORKSPACE ?= workspace
 # so a busy machine does not slow a chapter tenfold (benchmarks/README.md, "Busy machine").
 LAB_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
-# One kernel: "python3" (the name every notebook asks for), shown as "ampcourse", in .venv; the lab
-# config hides any other. Installed on each `make lab` (under a second): a .venv from before gets it too.
 lab: setup  ## set up, copy the chapters you have no copy of yet into workspace/, open JupyterLab on its index
 	$(BIN)/python tools/make_student.py -o "$(WORKSPACE)"
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name ampcourse --env OMP_NUM_THREADS 1 >/dev/null
+	$(KERNEL_INSTALL)
 	AMPCOURSE_WORKSPACE="$(WORKSPACE)" $(LAB_ENV) $(BIN)/jupyter lab --config=tools/lab_config.py --notebook-dir=. --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT) $(LAB_ARGS)
 
 # Tests run with one OpenMP thread per process unless OMP_NUM_THREADS is set: the course's models are

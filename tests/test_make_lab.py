@@ -161,3 +161,22 @@ def test_make_lab_serves_the_workspace_and_chapters_on_loopback(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_setup_installs_the_kernel_the_chapters_name():
+    """`make setup` (so `make test` too, not only `make lab`) installs the one kernel the stored chapters name: else
+    JupyterLab rewrites a chapter's kernelspec on open and marks it modified (seen in CI's fresh .venv)."""
+    import sys
+
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from nbtool import KERNELSPEC
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    stamp_recipe = makefile.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    assert "$(KERNEL_INSTALL)" in stamp_recipe, "the setup recipe must install the kernel"
+    assert f"--name {KERNELSPEC['name']} --display-name {KERNELSPEC['display_name']}" in makefile
+    if Path(sys.prefix, ".ampcourse-installed").exists():  # this interpreter is a .venv that `make setup` built
+        spec = KernelSpecManager().get_kernel_spec(KERNELSPEC["name"])
+        assert spec.display_name == KERNELSPEC["display_name"] and spec.env.get("OMP_NUM_THREADS") == "1"
