@@ -169,7 +169,9 @@ def writable_file(path: Any, name: str) -> Path:
     existed = target.exists()
     try:
         with open(target, "a") as fh:
-            if existed and not stat.S_ISREG(os.stat(target).st_mode):
+            # fstat, not stat(target): torchrun's ranks probe the same path at once, and another rank's
+            # probe may unlink the name between our open and a stat by name (CI saw ENOENT there)
+            if existed and not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
                 # a device (such as /dev/full) opens fine and refuses only data: one probe byte tells
                 fh.write("\n")
                 fh.flush()
