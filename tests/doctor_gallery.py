@@ -566,6 +566,15 @@ def build_gpt2_unscaled_attention(seed: int) -> Setup:
     return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
+def build_gpt2_attention_precision(seed: int) -> Setup:
+    """Tiny GPT-2 with scale_attn_weights=False and layer 0's q/k biases drifted (4, 40): finite logits in the
+    thousands, where bf16's spacing is 16 and fp16's 2, so the softmax inside GPT2Attention (inline, called with a KV cache that
+    each call appends to) spreads its weight elsewhere; no inf/NaN anywhere, so no op-level origin names it."""
+    model = _gpt2(seed, scale_attn_weights=False)
+    plant_logit_drift(model.transformer.h[0].attn.c_attn.bias, dim=32, q=4.0, k=40.0)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
 def _bert(seed: int, initializer_range: float = 0.05) -> nn.Module:
     """A 2-layer BERT classifier (vocab 128, width 32), no dropout. At BERT's default initializer_range 0.02 this tiny
     BERT's attention is nearly uniform and its key weights' gradients (~6e-7) mostly flush in fp16 at scale 1 (the
@@ -669,6 +678,11 @@ CASES: tuple[Case, ...] = (
     Case("gpt2_unscaled_attention", 1, "GPT-2 with scale_attn_weights=False and large q/k: inline logits overflow "
          "fp16", build_gpt2_unscaled_attention, ("fp16",), ("transformer.h.0.attn",), MATMUL_OPS, "forward",
          fix=_islands("transformer.h.0.attn"), hf=True, innocents=("transformer.h.0.attn.c_proj",)),
+    Case("gpt2_attention_precision", 1, "GPT-2 with scale_attn_weights=False and moderate q/k: finite logits that "
+         "bf16 and fp16 round coarsely, inline in GPT2Attention (called with a KV cache)",
+         build_gpt2_attention_precision, ("bf16", "fp16"), ("transformer.h.0.attn",),
+         ("aten::_softmax", *MATMUL_OPS), "forward", fix=_islands("transformer.h.0.attn"), hf=True,
+         watch=("transformer.h.0.attn.",), innocents=("transformer.h.0.attn.c_proj",)),
     Case("custom_backward", 2, "custom autograd.Function: safe forward, its backward overflows fp16 (x*x)",
          lambda s: _fused_setup(s, safe=False), ("fp16",), ("norm",), ("aten::mul", "aten::pow"), "backward",
          fix=_islands("norm")),

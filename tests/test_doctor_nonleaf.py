@@ -174,42 +174,91 @@ def test_the_reruns_leave_saved_buffers_alone_and_put_back_what_they_write():
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
-class Counter:
-    """A stateful argument, like a Hugging Face KV cache that each attention call appends to."""
+class Cache:
+    """A stateful argument like a Hugging Face KV cache: each call appends its tensor, and reads all it holds."""
 
     def __init__(self):
+        self.entries: list[torch.Tensor] = []
         self.calls = 0
 
+    def update(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.entries = self.entries + [t]  # rebinds, as DynamicCache's torch.cat does
+        return torch.stack(self.entries).mean(0)
 
-class CountingBlock(nn.Module):
-    def __init__(self, dim: int = 32):
+
+class CachedBlock(nn.Module):
+    """Reads the cache after adding its own entry: a rerun that saw the cache after the call would read two entries,
+    a different value, and report an own error that is not there. offset=True plants the inline cancellation."""
+
+    def __init__(self, dim: int = 32, offset: bool = False):
         super().__init__()
-        self.fc = nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.offset = offset
+        if offset:
+            with torch.no_grad():
+                self.fc.bias.fill_(100.0)
 
-    def forward(self, x: torch.Tensor, counter: Counter) -> torch.Tensor:
-        counter.calls += 1
-        return self.fc(x) * 1.5 + x @ self.fc.weight.t()  # inline low-precision compute ops
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        h = self.fc(x)
+        mixed = cache.update(h * 0.5)  # inline low-precision ops around the stateful call
+        n = naive_standardize(h) if self.offset else mixed
+        return h * 0.25 + self.out(n)
 
 
-class CountingNet(nn.Module):
-    def __init__(self):
+class CachedNet(nn.Module):
+    def __init__(self, offset: bool = False, state=Cache):
         super().__init__()
-        self.inp, self.block, self.head = nn.Linear(16, 32), CountingBlock(), nn.Linear(32, 10)
-        self.counters: list[Counter] = []
+        self.inp, self.block, self.head = nn.Linear(16, 32), CachedBlock(offset=offset), nn.Linear(32, 10)
+        self.state, self.caches = state, []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.counters.append(Counter())
-        return self.head(self.block(self.inp(x), self.counters[-1]))
+        self.caches.append(self.state())
+        return self.head(self.block(self.inp(x), cache=self.caches[-1]))
 
 
-def test_a_module_called_with_a_stateful_object_is_not_rerun():
+def test_a_module_called_with_a_stateful_object_is_rerun_on_the_state_it_began_with():
     torch.manual_seed(0)
-    model = CountingNet()
+    model = CachedNet()
     x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
     report = examine(model, x, y, loss_fn=F.cross_entropy)
-    assert model.counters and all(c.calls == 1 for c in model.counters)  # a rerun would have called it again
-    assert not _own_error(report, "block")  # so no own error for it (a rerun would see the state after the call)
-    assert not report.find("precision_loss")
+    # the real calls' caches saw one call each: the reruns used copies
+    assert model.caches and all(c.calls == 1 and len(c.entries) == 1 for c in model.caches)
+    own = _own_error(report, "block")
+    assert set(own) == set(PRECISIONS), report.summary()  # measured, where it used to be skipped
+    # healthy: a rerun on the cache as it was after the call would read two entries and show a large error
+    assert all(own[p] < REL_TOL[p] for p in PRECISIONS), own
+    assert not report.find("precision_loss") and not any("not measured" in n for n in report.notes)
+
+
+def test_inline_precision_loss_beside_a_stateful_object_is_pinned_on_its_module():
+    torch.manual_seed(0)
+    model = CachedNet(offset=True)
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    report = examine(model, x, y, loss_fn=F.cross_entropy)
+    for p in PRECISIONS:
+        assert [f.module for f in report.find("precision_loss", p)] == ["block"], report.summary()
+
+
+class LockedCache(Cache):
+    """A state deepcopy refuses (it holds a lock): the doctor cannot rerun the call, and must say so."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+        self.lock = threading.Lock()
+
+
+def test_a_stateful_object_that_cannot_be_copied_is_not_rerun_and_the_report_says_so():
+    torch.manual_seed(0)
+    model = CachedNet(offset=True, state=LockedCache)
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    report = examine(model, x, y, loss_fn=F.cross_entropy)
+    assert all(c.calls == 1 for c in model.caches)
+    assert not _own_error(report, "block")
+    [note] = [n for n in report.notes if "not measured" in n]
+    assert note.startswith("The own error of 'block' (inline in forward) was not measured in fp16, bf16"), note
+    assert "cannot be copied" in note
 
 
 class InlineTop(nn.Module):

@@ -26,8 +26,10 @@ states; gradients on, inference mode and the caller's autocast off, whatever the
    forward or in backward (a custom ``autograd.Function``'s backward included), each module's own error (what its
    children do not explain: a leaf rerun in fp32 on the same inputs; a non-leaf module that runs fp16/bf16 compute
    ops inline, and only such a one, rerun twice more, under autocast with its children exact and in fp32, so a
-   finite loss in its inline code is pinned on it, "(inline in forward)", with the op where it appears; not a call
-   handed a stateful object such as a KV cache), the output, loss and gradient errors against fp32, and per
+   finite loss in its inline code is pinned on it, "(inline in forward)", with the op where it appears; a call
+   handed a stateful object such as a KV cache is rerun on a copy of that object as the call found it, and where
+   no copy can be made the report's notes say whose own error was not measured), the output, loss and gradient
+   errors against fp32, and per
    parameter the share of its gradient that came back zero;
 3. fp32 islands (:func:`ampcourse.policy.apply_policy`) for the modules named, checked by rerunning both passes;
 4. an optimizer audit (:mod:`.audit`): a copy of the optimizer as it is takes one step; inf/NaN weights, the update

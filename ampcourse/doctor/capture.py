@@ -305,6 +305,8 @@ class ModuleRecord:
     #: non-leaf modules: per precision, (aten op, relative error) of each inline op of the call with the largest own
     #: error, in the order they ran (children exact); the rules name the first beyond the tolerance
     inline_ops: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    #: non-leaf modules: per precision, why the own error of its inline code could not be measured (said in the report)
+    unmeasured: dict[str, str] = field(default_factory=dict)
     calls: int = 0
 
 
@@ -490,7 +492,7 @@ class Tracker:
             self.leaves[name] = leaf
             if name not in self.records:
                 self.records[name] = ModuleRecord(name, leaf)
-            self.handles.append(module.register_forward_pre_hook(self._pre(name, module)))
+            self.handles.append(module.register_forward_pre_hook(self._pre(name, module), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True, always_call=True))
         return self
 
@@ -526,7 +528,7 @@ class Tracker:
             todo.extend(f for f, _ in n.next_functions if f is not None)
 
     def _pre(self, name: str, module: nn.Module):
-        def pre(mod, args):
+        def pre(mod, args, kwargs):
             if self.busy:
                 return None
             if self.tagging and torch.is_grad_enabled():
@@ -537,7 +539,15 @@ class Tracker:
             rec.calls += 1
             if self.precision != "fp32" and (self._reruns(module) or not self.leaves[name]):
                 # The inputs' versions too: a forward that edits its input in place leaves nothing to rerun it on.
-                self.rng_before[id(module)] = (self._rng_state(), [t._version for t in float_tensors(args)])
+                # A non-leaf module handed a stateful object (a Hugging Face KV cache, which the call appends to)
+                # is rerun on a copy of that object as it was now, taken before the call changes it.
+                state = None
+                if not self.leaves[name] and not (_plain(args) and _plain(kwargs)):
+                    state = _stateful_copy((args, kwargs))
+                    if state is None:
+                        rec.unmeasured.setdefault(self.precision, "it is called with an object that cannot be copied "
+                                                                  f"(at most {STATE_COPY_CAP >> 20} MiB)")
+                self.rng_before[id(module)] = (self._rng_state(), [t._version for t in float_tensors(args)], state)
             return None
         return pre
 
@@ -623,13 +633,16 @@ class Tracker:
         before = self.rng_before.pop(id(module), None)
         if before is None or "_ampcourse_forward" in module.__dict__:
             return  # not a rerun module, or a policy already decides its precision
-        before, versions = before
+        before, versions, state = before
         if versions != [t._version for t in float_tensors(args)]:
             return  # it changed its inputs in place: a rerun would see other inputs, so no own error for it
         if not rec.leaf:
-            if (bad == 0 and self.watch is not None and self.watch.inline_low.get((rec.name, ncall))
-                    and _plain(args) and _plain(kwargs)):
-                self._inline_error(module, rec, before, tensors, args, kwargs)
+            if bad == 0 and self.watch is not None and self.watch.inline_low.get((rec.name, ncall)):
+                if _plain(args) and _plain(kwargs):
+                    self._inline_error(module, rec, before, tensors, lambda: (args, kwargs))
+                elif state is not None:
+                    # each rerun gets its own copy of the state the call began with
+                    self._inline_error(module, rec, before, tensors, lambda: _stateful_copy(state))
             return
         if type(module) in _EXACT:
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), 0.0 if bad == 0 else math.inf)
@@ -653,12 +666,14 @@ class Tracker:
             rec.local_error[p] = max(rec.local_error.get(p, 0.0), err)
 
 
-    def _inline_error(self, module: nn.Module, rec: ModuleRecord, before, tensors, args, kwargs) -> None:
+    def _inline_error(self, module: nn.Module, rec: ModuleRecord, before, tensors,
+                      inputs: Callable[[], tuple[tuple, dict]]) -> None:
         """A non-leaf module's own error: what its children do not explain. The module runs twice more on copies of
         the same inputs, from the same RNG state: under autocast with every descendant exact (run in fp32, and its
         outputs handed back in the dtypes autocast gave them in this pass, so the inline code sees what it saw), and
         in fp32 (inputs converted exactly). Their outputs' relative error is the error of the module's inline code;
-        each inline op's output is compared too, to name the op where the error appears."""
+        each inline op's output is compared too, to name the op where the error appears. inputs() gives the call's
+        (args, kwargs), a fresh copy of any stateful object in them each time."""
         p = self.precision
         after = self._rng_state()
         dtype = next((q.dtype for q in module.parameters(recurse=False) if q.is_floating_point()), torch.float32)
@@ -672,12 +687,15 @@ class Tracker:
         try:
             with torch.no_grad():
                 self._set_rng_state(before)
+                args, kwargs = inputs()
                 with _exact_children(kids, self.out_dtypes, self.dev.type), low_ops:
                     low = module(*fresh_copy(args), **fresh_copy(kwargs))
                 self._set_rng_state(before)
+                args, kwargs = inputs()
                 with _exact_children(kids, {}, self.dev.type), torch.autocast(self.dev.type, enabled=False), ref_ops:
                     ref = module(*copy_as(args, dtype), **copy_as(kwargs, dtype))
-        except Exception:  # a module that cannot run this way on these inputs: no own error for it
+        except Exception as err:  # a module that cannot run this way on these inputs: no own error for it, said so
+            rec.unmeasured.setdefault(p, f"a rerun of it failed ({type(err).__name__}: {_first_line(err)})")
             return
         finally:
             self.busy = False
@@ -774,6 +792,63 @@ def _plain(obj) -> bool:
     if isinstance(obj, dict):
         return all(_plain(v) for v in obj.values())
     return False
+
+
+#: the most tensor bytes copied to rerun one call on the state it began with (a KV cache); beyond, no own error
+STATE_COPY_CAP = 256 << 20
+
+
+def _tensors_inside(obj, found: dict[int, torch.Tensor], seen: set[int], depth: int = 0) -> None:
+    """Every tensor reachable from obj through attributes, slots, lists, tuples, dicts and sets, by id."""
+    if id(obj) in seen or depth > 8:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found[id(obj)] = obj
+        return
+    if isinstance(obj, _PLAIN) or isinstance(obj, (type, nn.Module)) or callable(obj):
+        return
+    if isinstance(obj, Mapping):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    else:
+        items = list(getattr(obj, "__dict__", {}).values())
+        items += [getattr(obj, s) for s in getattr(type(obj), "__slots__", ()) if hasattr(obj, s)]
+    for o in items:
+        _tensors_inside(o, found, seen, depth + 1)
+
+
+def _stateful_copy(obj):
+    """obj with every object in it that is not a tensor, a plain value or a container of them deep-copied, the
+    tensors inside those as detached clones: the state a call began with, for a rerun that must not change it.
+    None if it cannot be copied (a module inside, a lock, a file) or holds more than STATE_COPY_CAP tensor bytes."""
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        items = [_stateful_copy(o) for o in obj]
+        if any(i is None and o is not None for i, o in zip(items, obj)):
+            return None
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        out = {k: _stateful_copy(v) for k, v in obj.items()}
+        return None if any(out[k] is None and v is not None for k, v in obj.items()) else out
+    found: dict[int, torch.Tensor] = {}
+    _tensors_inside(obj, found, set())
+    if sum(t.numel() * t.element_size() for t in found.values()) > STATE_COPY_CAP:
+        return None
+    memo: dict[int, Any] = {i: t.detach().clone() for i, t in found.items()}
+    memo[id(memo)] = list(found.values())  # deepcopy's keep-alive list: the originals stay alive while it copies
+    try:
+        return copy.deepcopy(obj, memo)
+    except Exception:  # an object deepcopy refuses (a lock, a generator, a non-leaf tensor it found itself)
+        return None
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message, at most 120 characters."""
+    text = (str(err).strip().splitlines() or [""])[0]
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _cast_like(obj, dtypes: Iterator[torch.dtype]):

@@ -118,7 +118,7 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
     rec = _choose(supported, dev, findings)
     ev.verdicts.setdefault(rec, {"status": "unsupported", "fp32_modules": [], "reason": "not examined"})
     report = Report(findings, rec, ev.scale, list(ev.verdicts[rec].get("fp32_modules", [])), str(dev), ev.verdicts,
-                    ev.gradients, ev.audit, _module_table(ctx, ev), notes=_notes(dev))
+                    ev.gradients, ev.audit, _module_table(ctx, ev), notes=_notes(dev) + _unmeasured(ctx, ev))
     report.advice = _advice(report, ev)
     return report
 
@@ -208,6 +208,20 @@ def _notes(dev: torch.device) -> list[str]:
         return ["Measured with CPU autocast, whose op lists differ from CUDA's (on CPU, layer_norm and softmax of a "
                 "low-precision input stay low; CUDA runs them in fp32): run the doctor on the GPU you train on too."]
     return [f"Measured with {dev.type} autocast."]
+
+
+def _unmeasured(ctx: Context, ev: Evidence) -> list[str]:
+    """A note for each module whose inline code ran fp16/bf16 ops but whose own error could not be measured: a silent
+    gap would read as "nothing wrong there"."""
+    out = []
+    for n in ctx.order:
+        why = {p: res.records[n].unmeasured[p] for p, res in ev.passes.items()
+               if n in res.records and p in res.records[n].unmeasured}
+        for reason in dict.fromkeys(why.values()):
+            precs = ", ".join(p for p, r in why.items() if r == reason)
+            out.append(f"The own error of {quoted(n)} (inline in forward) was not measured in {precs}: {reason}. "
+                       "Its output error and any inf/NaN origin in it are still reported.")
+    return out
 
 
 def _sentence(text: str) -> str:
