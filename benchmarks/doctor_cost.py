@@ -142,17 +142,41 @@ def peak_child(name: str, what: str, device: str) -> None:
         base = torch.cuda.memory_allocated(dev)
     else:
         base = _reset_peak_rss()
-    if what == "step":
-        _loss(model, x, y, loss_fn).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    else:
-        examine(model, x, y, loss_fn=loss_fn, optimizer=opt)
+    what, _, measure = what.partition(":")
+
+    def work() -> None:
+        if what == "step":
+            _loss(model, x, y, loss_fn).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            examine(model, x, y, loss_fn=loss_fn, optimizer=opt)
+
+    if measure == "tensors":  # CPU: what the allocator gave tensors, as max_memory_allocated counts on CUDA
+        print(json.dumps({"peak_above_setup": tensor_peak(work)}))
+        return
+    work()
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev)
     else:
         peak = _status_bytes("VmHWM")
     print(json.dumps({"peak_above_setup": peak - base}))
+
+
+def tensor_peak(fn) -> int:
+    """Peak bytes of CPU tensor memory that fn() allocated above what was live before it: the running sum of the
+    allocator's [memory] events, which torch.profiler records with profile_memory=True (every thread's, so autograd's
+    too). Unlike the resident set size, it leaves out code, libraries and pages first touched on this call."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+                     and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def _status_bytes(field: str) -> int:
@@ -172,13 +196,18 @@ def _reset_peak_rss() -> int:
 
 
 def peaks(name: str, device: str) -> dict:
-    """Peak bytes above setup for a plain training step and for examine(), each in its own process."""
-    out = {}
-    for what in ("step", "examine"):
-        run = subprocess.run([sys.executable, __file__, "--child", name, what, "--device", device],
-                             capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        out[what] = json.loads(run.stdout.strip().splitlines()[-1])["peak_above_setup"]
-    out["ratio"] = out["examine"] / out["step"] if out["step"] else float("nan")
+    """Peak bytes above setup for a plain training step and for examine(), each in its own process: on CUDA the
+    allocator's peak; on CPU the resident set size (everything the process touched: code, libraries, first-use pages)
+    and, in two more processes, the tensor memory alone ("tensors", the figure comparable with CUDA's)."""
+    out: dict = {}
+    kinds = [("", "")] + ([(":tensors", "tensors_")] if torch.device(device).type == "cpu" else [])
+    for suffix, key in kinds:
+        for what in ("step", "examine"):
+            run = subprocess.run([sys.executable, __file__, "--child", name, what + suffix, "--device", device],
+                                 capture_output=True, text=True, check=True,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+            out[key + what] = json.loads(run.stdout.strip().splitlines()[-1])["peak_above_setup"]
+        out[key + "ratio"] = out[key + "examine"] / out[key + "step"] if out[key + "step"] else float("nan")
     return out
 
 
@@ -211,7 +240,9 @@ def main() -> None:
               + (f"(goal <= {GOAL:g}x: {'met' if t['ratio'] <= GOAL else 'missed'})" if big else
                  "(step < 5 ms: fixed overhead)") + f", {t['over_floor']:.2f}x the floor")
         print(f"{name}: peak above setup: plain step {m['step'] / 2**20:.1f} MiB, examine {m['examine'] / 2**20:.1f} MiB "
-              f"(ratio {m['ratio']:.2f})")
+              f"(ratio {m['ratio']:.2f})" + (f"; tensors alone: plain step {m['tensors_step'] / 2**20:.2f} MiB, examine "
+                                             f"{m['tensors_examine'] / 2**20:.2f} MiB (ratio {m['tensors_ratio']:.2f})"
+                                             if "tensors_ratio" in m else ""))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2)
