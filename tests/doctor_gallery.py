@@ -387,6 +387,56 @@ def _fused_setup(seed: int, safe: bool) -> Setup:
     return Setup(model, x, y, _xent, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
 
 
+class _LogSoftmaxFn(torch.autograd.Function):
+    """log_softmax with a hand-written backward. Forward computes in fp32 (safe); to save memory it keeps the
+    log-sum-exp in the input's dtype, and the backward recomputes softmax = exp(x - lse) there: with logits near 1000
+    (bf16's spacing 8) x - lse loses every digit, so the gradients come back finite and wrong."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xf = x.float()
+        lse = torch.logsumexp(xf, -1, keepdim=True)
+        ctx.save_for_backward(x, lse.to(x.dtype))  # the planted saving: lse in x's dtype
+        return xf - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse = ctx.saved_tensors
+        p = torch.exp(x - lse)
+        return (grad - p * grad.sum(-1, keepdim=True)).to(x.dtype)
+
+
+class FusedLogSoftmax(nn.Module):
+    """log_softmax through _LogSoftmaxFn."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LogSoftmaxFn.apply(x)
+
+
+class OffsetLogitNet(nn.Module):
+    """stem -> ReLU -> head (bias 1000: logits near 1000, which softmax does not mind) -> logp (custom backward)."""
+
+    def __init__(self, d_in: int = 16, dim: int = 32, classes: int = 10):
+        super().__init__()
+        self.stem, self.head, self.logp = nn.Linear(d_in, dim), nn.Linear(dim, classes), FusedLogSoftmax()
+        with torch.no_grad():
+            self.head.bias.fill_(1000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logp(self.head(torch.relu(self.stem(x))))
+
+
+def _nll(logp: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.nll_loss(logp.float(), y)
+
+
+def build_custom_backward_precision(seed: int) -> Setup:
+    seed_all(seed)
+    model = OffsetLogitNet()
+    x, y = _classify(seed, 64, 16)
+    return Setup(model, x, y, _nll, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+
 # -- class 3: the optimizer step's real outcome ----------------------------------------------------------------------
 
 class NormMLP(nn.Module):
@@ -686,6 +736,9 @@ CASES: tuple[Case, ...] = (
     Case("custom_backward", 2, "custom autograd.Function: safe forward, its backward overflows fp16 (x*x)",
          lambda s: _fused_setup(s, safe=False), ("fp16",), ("norm",), ("aten::mul", "aten::pow"), "backward",
          fix=_islands("norm")),
+    Case("custom_backward_precision", 2, "custom autograd.Function: safe forward, its backward recomputes softmax "
+         "from a bf16 log-sum-exp (finite, wrong gradients)", build_custom_backward_precision, ("bf16",), ("logp",),
+         (), "backward", fix=_islands("logp"), watch=("stem.", "head.")),
     Case("pure_fp16_adamw", 3, "pure fp16 weights + AdamW(eps=1e-8): one step turns weights NaN",
          build_pure_fp16_adamw, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
          fix=_master_weights("fp16")),

@@ -156,6 +156,69 @@ def test_backward_only_overflow_in_a_custom_function_is_found():
     assert r.is_clean("bf16")
 
 
+class _LSEFn(torch.autograd.Function):
+    """log_softmax: a safe fp32 forward; the backward recomputes softmax from a log-sum-exp kept in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x):
+        lse = torch.logsumexp(x.float(), -1, keepdim=True)
+        ctx.save_for_backward(x, lse.to(x.dtype))
+        return x.float() - lse
+
+    @staticmethod
+    def backward(ctx, g):
+        x, lse = ctx.saved_tensors
+        return (g - torch.exp(x - lse) * g.sum(-1, keepdim=True)).to(x.dtype)
+
+
+class LSE(nn.Module):
+    def forward(self, x):
+        return _LSEFn.apply(x)
+
+
+class OffsetLogits(nn.Module):
+    def __init__(self, offset: float):
+        super().__init__()
+        self.stem, self.head, self.logp = nn.Linear(16, 32), nn.Linear(32, 10), LSE()
+        with torch.no_grad():
+            self.head.bias.fill_(offset)
+
+    def forward(self, x):
+        return self.logp(self.head(torch.relu(self.stem(x))))
+
+
+def _nll(out, y):
+    return F.nll_loss(out.float(), y)
+
+
+def test_finite_wrong_gradients_from_a_custom_backward_are_found_per_parameter_and_pinned():
+    """No inf/NaN and nothing wrong in forward: only the gradients show it, named parameter by parameter, and the
+    custom backward is pinned by an fp32 island that brings them back (the doctor before this check called bf16 clean
+    on the gallery's custom_backward_precision case)."""
+    from ampcourse.doctor import GRAD_TOL
+
+    torch.manual_seed(0)
+    model = OffsetLogits(1000.0)
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    r = examine(model, x, y, loss_fn=_nll)
+    per_param = [f for f in r.find("gradient_error", "bf16") if f.module != "logp"]
+    assert per_param and all(f.value > GRAD_TOL["bf16"] for f in per_param), r.summary()
+    assert {f.module for f in per_param} <= {"stem.weight", "stem.bias", "head.weight", "head.bias"}
+    [pinned] = [f for f in r.find("gradient_error", "bf16") if f.module == "logp"]
+    assert pinned.severity == "error" and "_LSEFnBackward" in pinned.message and "in fp32 they match" in pinned.message
+    assert r.verdicts["bf16"]["status"] == "islands" and r.verdicts["bf16"]["fp32_modules"] == ["logp"]
+    assert not r.find("nonfinite") and not r.find("backward_nonfinite", "bf16")
+
+
+def test_a_healthy_custom_backward_is_not_suspected():
+    torch.manual_seed(0)
+    model = OffsetLogits(0.0)  # logits near 0: bf16 keeps x - lse to its own precision
+    x, y = torch.randint(0, 1, (64, 16)).float() + torch.randn(64, 16), torch.randint(0, 10, (64,))
+    r = examine(model, x, y, loss_fn=_nll)
+    assert not r.find("gradient_error"), r.summary()
+    assert r.is_clean("bf16") and r.is_clean("fp16")
+
+
 # -- 3. the optimizer step's real outcome -------------------------------------------------------------------------
 
 def test_pure_fp16_adam_step_outcome_is_checked():

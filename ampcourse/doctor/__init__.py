@@ -29,8 +29,9 @@ states; gradients on, inference mode and the caller's autocast off, whatever the
    finite loss in its inline code is pinned on it, "(inline in forward)", with the op where it appears; a call
    handed a stateful object such as a KV cache is rerun on a copy of that object as the call found it, and where
    no copy can be made the report's notes say whose own error was not measured), the output, loss and gradient
-   errors against fp32, and per
-   parameter the share of its gradient that came back zero;
+   errors against fp32 (each parameter's own gradient too, however small its share: with nothing wrong in forward,
+   the modules whose call made a custom ``autograd.Function`` are tried as fp32 islands, since their backward is
+   the one code no forward measure sees), and per parameter the share of its gradient that came back zero;
 3. fp32 islands (:func:`ampcourse.policy.apply_policy`) for the modules named, checked by rerunning both passes;
 4. an optimizer audit (:mod:`.audit`): a copy of the optimizer as it is takes one step; inf/NaN weights, the update
    against fp32 master weights, updates lost to rounding, Adam's second moment underflowing, the loss after it.

@@ -307,6 +307,9 @@ class ModuleRecord:
     inline_ops: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     #: non-leaf modules: per precision, why the own error of its inline code could not be measured (said in the report)
     unmeasured: dict[str, str] = field(default_factory=dict)
+    #: the custom autograd.Function backward node (such as "_FusedRMSFnBackward") behind this module's output, if its
+    #: own call made it: a backward no forward measure sees, tried as an fp32 island when gradients are off
+    custom_backward: str = ""
     calls: int = 0
 
 
@@ -476,6 +479,7 @@ class Tracker:
         self.counter = _Counter()  # histograms are filled in batches, at the latest when the pass ends
         self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its queued counts, gradient histograms)
         self.rng_before: dict[int, Any] = {}  # id(module) -> RNG state when it started (nothing stored on the model)
+        self.custom_nodes: dict[int, Any] = {}  # custom autograd.Function nodes claimed by a module this pass
         self.seen: set[str] = set()
         self.busy = False  # True while a module is being rerun in fp32: its own hooks stay quiet
         self.quiet = 0  # > 0 while the doctor's own measuring runs: the op watcher ignores those ops
@@ -500,6 +504,7 @@ class Tracker:
         for h in self.handles + self.grad_handles:
             h.remove()
         self.handles, self.grad_handles = [], []
+        self.custom_nodes.clear()  # the nodes hold the graph's saved tensors: not beyond the pass
         self.counter.flush()
 
     # where an op runs
@@ -565,6 +570,7 @@ class Tracker:
                     self._reference(name, rec, tensors)
                 elif tensors:
                     self.out_dtypes[name] = tuple(t.dtype for t in tensors)
+                    self._custom_backward(rec, tensors)
                     self._under_autocast(module, rec, ncall, tensors, args, kwargs)
             return None
         return hook
@@ -618,6 +624,15 @@ class Tracker:
             # Sampled per call for the model and its direct children only: enough to see where the output error
             # grows, at a fraction of the cost of every module (the op watch and the own errors localise further).
             rec.samples.append(sample(tensors[0]))
+
+    def _custom_backward(self, rec: ModuleRecord, tensors) -> None:
+        """Note a custom autograd.Function's backward node behind the outputs, on the innermost module whose call made
+        it (module hooks finish innermost first; a container returning the same tensor finds the node claimed)."""
+        for t in tensors:
+            node = t.grad_fn
+            if isinstance(node, torch.autograd.function.BackwardCFunction) and id(node) not in self.custom_nodes:
+                self.custom_nodes[id(node)] = node  # kept alive for the pass, so the id stays this node's
+                rec.custom_backward = rec.custom_backward or node.name()
 
     def _under_autocast(self, module, rec: ModuleRecord, ncall: int, tensors, args, kwargs) -> None:
         """Autocast pass: output dtype, inf/NaN, error of each call's output against the same fp32 call, own error."""

@@ -37,6 +37,10 @@ LOSS_TOL = {"fp16": 0.02, "bf16": 0.05}
 #: Deep healthy models are far from 0 here (a ResNet-18 layout with BatchNorm at batch 4 measured 0.18 in fp16), so
 #: the bar is where the gradient stops pointing the fp32 way: half its norm in fp16, its whole norm in bf16.
 GRAD_TOL = {"fp16": 0.5, "bf16": 1.0}
+#: A parameter whose fp32 gradient norm is below this share of the largest parameter's is left out of the per-parameter
+#: gradient check: its relative error measures rounding noise (a bias before a norm has a true gradient of 0).
+GRAD_PARAM_SHARE = 2.0**-10
+MAX_PARAM_FINDINGS = 3  # per precision, the worst parameters named one by one; the rest counted
 GRAD_MARGIN = 8.0  # the recommended scale keeps max|grad| x scale this many times below fp16's max
 UNDERFLOW_WARN = 0.01  # warn when more than 1% of the nonzero gradients flush to zero
 LAYER_UNDERFLOW_WARN = 0.5  # name a parameter that loses more than half of its gradient, however small the aggregate
@@ -99,6 +103,22 @@ def grad_error(res: PassResult) -> tuple[float, str]:
     return (math.sqrt(num / den) if den else 0.0), worst
 
 
+def bad_gradients(res: PassResult) -> list[tuple[str, float]]:
+    """(parameter, relative error) of each parameter whose own gradient in this pass is further from fp32's than
+    GRAD_TOL, worst first: however small its share of all gradients, since that parameter trains on it. Left out: inf/NaN
+    gradients (the backward rules' findings) and gradients negligible beside the largest (GRAD_PARAM_SHARE)."""
+    p = res.precision
+    top = max((g["den"] for g in res.grads.values() if math.isfinite(g["den"])), default=0.0)
+    bad = [(n, g["error"]) for n, g in res.grads.items()
+           if not g["nonfinite"] and top > 0 and g["den"] >= top * GRAD_PARAM_SHARE and g["error"] > GRAD_TOL[p]]
+    return sorted(bad, key=lambda b: -b[1])
+
+
+def custom_backwards(ctx: Context, res: PassResult) -> list[str]:
+    """Modules whose call made a custom autograd.Function node in this pass: backward code no forward measure sees."""
+    return [n for n in ctx.order if n in res.records and res.records[n].custom_backward]
+
+
 def output_error(ctx: Context, res: PassResult) -> float:
     """The model's final output's relative error against fp32 (sampled, same positions)."""
     return res.records[""].output_error.get(res.precision, 0.0) if "" in res.records else 0.0
@@ -118,6 +138,9 @@ def culprits(ctx: Context, res: PassResult) -> list[str]:
     out = [e.module for e in new_origins(ctx, res, "forward")[:1]]
     out += [e.module for e in new_origins(ctx, res, "backward")[:1]]
     out += lossy_modules(ctx, res)
+    if not out and bad_gradients(res):
+        # gradients off with nothing wrong in forward: the backward code that no forward measure sees is the suspect
+        out += custom_backwards(ctx, res)
     return list(dict.fromkeys(out))
 
 
@@ -125,7 +148,7 @@ def pass_ok(ctx: Context, res: PassResult) -> bool:
     """Nothing to fix in this pass: no new inf/NaN, no lossy leaf, output, loss and gradients within tolerance."""
     p = res.precision
     return (not culprits(ctx, res) and loss_gap(ctx, res) <= LOSS_TOL[p] and output_error(ctx, res) <= OUTPUT_TOL[p]
-            and (not res.grads or grad_error(res)[0] <= GRAD_TOL[p]))
+            and (not res.grads or (grad_error(res)[0] <= GRAD_TOL[p] and not bad_gradients(res))))
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
@@ -284,19 +307,44 @@ def output_and_loss(ev: Evidence) -> list[Finding]:
 
 
 def gradient_error(ev: Evidence) -> list[Finding]:
-    """The gradients of one autocast backward against fp32's (after unscaling), over all parameters."""
+    """The gradients of one autocast backward against fp32's (after unscaling): each parameter whose own gradient is
+    beyond GRAD_TOL (however small its share of the total), else all parameters together; and, where an fp32 island
+    on a custom autograd.Function's module brought them back, that module, named."""
     out = []
     for p, res in ev.passes.items():
         if not res.grads:
             continue
+        # after an inf/NaN the gradients are its consequence, which the origin's own error finding names
+        bad = [] if new_origins(ev.ctx, res, "forward") or new_origins(ev.ctx, res, "backward") else bad_gradients(res)
+        shown = bad[:MAX_PARAM_FINDINGS]
+        for i, (n, err) in enumerate(shown):
+            w = res.grads[n]
+            more = len(bad) - len(shown) if i == len(shown) - 1 else 0
+            out.append(Finding("gradient_error", n, p, err,
+                               f"The gradient of {quoted(n)} in one {p} backward differs from fp32's by {err:.3g} "
+                               f"(relative: error norm {w['num']:.3g} against its fp32 norm {w['den']:.3g}; tolerance "
+                               f"{GRAD_TOL[p]:.3g})" + (f"; so do {more} more parameter(s)" if more else ""),
+                               "warning", "backward"))
         err, worst = grad_error(res)
-        if math.isfinite(err) and err > GRAD_TOL[p]:
+        if not bad and math.isfinite(err) and err > GRAD_TOL[p]:
             w = res.grads[worst]
             out.append(Finding("gradient_error", worst, p, err,
                                f"The parameter gradients of one {p} backward differ from fp32's by {err:.3g} (relative, "
                                f"all parameters together; tolerance {GRAD_TOL[p]:.3g}); the largest share of it is "
                                f"{quoted(worst)} (error norm {w['num']:.3g} against its fp32 gradient norm {w['den']:.3g})", "warning",
                                "backward"))
+        tried = ev.verdicts.get(p, {}).get("tried_fp32_modules", [])
+        for m in (m for m in custom_backwards(ev.ctx, res) if bad and m in tried):
+            node = res.records[m].custom_backward
+            fixed = ev.verdicts[p]["status"] == "islands"
+            out.append(Finding("gradient_error", m, p, bad[0][1],
+                               f"{quoted(m).capitalize()} ({node} in backward): its custom backward is the one code "
+                               f"the forward measures cannot see, and the gradients are off ({quoted(bad[0][0])} by "
+                               f"{bad[0][1]:.3g}) with nothing wrong in forward; "
+                               + (f"with {quoted(m)} in fp32 they match fp32: run it in fp32, or give the backward fp32 "
+                                  "inputs (torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32), or .float() "
+                                  "in backward)" if fixed else f"{quoted(m)} in fp32 was tried and did not bring them back"),
+                               "error" if fixed else "warning", "backward"))
     return out
 
 
