@@ -539,3 +539,108 @@ def test_a_leaf_that_edits_its_input_in_place_is_not_blamed_by_its_rerun():
     r = examine(model, x, y, loss_fn=loss_fn)
     assert not r.find("precision_loss"), r.summary()
     assert r.is_clean("fp16") and r.is_clean("bf16")
+
+
+# -- a model that raises under autocast where fp32 runs ------------------------------------------------------------
+
+class MaskedAttention(nn.Module):
+    """Attention that masks with -1e9 inline: fine in fp32 and bf16, a value fp16 cannot hold (masked_fill raises)."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, mask):
+        scores = (self.q(x) @ self.k(x).transpose(-2, -1)) / 32 ** 0.5
+        return self.o(torch.softmax(scores.masked_fill(mask, -1e9), -1) @ self.v(x))
+
+
+class MaskedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn, self.head = nn.Linear(16, 32), MaskedAttention(), nn.Linear(32, 10)
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool)
+        mask[:, :, -1] = True  # the last position is padding
+        return self.head(self.attn(self.emb(x), mask)).mean(1)
+
+
+def test_an_op_that_raises_under_fp16_is_named_and_its_island_lets_the_model_run():
+    torch.manual_seed(0)
+    model, x, y = MaskedNet(), torch.randn(8, 6, 16), torch.randint(0, 10, (8,))
+    with pytest.raises(RuntimeError, match="Half"), torch.autocast("cpu", dtype=torch.float16):
+        model(x)  # the planted failure, as a learner meets it
+    r = examine(model, x, y, loss_fn=F.cross_entropy)
+    [f] = r.find("raises", "fp16")
+    assert f.severity == "error" and f.module == "attn" and f.op == "aten::masked_fill", r.summary()
+    assert "(inline in forward)" in f.message and "with 'attn' in fp32 it runs" in f.message
+    assert "cannot run on this data" not in r.summary()  # fp32 ran on the same data: the data is not the cause
+    assert r.verdicts["fp16"]["status"] == "islands" and r.verdicts["fp16"]["fp32_modules"] == ["attn"]
+    assert r.is_clean("bf16") and not r.find("raises", "bf16")
+    # the advice works: with the island, fp16 autocast runs and matches fp32
+    with torch.no_grad():
+        ref = float(F.cross_entropy(model(x), y))
+    apply_policy(model, {"attn": "fp32"})
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    assert abs(float(F.cross_entropy(out.float(), y)) - ref) / ref < 0.02
+
+
+class NoHalfKernel(nn.Module):
+    """Stands for an op this device or torch build has no fp16 kernel for."""
+
+    def forward(self, x):
+        if x.dtype == torch.float16:
+            raise RuntimeError('"fancy_op_cpu" not implemented for \'Half\'')
+        return x
+
+
+def test_a_missing_kernel_is_unsupported_not_a_finding_about_the_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), NoHalfKernel(), nn.Linear(32, 10))
+    r = examine(model, torch.randn(64, 16), torch.randint(0, 10, (64,)), loss_fn=F.cross_entropy)
+    assert r.verdicts["fp16"]["status"] == "unsupported" and "not implemented for 'Half'" in r.verdicts["fp16"]["reason"]
+    assert not r.find("raises") and r.is_clean("bf16")
+
+
+class DtypeCheck(nn.Module):
+    def forward(self, x):
+        if x.dtype != torch.float32:
+            raise TypeError(f"expects float32, got {x.dtype}")
+        return x
+
+
+def test_model_code_that_raises_outside_any_op_is_pinned_on_its_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), DtypeCheck(), nn.Linear(32, 10))
+    r = examine(model, torch.randn(64, 16), torch.randint(0, 10, (64,)), loss_fn=F.cross_entropy)
+    for p in ("fp16", "bf16"):
+        [f] = r.find("raises", p)
+        assert "expects float32" in f.message and f.severity == "error" and f.op == ""
+        assert f.module == "1" and f.message.startswith("'1' raises under")  # the module whose own code raised
+        assert r.verdicts[p]["status"] == "islands" and r.verdicts[p]["fp32_modules"] == ["1"]
+
+
+class CheckedTop(nn.Module):
+    """The model's own top-level forward refuses a low-precision activation: no fp32 island can reach it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.dtype != torch.float32:
+            raise TypeError(f"expects float32, got {h.dtype}")
+        return self.b(h)
+
+
+def test_top_level_code_that_raises_is_refused_and_fp32_is_advised():
+    torch.manual_seed(0)
+    r = examine(CheckedTop(), torch.randn(64, 16), torch.randint(0, 10, (64,)), loss_fn=F.cross_entropy)
+    for p in ("fp16", "bf16"):
+        assert r.verdicts[p]["status"] == "refused", r.verdicts[p]
+        [f] = r.find("raises", p)
+        assert f.module == "" and f.message.startswith("The model raises under")
+    assert "train in fp32" in r.summary()

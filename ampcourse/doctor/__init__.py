@@ -32,6 +32,8 @@ states; gradients on, inference mode and the caller's autocast off, whatever the
    errors against fp32 (each parameter's own gradient too, however small its share: with nothing wrong in forward,
    the modules whose call made a custom ``autograd.Function`` are tried as fp32 islands, since their backward is
    the one code no forward measure sees), and per parameter the share of its gradient that came back zero;
+   a pass that raises where fp32 ran (a constant fp16 cannot hold, a dtype check) is an error finding, ``raises``,
+   naming the op and module, and that module is tried in fp32 (a missing kernel on this device is ``unsupported``);
 3. fp32 islands (:func:`ampcourse.policy.apply_policy`) for the modules named, checked by rerunning both passes;
 4. an optimizer audit (:mod:`.audit`): a copy of the optimizer as it is takes one step; inf/NaN weights, the update
    against fp32 master weights, updates lost to rounding, Adam's second moment underflowing, the loss after it.

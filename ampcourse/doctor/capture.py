@@ -27,6 +27,7 @@ import copy
 import functools
 import math
 import random
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -427,12 +428,22 @@ class OpWatch(TorchDispatchMode):
         self.ops = 0
         self.inline_low: dict[tuple[str, int], int] = {}  # (module, call) -> inline fp16/bf16 compute ops in forward
         self._seen: dict[tuple, int] = {}
+        self.raised: OpEvent | None = None  # the first op that raised (a value fp16 cannot hold, a missing kernel)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = _mutated(func)
         before = all(_finite(args[i]) for i in written if i < len(args)) if written else True
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if self.raised is None and not self.tracker.quiet:
+                phase, module, ncall, inline, node = self.tracker.where()
+                low = next((str(t.dtype).removeprefix("torch.") for t in float_tensors(list(args))
+                            if t.dtype in _LOW), "")
+                self.raised = OpEvent(phase, module, ncall, inline, _op_name(func), 0, math.nan,
+                                      _input_max(list(args) + list(kwargs.values())), node, low)
+            raise
         if self.tracker.quiet or _is_view(func):
             return out
         outs = [t for t in float_tensors(out) if t.numel()]
@@ -480,6 +491,7 @@ class Tracker:
         self.counted: dict[int, tuple] = {}  # id(output tensor) -> (weakref, its queued counts, gradient histograms)
         self.rng_before: dict[int, Any] = {}  # id(module) -> RNG state when it started (nothing stored on the model)
         self.custom_nodes: dict[int, Any] = {}  # custom autograd.Function nodes claimed by a module this pass
+        self.raised_in: str | None = None  # the innermost module whose forward an exception left
         self.seen: set[str] = set()
         self.busy = False  # True while a module is being rerun in fp32: its own hooks stay quiet
         self.quiet = 0  # > 0 while the doctor's own measuring runs: the op watcher ignores those ops
@@ -560,6 +572,9 @@ class Tracker:
         def hook(module, args, kwargs, out):
             if self.busy:
                 return None
+            if self.raised_in is None and sys.exc_info()[1] is not None:
+                # called by always_call while an exception leaves this module's forward: the innermost such module
+                self.raised_in = name
             ncall = self.stack.pop()[1] if self.stack and self.stack[-1][0] == name else self.records[name].calls - 1
             rec = self.records[name]
             tensors = list(float_tensors(out))
@@ -913,8 +928,11 @@ class Context:
             self.ref_watch = _reference_run(self, {}, [], True, keep=False)[1]
         return self.ref_watch
 
-    def forward_loss(self, model: nn.Module, inputs) -> torch.Tensor:
-        """One forward pass and the loss, with the model's own errors turned into a ValueError about the data."""
+    def forward_loss(self, model: nn.Module, inputs, about_data: bool = True) -> torch.Tensor:
+        """One forward pass and the loss, with the model's own errors turned into a ValueError about the data (not
+        with about_data=False: under autocast, after the fp32 reference ran on the same data, the data is not it)."""
+        if not about_data:
+            return scalar_loss(call(model, inputs), self.targets, self.loss_fn)
         targets = self.targets if isinstance(self.targets, torch.Tensor) else None
         with data_errors(model, first_tensor(inputs), targets):
             return scalar_loss(call(model, inputs), self.targets, self.loss_fn)
@@ -972,6 +990,15 @@ def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[s
     return float(loss.detach()), watch
 
 
+class PassFailed(Exception):
+    """An autocast pass raised where the fp32 reference ran: the error, and the op and module where it was raised
+    (None when it was not an op: a Python check in the model's code)."""
+
+    def __init__(self, error: BaseException, where: OpEvent | None) -> None:
+        super().__init__(f"{type(error).__name__}: {_first_line(error)}")
+        self.error, self.where = error, where
+
+
 @dataclass
 class PassResult:
     """One pass under autocast, forward and backward: what it measured."""
@@ -1014,10 +1041,10 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
     # disabled one (the caller's autocast off), so the cache would carry fp16 weights into the bf16 pass: clear it.
     torch.clear_autocast_cache()
     try:
-        with tracker, torch.set_grad_enabled(backward):
+        with tracker, torch.set_grad_enabled(backward), _raising_as(watch):
             with watch:
                 with amp.autocast():
-                    loss = ctx.forward_loss(model, inputs)
+                    loss = ctx.forward_loss(model, inputs, about_data=False)
                 result.loss = float(loss.detach().float())
                 if backward and loss.requires_grad:
                     if tracker.tagging:
@@ -1038,6 +1065,20 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
         for _, p in params:
             p.grad = None
     return result
+
+
+@contextlib.contextmanager
+def _raising_as(watch: OpWatch):
+    """Turn what a pass raises (not running out of memory) into PassFailed, with the op where it was raised."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:
+        where, t = watch.raised, watch.tracker
+        if where is None and t.raised_in is not None:  # not an op: the module whose own code raised
+            where = OpEvent("forward", t.raised_in, -1, False, "", 0, math.nan, math.nan)
+        raise PassFailed(err, where) from err
 
 
 def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, float]]:

@@ -14,8 +14,8 @@ import torch.nn as nn
 from ..device import AmpSetup, pick
 from . import rules
 from .audit import audit
-from .capture import (Context, PassResult, Snapshot, autocast_pass, check_inputs, check_precisions, reference_pass,
-                      resolve_device, to_device)
+from .capture import (Context, PassFailed, PassResult, Snapshot, autocast_pass, check_inputs, check_precisions,
+                      reference_pass, resolve_device, to_device)
 from .report import Finding, Report, _sort_key, quoted
 from .rules import MAX_ISLANDS, Evidence
 
@@ -132,10 +132,11 @@ def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:
     scale = ev.scale if p == "fp16" else 1.0
     try:
         res = autocast_pass(ctx, amp, scale=scale)
-    except Exception as err:  # noqa: BLE001 (a model that cannot run in p here: say so, not a crash)
-        first = (str(err).splitlines() or [""])[0]
-        return {"status": "unsupported", "fp32_modules": [],
-                "reason": f"{p} autocast cannot run this model here: {type(err).__name__}: {first}"}
+    except PassFailed as fail:
+        if _missing_kernel(fail.error):  # this device or torch has no such kernel: nothing about the model
+            return {"status": "unsupported", "fp32_modules": [],
+                    "reason": f"{p} autocast cannot run this model here: {fail}"}
+        return _raised(ctx, ev, amp, scale, fail)
     ev.passes[p] = res
     base = {"native": amp.native, "units": amp.units, "loss": res.loss, "output_error": rules.output_error(ctx, res),
             "loss_gap": rules.loss_gap(ctx, res), "scale": scale}
@@ -150,13 +151,15 @@ def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:
             "tried_fp32_modules": islands, "loss_with_islands": fixed}
 
 
-def _islands_for(ctx: Context, amp: AmpSetup, res: PassResult, scale: float) -> tuple[str, list[str], float]:
-    """('clean' | 'islands' | 'refused', fp32 modules, loss): grow fp32 islands until a pass comes back clean."""
+def _islands_for(ctx: Context, amp: AmpSetup, res: PassResult, scale: float,
+                 start: Sequence[str] = ()) -> tuple[str, list[str], float]:
+    """('clean' | 'islands' | 'refused', fp32 modules, loss): grow fp32 islands (from start, those res ran with)
+    until a pass comes back clean."""
     p = amp.precision
     low = str(amp.amp_dtype).removeprefix("torch.")
     # Islands over half of the leaves autocast runs low are fp32 training in disguise: refuse instead.
     limit = min(MAX_ISLANDS, sum(r.leaf and r.dtype.get(p) == low for r in res.records.values()) // 2)
-    islands: list[str] = []
+    islands: list[str] = list(start)
     for _ in range(MAX_ISLANDS + 1):
         if rules.pass_ok(ctx, res):
             return ("islands" if islands else "clean"), islands, res.loss
@@ -164,8 +167,41 @@ def _islands_for(ctx: Context, amp: AmpSetup, res: PassResult, scale: float) -> 
         if not new or "" in new or len(islands) + len(new) > max(limit, 1):
             return "refused", islands + [n for n in new if n], res.loss
         islands += new
-        res = autocast_pass(ctx, amp, islands, scale=scale)
+        try:
+            res = autocast_pass(ctx, amp, islands, scale=scale)
+        except PassFailed:  # these islands make it raise: no set found
+            return "refused", islands, math.nan
     return "refused", islands, res.loss
+
+
+def _missing_kernel(err: BaseException) -> bool:
+    """An error that says this device or torch build lacks a kernel for the dtype, not that the model is wrong."""
+    return isinstance(err, NotImplementedError) or "not implemented for" in str(err)
+
+
+def _raised(ctx: Context, ev: Evidence, amp: AmpSetup, scale: float, fail: PassFailed) -> dict[str, Any]:
+    """The verdict when the model raises under autocast where fp32 ran: where (module, op), and whether running that
+    module in fp32 lets the rest be examined (then that pass is the precision's evidence, islands grown from it)."""
+    p, where = amp.precision, fail.where
+    raised = {"error": str(fail), "module": where.module if where else None, "op": where.op if where else "",
+              "phase": where.phase if where else "forward", "inline": bool(where and where.inline),
+              "node": where.node if where else ""}
+    refused = {"status": "refused", "fp32_modules": [], "tried_fp32_modules": [], "raised": raised, "scale": scale,
+               "native": amp.native, "units": amp.units, "loss": math.nan,
+               "reason": f"the model raises under {p} autocast where fp32 ran ({fail})"}
+    if not (where and where.module):
+        return refused  # not inside a module's call (the loss, or the model's own top level): no island can fix it
+    try:
+        res = autocast_pass(ctx, amp, [where.module], scale=scale)
+    except PassFailed:
+        return {**refused, "tried_fp32_modules": [where.module]}
+    ev.passes[p] = res
+    status, islands, fixed = _islands_for(ctx, amp, res, scale, start=[where.module])
+    if status != "refused":
+        del refused["reason"]  # the finding says what raised; the verdict line needs no more
+    return {**refused, "status": status, "fp32_modules": islands if status == "islands" else [],
+            "tried_fp32_modules": islands, "loss": res.loss, "loss_with_islands": fixed,
+            "output_error": rules.output_error(ctx, res), "loss_gap": rules.loss_gap(ctx, res)}
 
 
 def _choose(verdicts: Mapping[str, dict[str, Any]], dev: torch.device, findings: list[Finding]) -> str:

@@ -533,8 +533,32 @@ def model_precision(ev: Evidence) -> list[Finding]:
     return out
 
 
+def raises(ev: Evidence) -> list[Finding]:
+    """The model raises under autocast where fp32 ran (a constant fp16 cannot hold, a dtype check): where, and whether
+    that module in fp32 lets it run."""
+    out = []
+    for p, v in ev.verdicts.items():
+        r = v.get("raised")
+        if not r:
+            continue
+        m = r["module"]
+        at = (f"{quoted(m).capitalize()}" + (" (inline in forward)" if r["inline"] and r["phase"] == "forward" else "")
+              + (f" ({r['node']} in backward)" if r["phase"] == "backward" and r["node"] else "")
+              if m is not None else "The model")
+        op = f": {r['op']}" if r["op"] else ""
+        runs = v["status"] in ("clean", "islands") and m in v.get("fp32_modules", [])
+        fix = (f"with {quoted(m)} in fp32 it runs: run it in fp32 (an fp32 island), or make that code {p}-safe"
+               if runs else f"{quoted(m)} in fp32 was tried and it still fails" if m and m in v.get(
+                   "tried_fp32_modules", []) else "no fp32 island can reach it; make that code " + p + "-safe")
+        out.append(Finding("raises", m or "", p, math.inf,
+                           f"{at}{op} raises under {p} autocast, where fp32 ran: {r['error']}; {fix} (a constant "
+                           f"{p} holds, such as torch.finfo(t.dtype).min instead of -1e9, or an explicit .float())",
+                           "error", r["phase"], r["op"]))
+    return out
+
+
 RULES: Sequence[Callable[[Evidence], list[Finding]]] = (
-    reference_nonfinite, forward_origins, backward_origins, activation_overflow, precision_loss, output_and_loss,
+    raises, reference_nonfinite, forward_origins, backward_origins, activation_overflow, precision_loss, output_and_loss,
     gradient_error, gradient_scale, optimizer, model_precision)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 #: Every kind of finding, in the order the report sorts them within one severity. Add a kind here and a rule in
 #: rules.RULES that returns Findings of it (see the package docstring).
-KINDS = ("nonfinite", "backward_nonfinite", "activation_overflow", "precision_loss", "output_error", "loss_gap",
+KINDS = ("raises", "nonfinite", "backward_nonfinite", "activation_overflow", "precision_loss", "output_error", "loss_gap",
          "gradient_error", "gradient_overflow", "gradient_underflow", "layer_gradient_underflow",
          "optimizer_nonfinite", "optimizer_blowup", "lost_updates", "eps_underflow", "low_precision_model",
          "no_low_precision", "scaler_needed", "no_scaler_needed")
