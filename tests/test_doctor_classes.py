@@ -644,3 +644,73 @@ def test_top_level_code_that_raises_is_refused_and_fp32_is_advised():
         [f] = r.find("raises", p)
         assert f.module == "" and f.message.startswith("The model raises under")
     assert "train in fp32" in r.summary()
+
+
+# -- an optimizer of the learner's own that keeps its state low, on fp32 weights -----------------------------------
+
+class HalfStateAdam(torch.optim.Optimizer):
+    """Adam that keeps its second moment in fp16 "to save memory": g**2 below fp16's subnormals flushes to 0, and
+    m / (sqrt(v) + eps) then divides by eps alone."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, state_dtype=torch.float16):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+        self.state_dtype = state_dtype
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                st["step"] += 1
+                st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                st["exp_avg_sq"].mul_(b2).add_((p.grad * p.grad).to(self.state_dtype), alpha=1 - b2)
+                m = st["exp_avg"] / (1 - b1 ** st["step"])
+                v = st["exp_avg_sq"].float() / (1 - b2 ** st["step"])
+                p.add_(-g["lr"] * m / (v.sqrt() + g["eps"]))
+
+
+def _mlp_batch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
+    return model, torch.randn(64, 16), torch.randint(0, 10, (64,))
+
+
+def test_fp32_weights_with_an_optimizer_that_keeps_fp16_state_are_audited():
+    model, x, y = _mlp_batch()
+    probe = copy.deepcopy(model)
+    opt = HalfStateAdam(probe.parameters())
+    losses = []
+    for _ in range(2):  # the planted failure, as a learner meets it: one step and the loss explodes
+        opt.zero_grad()
+        loss = F.cross_entropy(probe(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[1] > 100 * losses[0]
+    r = examine(model, x, y, loss_fn=F.cross_entropy, optimizer=HalfStateAdam(model.parameters()))
+    bad = r.find("optimizer_blowup") + r.find("optimizer_nonfinite")
+    assert bad and bad[0].severity == "error" and bad[0].precision == "fp32", r.summary()
+    assert "keeps it in float16" in bad[0].message and "as far as the fp32-master step" not in bad[0].message
+    assert not r.is_clean("fp16") and not r.is_clean("bf16")
+    assert "every precision above first" in r.advice[0]
+
+
+def test_an_optimizer_of_ones_own_with_fp32_state_is_stepped_and_stays_quiet():
+    model, x, y = _mlp_batch()
+    r = examine(model, x, y, loss_fn=F.cross_entropy,
+                optimizer=HalfStateAdam(model.parameters(), state_dtype=torch.float32))
+    assert r.optimizer["stepped"] and r.optimizer["state_dtypes"] == ["float32"]
+    assert not r.find("optimizer_blowup") and not r.find("optimizer_nonfinite") and r.is_clean("bf16")
+
+
+def test_torch_optimizers_on_fp32_weights_are_not_stepped():
+    model, x, y = _mlp_batch()
+    r = examine(model, x, y, loss_fn=F.cross_entropy, optimizer=torch.optim.AdamW(model.parameters()))
+    assert r.optimizer["stepped"] is False and r.is_clean("bf16")

@@ -111,8 +111,11 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
                 if in_state and range_counts([eps], 1.0, fmt)["underflow"]:
                     out["eps"].append({"group": gi, "eps": float(eps), "format": fmt, "params": len(in_state),
                                        "first": names.get(id(in_state[0]), f"param_groups[{gi}]")})
-    if out["fp32_master_weights"]:
-        # fp32 weights and state: the step *is* the fp32-master step; nothing of it depends on low precision.
+    # fp32 weights and fp32 state: the step *is* the fp32-master step, nothing of it depends on low precision. The
+    # state is known fp32 once it exists, or before the first step for torch's own optimizers (they make it like the
+    # parameter); any other optimizer may keep its state low (8-bit, fp16 moments), so its step is taken and checked.
+    builtin = type(optimizer).__module__.startswith("torch.optim")
+    if out["fp32_master_weights"] and all(d == "float32" for d in state_dtypes) and (state_dtypes or builtin):
         out.update(nonfinite_after=0, lost_update_share=0.0, loss_before=ctx.ref_loss, loss_after=math.nan,
                    loss_after_master=math.nan, stepped=False)
         return out
@@ -121,9 +124,16 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
     except Exception as err:  # noqa: BLE001 (an optimizer we cannot copy: say so, never rebuild it differently)
         out["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
         return out
+    out["stepped"] = True
+    out["state_dtypes"] = sorted({_dt(v) for st in opt_a.state.values() for v in st.values()
+                                  if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0}
+                                 ) or out["state_dtypes"]
     low = [p for p in params if p.dtype in _LOW and id(p) in grads]
+    low_state = [p for p in params if id(p) in grads and _state_dtype(optimizer, p) in _LOW]
     master, opt_m = actual, opt_a
-    if low:
+    # with no low state before the step (an optimizer that makes its own), there is no fp32-state step to compare with
+    out["master_reference"] = bool(low or low_state)
+    if low or low_state:
         try:
             master, opt_m = step_copy(optimizer, params, grads, torch.float32)
         except Exception as err:  # noqa: BLE001
@@ -175,7 +185,7 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
     by_name = {names[i]: c for i, c in actual.items() if i in names}
     out["loss_before"] = ctx.ref_loss
     out["loss_after"] = _loss_with(ctx, by_name)
-    if master is not None and low:
+    if master is not None and (low or low_state):
         out["loss_after_master"] = _loss_with(ctx, {names[i]: c for i, c in master.items() if i in names})
     else:
         out["loss_after_master"] = out["loss_after"] if master is not None else math.nan

@@ -288,8 +288,10 @@ def _advice(r: Report, ev: Evidence) -> list[str]:
         why = ("no op made inf/NaN, no module passed the error tolerance, and the output, loss and gradients match "
                "fp32" if status == "clean" else
                f"clean once {', '.join(quoted(n) for n in r.fp32_modules)} run in fp32 (the snippet below applies it)")
-        warned = [f for f in r.findings if f.precision == rec and f.severity != "info"]
-        caveat = f" Read the {len(warned)} warning(s) on {rec} above first." if warned else ""
+        warned = [f for f in r.findings if f.precision in (rec, "fp32") and f.severity != "info"]
+        caveat = (f" Read the {len(warned)} error(s) and warning(s) on {rec} or every precision above first."
+                  if any(f.precision == "fp32" for f in warned) else
+                  f" Read the {len(warned)} warning(s) on {rec} above first." if warned else "")
         out.append(f"Use {rec} autocast: {why} (loss {loss:.4g} against {ref_loss:.4g} in fp32)"
                    + (f"; {others}" if others else "") + "." + caveat)
     if ev.ctx.dev.type == "cpu":

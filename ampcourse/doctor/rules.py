@@ -469,20 +469,31 @@ def optimizer(ev: Evidence) -> list[Finding]:
                         f"({a['error']}): nothing about its step was checked", "info", "optimizer")]
     fmt = "bf16" if "bfloat16" in a["param_dtypes"] else "fp16" if "float16" in a["param_dtypes"] else "fp32"
     master_ok = math.isfinite(a.get("loss_after_master", math.nan))
-    fix = ("keep fp32 master weights: fp32 parameters + autocast, so the optimizer's state is fp32 too"
-           + (" (or ampcourse.optim.BF16AdamW for bf16 weights)" if fmt == "bf16" else ""))
+    low_state = [d for d in a.get("state_dtypes", []) if d in ("float16", "bfloat16")]
+    if a["fp32_master_weights"] and low_state:
+        # fp32 weights, low-precision state (fmt stays "fp32": the step is the same whatever the autocast precision)
+        fix = (f"keep the optimizer's state in fp32: {a['class']} keeps it in {', '.join(low_state)} (use torch.optim's "
+               "own optimizers, or that optimizer's fp32-state option)")
+    else:
+        fix = ("keep fp32 master weights: fp32 parameters + autocast, so the optimizer's state is fp32 too"
+               + (" (or ampcourse.optim.BF16AdamW for bf16 weights)" if fmt == "bf16" else ""))
     checked = (f" (checked: the same step with fp32 master weights and fp32 state gives loss "
-               f"{a['loss_after_master']:.4g})" if master_ok and not a["fp32_master_weights"] else "")
+               f"{a['loss_after_master']:.4g})" if master_ok and not a["fp32_master_weights"] else
+               f" (checked: the same step with its state cast to fp32 gives loss {a['loss_after_master']:.4g})"
+               if master_ok and a.get("master_reference") and low_state else "")
     if a["nonfinite_after"]:
         worst = max(a["params"], key=lambda n: a["params"][n]["nonfinite_after"])
         out.append(Finding("optimizer_nonfinite", worst, fmt, float(a["nonfinite_after"]),
                            f"One {a['class']} step makes {a['nonfinite_after']} weight(s) inf/NaN (first "
                            f"{quoted(worst)}): {fix}{checked}", "error", "optimizer"))
     after, before = a.get("loss_after", math.nan), a.get("loss_before", math.nan)
-    ratios = {n: r["update_ratio"] for n, r in a["params"].items() if "update_ratio" in r}
+    ratios = {n: r["update_ratio"] for n, r in a["params"].items()
+              if "update_ratio" in r and a.get("master_reference", True)}
     worst_ratio = max(ratios, key=ratios.get, default=None)
-    blown = (math.isfinite(before) and master_ok and (not math.isfinite(after) or after > max(2 * abs(before),
-                                                                                              before + 1.0)))
+    # without an fp32-state step to compare with, the loss after the step is judged on its own
+    reference_ok = master_ok or not a.get("master_reference", True)
+    blown = (math.isfinite(before) and reference_ok and (not math.isfinite(after) or after > max(2 * abs(before),
+                                                                                                 before + 1.0)))
     if not a["nonfinite_after"] and (blown or (worst_ratio and ratios[worst_ratio] > BLOWUP_RATIO)):
         sq = a.get("second_moment_underflow")
         why = (f"; {sq:.0%} of Adam's second moment underflowed to zero in the {fmt} state, so m/(sqrt(v)+eps) "
