@@ -305,3 +305,25 @@ def test_a_child_that_cannot_be_wrapped_leaves_every_other_child_as_it_was(monke
         with capture._exact_children(kids, {}, "cpu"):
             pass
     assert "forward" not in model[0].__dict__ and model[1].__dict__["forward"] is own
+
+
+class InPlaceBlock(nn.Module):
+    """Halves its input in place, then computes inline: its own error cannot be measured by a rerun."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)
+        return self.fc(x) * 1.5 + x @ self.fc.weight.t()
+
+
+def test_inline_code_whose_module_edits_its_input_in_place_is_said_to_be_unmeasured():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), InPlaceBlock(), nn.Linear(32, 10))
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    report = examine(model, x, y, loss_fn=F.cross_entropy)
+    assert not _own_error(report, "1")
+    [note] = [n for n in report.notes if "not measured" in n]
+    assert note.startswith("The own error of '1' (inline in forward) was not measured in fp16, bf16") and "in place" in note

@@ -665,7 +665,11 @@ class Tracker:
             return  # not a rerun module, or a policy already decides its precision
         before, versions, state = before
         if versions != [t._version for t in float_tensors(args)]:
-            return  # it changed its inputs in place: a rerun would see other inputs, so no own error for it
+            # it changed its inputs in place: a rerun would see other inputs, so no own error for it (said, when it
+            # is inline code that ran low-precision ops: the leaves that do so are exact ones such as ReLU(inplace))
+            if not rec.leaf and self.watch is not None and self.watch.inline_low.get((rec.name, ncall)):
+                rec.unmeasured.setdefault(p, "it changes its inputs in place, so a rerun would see other inputs")
+            return
         if not rec.leaf:
             if bad == 0 and self.watch is not None and self.watch.inline_low.get((rec.name, ncall)):
                 if _plain(args) and _plain(kwargs):
