@@ -714,3 +714,27 @@ def test_torch_optimizers_on_fp32_weights_are_not_stepped():
     model, x, y = _mlp_batch()
     r = examine(model, x, y, loss_fn=F.cross_entropy, optimizer=torch.optim.AdamW(model.parameters()))
     assert r.optimizer["stepped"] is False and r.is_clean("bf16")
+
+
+def test_gradients_off_behind_a_saturated_softmax_name_the_attention_that_holds_them():
+    """Llama's eager attention upcasts its softmax, so its forward output stays within tolerance; with q/k weights
+    x200 the logits reach the thousands and bf16's rounding of them moves the saturated softmax's gradients: the
+    per-parameter check sees it, and the attention module holding q_proj and k_proj is the one named."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for proj in (model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj):
+            proj.weight.mul_(200)
+    g = torch.Generator().manual_seed(1000)
+    ids = torch.randint(0, 128, (8, 16), generator=g)
+    r = examine(model, {"input_ids": ids, "labels": ids.clone()})
+    assert not r.find("precision_loss", "bf16") and not r.find("nonfinite")  # nothing to see in forward
+    params = {f.module for f in r.find("gradient_error", "bf16")}
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"} <= params, r.summary()
+    assert "model.layers.0.self_attn" in params and not r.is_clean("bf16")

@@ -119,6 +119,29 @@ def custom_backwards(ctx: Context, res: PassResult) -> list[str]:
     return [n for n in ctx.order if n in res.records and res.records[n].custom_backward]
 
 
+def inline_ancestors(ctx: Context, res: PassResult, params: Sequence[str]) -> list[str]:
+    """The modules that hold these parameters' modules and run fp16/bf16 ops inline, nearest first: their inline
+    code's backward (a softmax saturated by large logits, say) is where those gradients pass first. Not the model
+    itself: an island on it is fp32 training."""
+    inline = {m for (m, _), n in res.watch.inline_low.items() if n}
+    out: list[str] = []
+    for name in params:
+        owner = _owner(name)
+        while owner:
+            owner = owner.rpartition(".")[0] if "." in owner else ""
+            if owner and owner in inline and owner not in out:
+                out.append(owner)
+                break
+    return out
+
+
+def gradient_suspects(ctx: Context, res: PassResult) -> list[str]:
+    """Where to look when gradients are off with nothing wrong in forward: custom backwards, then the inline code
+    nearest the parameters whose gradients are off."""
+    bad = [n for n, _ in bad_gradients(res)]
+    return list(dict.fromkeys(custom_backwards(ctx, res) + inline_ancestors(ctx, res, bad))) if bad else []
+
+
 def output_error(ctx: Context, res: PassResult) -> float:
     """The model's final output's relative error against fp32 (sampled, same positions)."""
     return res.records[""].output_error.get(res.precision, 0.0) if "" in res.records else 0.0
@@ -140,7 +163,7 @@ def culprits(ctx: Context, res: PassResult) -> list[str]:
     out += lossy_modules(ctx, res)
     if not out and bad_gradients(res):
         # gradients off with nothing wrong in forward: the backward code that no forward measure sees is the suspect
-        out += custom_backwards(ctx, res)
+        out += gradient_suspects(ctx, res)
     return list(dict.fromkeys(out))
 
 
@@ -334,16 +357,21 @@ def gradient_error(ev: Evidence) -> list[Finding]:
                                f"{quoted(worst)} (error norm {w['num']:.3g} against its fp32 gradient norm {w['den']:.3g})", "warning",
                                "backward"))
         tried = ev.verdicts.get(p, {}).get("tried_fp32_modules", [])
-        for m in (m for m in custom_backwards(ev.ctx, res) if bad and m in tried):
+        for m in (m for m in gradient_suspects(ev.ctx, res) if bad and m in tried):
             node = res.records[m].custom_backward
             fixed = ev.verdicts[p]["status"] == "islands"
+            what = (f"{quoted(m).capitalize()} ({node} in backward): its custom backward is the one code the forward "
+                    "measures cannot see" if node else
+                    f"{quoted(m).capitalize()} (inline in forward, and its backward): the first code the gradients of "
+                    "its parameters' modules pass through on their way back")
+            how = ("give the backward fp32 inputs (torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32), "
+                   "or .float() in backward)" if node else "keep that code in fp32 (torch.autocast(..., "
+                   "enabled=False) on .float() inputs)")
             out.append(Finding("gradient_error", m, p, bad[0][1],
-                               f"{quoted(m).capitalize()} ({node} in backward): its custom backward is the one code "
-                               f"the forward measures cannot see, and the gradients are off ({quoted(bad[0][0])} by "
-                               f"{bad[0][1]:.3g}) with nothing wrong in forward; "
-                               + (f"with {quoted(m)} in fp32 they match fp32: run it in fp32, or give the backward fp32 "
-                                  "inputs (torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32), or .float() "
-                                  "in backward)" if fixed else f"{quoted(m)} in fp32 was tried and did not bring them back"),
+                               f"{what}; the gradients are off ({quoted(bad[0][0])} by {bad[0][1]:.3g}) with nothing "
+                               "wrong in forward; "
+                               + (f"with {quoted(m)} in fp32 they match fp32: run it in fp32, or {how}" if fixed
+                                  else f"{quoted(m)} in fp32 was tried and did not bring them back"),
                                "error" if fixed else "warning", "backward"))
     return out
 
