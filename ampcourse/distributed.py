@@ -544,13 +544,29 @@ def _stop_orphans(sessions: set[int]) -> None:
     if not sessions:
         return
     own = os.getsid(0)
+    killed = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         fields = _stat(int(stat.parent.name))
         if len(fields) > 3 and int(fields[3]) in sessions and int(fields[3]) != own:
             try:
                 os.kill(int(stat.parent.name), signal.SIGKILL)
+                killed.append(int(stat.parent.name))
             except (ProcessLookupError, PermissionError):
                 pass
+    _wait_gone(killed)
+
+
+def _wait_gone(pids: Sequence[int], timeout: float = 10.0) -> None:
+    """Wait until each process is gone or a zombie (dead, waiting for its parent to reap it), at most `timeout` s.
+
+    A SIGKILL takes effect when the process is next scheduled: on a loaded machine that is later, and a launch
+    that returned at once would leave its workers alive for a moment (CI saw one).
+    """
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if (f := _stat(p)) and f[0] != "Z"]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = [p for p in left if (f := _stat(p)) and f[0] != "Z"]
 
 
 class _LaunchStatus:
@@ -637,6 +653,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
                 os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    _wait_gone(family)  # torchrun itself is reaped by the caller's proc.wait()
 
 
 _SLURM_FIELDS = ("job_name", "nodes", "gpus_per_node", "cpus_per_task", "time", "port", "max_restarts", "train_args")
