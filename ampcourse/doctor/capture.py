@@ -1050,17 +1050,22 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
                 with amp.autocast():
                     loss = ctx.forward_loss(model, inputs, about_data=False)
                 result.loss = float(loss.detach().float())
-                if backward and loss.requires_grad:
-                    if tracker.tagging:
-                        tracker.tag([loss], ("", -1))
-                    scaler = torch.amp.GradScaler(ctx.dev.type, init_scale=scale, enabled=scale != 1.0)
-                    scaled = scaler.scale(loss)
+            if backward and loss.requires_grad:
+                if tracker.tagging:
+                    tracker.tag([loss], ("", -1))
+                scaler = torch.amp.GradScaler(ctx.dev.type, init_scale=scale, enabled=scale != 1.0)
+                scaled = scaler.scale(loss)
+                # The backward's only use of the op watch is an inf/NaN's origin: it runs watched (and tagged) only
+                # in the rerun below, when the loss or a parameter's gradient came back inf/NaN (what a GradScaler
+                # skips a step for). A healthy pass skips a Python call per backward op.
+                with watch if tag else contextlib.nullcontext():
                     tracker.in_backward = True
                     scaled.backward()
                     tracker.in_backward = False
         if backward:
             result.grads = _compare_grads(ctx, params, scale)
-        if backward and not tag and any(e.phase == "backward" for e in watch.origins):
+        if backward and not tag and (not math.isfinite(result.loss)
+                                     or any(g["nonfinite"] for g in result.grads.values())):
             remove_policy(model)
             return autocast_pass(ctx, amp, islands, scale, backward, tag=True)
     finally:
