@@ -331,8 +331,9 @@ def output_and_loss(ev: Evidence) -> list[Finding]:
 
 def gradient_error(ev: Evidence) -> list[Finding]:
     """The gradients of one autocast backward against fp32's (after unscaling): each parameter whose own gradient is
-    beyond GRAD_TOL (however small its share of the total), else all parameters together; and, where an fp32 island
-    on a custom autograd.Function's module brought them back, that module, named."""
+    beyond GRAD_TOL (however small its share of the total), else all parameters together; and each suspect tried as
+    an fp32 island (a custom autograd.Function's module, the inline code nearest the parameters), named with whether
+    that island brought them back."""
     out = []
     for p, res in ev.passes.items():
         if not res.grads:
