@@ -634,7 +634,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     names = _check_precisions(precisions)
     steps = _args.integer(steps, "steps", low=1)
     seed = _args.seed(seed)
-    lr = _args.real(lr, "lr", positive=True)
+    lr, _ = _train.optimizer_settings(lr)  # within float32's range, or the first step fails inside torch
     batch_size = _args.integer(batch_size, "batch_size", low=1)
     tolerance = _args.real(tolerance, "tolerance", positive=True)
     grad_clip = None if grad_clip is None else _args.real(grad_clip, "grad_clip", positive=True)
@@ -846,6 +846,18 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_plot_format(path: str) -> None:
+    """ValueError unless matplotlib can save a figure in the format `path`'s suffix names (no suffix: PNG)."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if not suffix:
+        return
+    from matplotlib.figure import Figure
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix not in formats:
+        raise ValueError(f"--plot {path!r}: matplotlib cannot write .{suffix} files; "
+                         f"end the name with one of {', '.join('.' + f for f in sorted(formats))} (e.g. trial.png)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a trial from the command line; 0 on success, 2 with one line on stderr for bad input."""
     try:
@@ -856,6 +868,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for flag, path in (("--out", args.out), ("--plot", args.plot)):  # before the work, not after it
             if path is not None:
                 _args.writable_file(path, flag)
+        if args.plot is not None:
+            _check_plot_format(args.plot)  # an unknown suffix fails now, not after every step has run
         if args.model not in models.MODELS:
             raise ValueError(f"--model must be one of {', '.join(models.MODELS)}, got {args.model!r}")
         precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]

@@ -62,7 +62,7 @@ from __future__ import annotations
 from .batches import batch_indices, local_indices
 from .cli import STRATEGIES, main
 from .loop import History, Parallel, train
-from .step import OPTIMIZERS, SCHEDULERS, StepStats, make_optimizer, make_scheduler, state_checksum, train_step
+from .step import OPTIMIZERS, SCHEDULERS, StepStats, make_optimizer, optimizer_settings, make_scheduler, state_checksum, train_step
 
 __all__ = ["History", "StepStats", "Parallel", "train", "train_step", "batch_indices", "local_indices",
-           "make_optimizer", "make_scheduler", "state_checksum", "main", "OPTIMIZERS", "SCHEDULERS", "STRATEGIES"]
+           "make_optimizer", "optimizer_settings", "make_scheduler", "state_checksum", "main", "OPTIMIZERS", "SCHEDULERS", "STRATEGIES"]

@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 
 from .. import _args, _scaler, checkpoint, models
 from ..device import AmpSetup, parse_precision, pick
-from .step import OPTIMIZERS, SCHEDULERS
+from .step import OPTIMIZERS, SCHEDULERS, optimizer_settings
 
 
 # Settings a resumed run must share with the checkpoint: they fix which samples each step sees
@@ -106,11 +106,35 @@ def _check_checkpoint_dir(directory: Path, resume: bool, ckpt: Path) -> None:
                          "that run, or choose an empty checkpoint_dir")
 
 
-def _check_resumable(state: dict, config: dict, path: Path, scheduler: bool) -> None:
-    """The checkpoint was written by a run with the same data order, precision (and schedule length)."""
+# GradScaler settings a resumed run must share: scaler.load_state_dict puts the checkpoint's back silently, so
+# scaler_kwargs={"growth_interval": 1000} on resume would go on growing at the old interval. init_scale is not
+# among them: a resumed scaler continues from the saved scale, as it should.
+_SCALER_MUST_MATCH = ("growth_factor", "backoff_factor", "growth_interval")
+
+
+def _sane_scaler_state(saved: Any) -> bool:
+    """True for a saved GradScaler state whose settings make sense (restore's checks refuse the others, clearly)."""
+    try:
+        _scaler.check_state(saved)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _check_resumable(state: dict, config: dict, path: Path, scheduler: bool,
+                     scaler_kwargs: dict[str, Any] | None = None) -> None:
+    """The checkpoint was written by a run with the same data order, precision, scaler settings (and schedule length).
+
+    scaler_kwargs: this run's checked GradScaler settings when its scaler is enabled (None: no scaler).
+    """
     saved = state.get("config", {})
     diffs = [f"{k}={saved.get(k)!r} in the checkpoint, {config[k]!r} now" for k in _MUST_MATCH
              if k in saved and saved[k] != config[k]]
+    saved_scaler = state.get("scaler")
+    if scaler_kwargs is not None and _sane_scaler_state(saved_scaler):  # an impossible one: CheckpointError later
+        now = {**_scaler.DEFAULTS, **scaler_kwargs}
+        diffs += [f"scaler_kwargs {k}={saved_scaler[k]!r} in the checkpoint, {now[k]!r} now" for k in _SCALER_MUST_MATCH
+                  if k in saved_scaler and saved_scaler[k] != now[k]]
     if scheduler and saved.get("steps", config["steps"]) != config["steps"]:
         diffs.append(f"steps={saved['steps']} in the checkpoint, {config['steps']} now (the LR schedule spans the "
                      "steps of the first run)")
@@ -128,7 +152,6 @@ def _check_arguments(*, steps, lr, seed, accum_steps, batch_size, rank, world_si
     weights_only=True like any other.
     """
     v = {"steps": _args.integer(steps, "steps", low=1, what="an int >= 1"),
-         "lr": _args.real(lr, "lr", positive=True),
          "seed": _args.seed(seed),
          "accum_steps": _args.integer(accum_steps, "accum_steps", low=1, what="an int >= 1 (1 = no accumulation)"),
          "batch_size": _args.integer(batch_size, "batch_size", low=1, what="an int >= 1 (the global batch size)"),
@@ -139,7 +162,7 @@ def _check_arguments(*, steps, lr, seed, accum_steps, batch_size, rank, world_si
     v["rank"] = _args.integer(rank, "rank", low=0, high=world - 1,
                               what=f"an int in 0..{world - 1} (world_size={world})")
     v["grad_clip"] = None if grad_clip is None else _args.real(grad_clip, "grad_clip", positive=True)
-    v["weight_decay"] = _args.real(weight_decay, "weight_decay", nonnegative=True)
+    v["lr"], v["weight_decay"] = optimizer_settings(lr, weight_decay)  # both within float32's range
     v["checkpoint_every"] = (None if checkpoint_every is None else
                              _args.integer(checkpoint_every, "checkpoint_every", low=1,
                                            what="an int >= 1 or None (only at the end)"))
@@ -271,7 +294,8 @@ def check_run(*, model, data, precision, steps, lr, seed, device, grad_clip, acc
         _check_checkpoint_dir(directory, v["resume"], ckpt)
         if v["resume"]:
             state = store.read(directory)
-            _check_resumable(state, config, ckpt, scheduler is not None)
+            scaled = scaler_kwargs.get("enabled", amp.use_scaler)
+            _check_resumable(state, config, ckpt, scheduler is not None, scaler_kwargs if scaled else None)
     return Run(steps=v["steps"], lr=v["lr"], seed=v["seed"], accum_steps=v["accum_steps"], batch_size=batch,
                grad_clip=v["grad_clip"], weight_decay=v["weight_decay"], checkpoint_every=v["checkpoint_every"],
                rank=v["rank"], world_size=v["world_size"], amp=amp, module=module, data=data, scaler_kwargs=scaler_kwargs, config=config, store=store,

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import _args
 from ..device import AmpSetup
 
-__all__ = ["OPTIMIZERS", "SCHEDULERS", "StepStats", "make_optimizer", "default_fused", "make_scheduler", "train_step",
+__all__ = ["OPTIMIZERS", "SCHEDULERS", "StepStats", "optimizer_settings", "make_optimizer", "default_fused", "make_scheduler", "train_step",
            "state_checksum"]
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -36,6 +37,37 @@ class StepStats:
     lr: float  # learning rate of the first param group during this step
 
 
+#: The largest float32: torch's optimizers hand lr and weight_decay to float32 kernels (``_foreach_*`` with a
+#: scalar), which fail in the first step with "value cannot be converted to type float without overflow".
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+#: The smallest positive float32 (a subnormal): a smaller lr rounds to 0 there, and the run would silently not learn.
+_FLOAT32_TINY = 2.0**-149
+
+
+def optimizer_settings(lr: Any, weight_decay: Any = 0.0) -> tuple[float, float]:
+    """lr and weight_decay as Python floats a float32 optimizer can use; ValueError naming the bad one.
+
+    Args:
+        lr: the learning rate, > 0 and within float32's range (2**-149 .. 3.4e38).
+        weight_decay: >= 0 and at most 3.4e38.
+
+    Example::
+
+        >>> optimizer_settings(np.float64(1e-3))   # (0.001, 0.0)
+        >>> optimizer_settings(1e39)               # ValueError: lr must be ... (float32 overflows)
+    """
+    lr = _args.real(lr, "lr", positive=True)
+    if not _FLOAT32_TINY <= lr <= _FLOAT32_MAX:
+        raise ValueError(f"lr must be a number float32 can hold (2**-149 .. 3.4e38), got {lr!r}: the optimizer "
+                         f"computes in float32, where it would {'overflow' if lr > 1 else 'round to 0'}; "
+                         "a typical lr is 1e-4 .. 1e-2")
+    weight_decay = _args.real(weight_decay, "weight_decay", nonnegative=True)
+    if weight_decay > _FLOAT32_MAX:
+        raise ValueError(f"weight_decay must be at most float32's largest number (3.4e38), got {weight_decay!r}; "
+                         "a typical weight_decay is 0 .. 0.1")
+    return lr, weight_decay
+
+
 def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float = 0.0,
                    fused: bool | None = None) -> torch.optim.Optimizer:
     """'adamw', 'adam', 'sgd' (plain, no momentum) or a callable(params, lr, weight_decay).
@@ -51,6 +83,7 @@ def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float 
     """
     if callable(spec):
         return spec(params, lr=lr, weight_decay=weight_decay)
+    lr, weight_decay = optimizer_settings(lr, weight_decay)  # not a RuntimeError at the first step
     if spec in ("adam", "adamw"):
         params = list(params)
         if fused is None:

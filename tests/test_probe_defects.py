@@ -1,0 +1,94 @@
+"""Defects an independent tester hit in the newer code (train, trial, checkpoint resume), each pinned by a test.
+
+Every test here failed before its fix: a raw RuntimeError from inside torch, a setting silently replaced on
+resume, or an error only after all the work was done.
+"""
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ampcourse import trial as trial_mod
+from ampcourse.train import cli, make_optimizer, train
+try:
+    from ampcourse.train import optimizer_settings
+except ImportError:
+    optimizer_settings = None
+
+
+# --- lr / weight_decay beyond float32: torch's optimizers fail at the first step -----------------------------
+
+@pytest.mark.parametrize("lr", [1e39, 1e300, 1e-320])
+def test_train_refuses_an_lr_float32_cannot_hold(lr: float) -> None:
+    # before: 1e39 raised RuntimeError "value cannot be converted to type float without overflow" from
+    # torch/optim/adam.py after the model and data were built; 1e-320 rounded to 0 and the run silently did not learn
+    with pytest.raises(ValueError, match=r"^lr must be a number float32 can hold"):
+        train("mlp", steps=1, lr=lr, progress=False)
+
+
+def test_train_refuses_a_weight_decay_beyond_float32() -> None:
+    with pytest.raises(ValueError, match=r"^weight_decay must be at most"):
+        train("mlp", steps=1, weight_decay=1e39, progress=False)
+
+
+def test_make_optimizer_refuses_an_lr_beyond_float32_before_any_step() -> None:
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(ValueError, match="lr must be a number float32 can hold"):
+        make_optimizer("adamw", params, lr=1e39)
+
+
+def test_optimizer_settings_keeps_sane_values_as_python_floats() -> None:
+    lr, wd = optimizer_settings(np.float64(3e-4), torch.tensor(0.01))
+    assert (lr, wd) == (3e-4, pytest.approx(0.01)) and type(lr) is float and type(wd) is float
+
+
+def test_trial_refuses_an_lr_beyond_float32() -> None:
+    with pytest.raises(ValueError, match="lr must be a number float32 can hold"):
+        trial_mod.trial("mlp", steps=1, lr=1e39)
+
+
+def _run_cli(main, argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as done:
+            code = done.code
+    return code, err.getvalue()
+
+
+def test_train_cli_huge_lr_is_one_line_exit_2() -> None:
+    code, err = _run_cli(cli.main, ["--steps", "1", "--lr", "1e39", "--no-progress"])
+    assert code == 2 and err.startswith("ampcourse.train: error: lr must be") and err.count("\n") == 1
+
+
+def test_trial_cli_huge_lr_is_one_line_exit_2() -> None:
+    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--lr", "1e39"])
+    assert code == 2 and err.startswith("ampcourse.trial: error: lr must be")
+
+
+# --- trial --plot with a suffix matplotlib cannot write: refused after all the steps had run ------------------
+
+def test_trial_cli_refuses_an_unknown_plot_format_before_training(tmp_path: Path, monkeypatch) -> None:
+    ran = []
+    monkeypatch.setattr(trial_mod, "trial", lambda *a, **k: ran.append(1))
+    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--plot", str(tmp_path / "t.txt")])
+    assert code == 2 and "--plot" in err and ".png" in err
+    assert ran == []  # before: the trial ran to the end, printed its summary, then failed in savefig
+
+
+# --- resume with other GradScaler settings: the checkpoint's were put back silently ---------------------------
+
+def test_resume_refuses_changed_scaler_settings(tmp_path: Path) -> None:
+    kw = dict(precision="fp16", device="cpu", progress=False, checkpoint_dir=tmp_path)
+    train("mlp", steps=2, scaler_kwargs={"growth_interval": 1}, **kw)
+    # before: the resumed run went on with growth_interval=1 (scale doubled every step) although 1000 was asked
+    with pytest.raises(ValueError, match=r"growth_interval=1 in the checkpoint, 1000 now"):
+        train("mlp", steps=4, resume=True, scaler_kwargs={"growth_interval": 1000}, **kw)
+    with pytest.raises(ValueError, match=r"growth_interval=1 in the checkpoint, 2000 now"):  # GradScaler's default
+        train("mlp", steps=4, resume=True, **kw)
+    h = train("mlp", steps=4, resume=True, scaler_kwargs={"growth_interval": 1, "init_scale": 8.0}, **kw)
+    assert h.series()["scale"][-1] > h.series()["scale"][0]  # same settings: resumes (init_scale may differ)
