@@ -180,6 +180,11 @@ def check_reduce_across_ranks(reduce: Callable, nproc: int | None = None, device
     judge_reduce(title, res, "yours")
 
 
+def _on_bf16_grid(t: torch.Tensor) -> bool:
+    """True if every value of the fp32 tensor is a bf16 value, up to fp32 rounding (a division by 3 in fp32, say)."""
+    return bool(((t - t.bfloat16().float()).abs() <= t.abs() * 2.0**-16).all())
+
+
 def judge_reduce(title: str, res: RankResults, name: str) -> None:
     """The verdict on solution `name` of a 10.3 launch (separate from the launch so tests batch several)."""
     errors = res.errors(name)
@@ -220,6 +225,12 @@ def judge_reduce(title: str, res: RankResults, name: str) -> None:
         failed(title, f"the rounding of a bf16 all-reduce (simulated: {simulated:.2g})",
                f"relative error {errs['bf16']:.3g}: that is fp32's",
                "cast the gradient to `dtype` before dist.all_reduce: what travels, and is summed, must be bf16")
+    mean = out[0]["bf16"]
+    if not (_on_bf16_grid(mean) or _on_bf16_grid(mean * world)):  # a sum in bf16 leaves only bf16 values
+        failed(title, "the mean summed in bf16 (every value one that bf16 can hold, before or after dividing)",
+               "values between bf16's: the gradients were rounded to bf16, then summed in fp32",
+               "all-reduce the bf16 tensor itself (wire = grad.to(dtype) ...; dist.all_reduce(wire)); "
+               "call .float() only on the result")
     passed(title, f"on {world} ranks ({res.device}) the mean reduced in bf16 is {errs['bf16']:.2g} off the exact mean "
                   f"(relative RMS; the simulation of a {world}-rank ring says {simulated:.2g}), in fp32 "
                   f"{errs['fp32']:.2g}.")
