@@ -14,6 +14,7 @@ Rank 0 writes the final weights to --out (a state_dict, read back with torch.loa
 import argparse
 import contextlib
 import datetime
+import math
 import os
 import sys
 
@@ -33,13 +34,39 @@ p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
 p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--out", default=None, help="where rank 0 saves the final state_dict")
-args = p.parse_args()
 
 # --- processes: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without torchrun we are rank 0 of 1 ---
 ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 rank = int(os.environ.get("RANK", 0))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 world_size = int(os.environ.get("WORLD_SIZE", 1))
+
+
+def fail(message):
+    """One line on stderr and exit 2, before any work (every rank exits; only local rank 0 says why)."""
+    if local_rank == 0:
+        print(f"ddp_amp.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+p.error = fail  # argparse's own errors: the same one line
+args = p.parse_args()
+# Check the numbers now: a zero batch or a NaN lr would otherwise fail deep inside the loop or torch.optim,
+# and a bad --out only after the whole run.
+for flag, value, low in (("--steps", args.steps, 1), ("--global-batch-size", args.global_batch_size, 1),
+                         ("--seed", args.seed, 0)):
+    if value < low:
+        fail(f"{flag} must be >= {low}, got {value}")
+if not args.global_batch_size <= args.samples:
+    fail(f"--global-batch-size {args.global_batch_size} is larger than --samples {args.samples}")
+if args.global_batch_size % world_size:
+    fail(f"--global-batch-size {args.global_batch_size} must divide by the number of processes ({world_size})")
+if not (math.isfinite(args.lr) and 0 < args.lr <= torch.finfo(torch.float32).max):
+    fail(f"--lr must be a finite number > 0 (float32's range), got {args.lr}")
+if args.device == "cuda" and not torch.cuda.is_available():
+    fail("--device cuda, but this torch sees no CUDA GPU; use --device cpu or auto")
+if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
+    fail(f"--out {args.out!r} is a folder or its folder does not exist; pass a file path such as weights.pt")
 device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else "cpu")
 if ddp:
@@ -98,7 +125,6 @@ if args.optimizer == "adamw":
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)  # as ampcourse.train's default
 else:
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr)
-assert args.global_batch_size % world_size == 0, "the global batch must divide by the number of processes"
 
 # --- the loop: one AMP step per iteration, the same on every rank ---
 torch.manual_seed(args.seed)
@@ -120,7 +146,15 @@ for step in range(args.steps):
 
 # --- the end: rank 0 saves; everyone waits for it, then the process group goes down ---
 if rank == 0 and args.out:
-    torch.save(model.state_dict(), args.out)  # the module's keys, without DDP's "module." prefix
+    # the module's keys, without DDP's "module." prefix; written to a temp file and renamed over --out, so an
+    # interrupted save (Ctrl-C, a full disk) never leaves a truncated file where a good one was
+    tmp = f"{args.out}.tmp{os.getpid()}"
+    try:
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, args.out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 if ddp:
     dist.barrier()  # nobody shuts down while rank 0 is still writing
     dist.destroy_process_group()

@@ -54,3 +54,25 @@ def test_ddp_fp16_under_torchrun_matches_ampcourse_train(tmp_path):
                   progress=False).model.state_dict()
     with pytest.raises(AssertionError, match="ulps"):
         assert_rounding_level(mine, other)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),  # was ZeroDivisionError in the loop
+    (["--samples", "10"], "--global-batch-size 64 is larger than --samples 10"),  # ZeroDivisionError
+    (["--lr", "nan"], "--lr must be a finite number > 0"),  # torch.optim's ValueError traceback
+    (["--out", "."], "--out '.' is a folder"),  # RuntimeError from torch.save AFTER the whole run
+])
+def test_bad_arguments_are_one_line_before_any_work(argv, says, tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--steps", "2", "--precision", "fp32", *argv],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""  # no step ran
+    assert run.stderr.startswith("ddp_amp.py: error: ") and says in run.stderr and run.stderr.count("\n") == 1
+
+
+def test_out_is_replaced_whole_and_no_temp_file_is_left(tmp_path):
+    (tmp_path / "w.pt").write_bytes(b"old")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--steps", "1", "--precision", "fp32", "--out", "w.pt"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.pt"]
+    assert "net.0.weight" in torch.load(tmp_path / "w.pt", weights_only=True)
