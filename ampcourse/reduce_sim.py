@@ -37,6 +37,8 @@ __all__ = ["ALGORITHMS", "simulate_reduction", "reduction_error", "rounding_step
 ALGORITHMS = ("ring", "tree")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: reduction_error's largest world_size x numel: the gradients and their copies (float64 too) stay within a few GiB.
+MAX_VALUES = 2**28
 
 
 def _ring_sum(values: torch.Tensor) -> torch.Tensor:
@@ -100,6 +102,7 @@ def simulate_reduction(grads: torch.Tensor, *, dtype: torch.dtype = torch.bfloat
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {_args.shown(dtype)}")
     algorithm = _args.choice(algorithm, "algorithm", ALGORITHMS)
+    average = _args.flag(average, "average")  # average="no" is truthy: it would silently average
     n = grads.shape[0]
     values = grads.reshape(n, -1).to(dtype)
     if average:
@@ -134,10 +137,15 @@ def reduction_error(world_size: int, *, dtype: torch.dtype = torch.bfloat16, alg
     """
     world_size = _args.integer(world_size, "world_size", low=1)
     numel = _args.integer(numel, "numel", low=1)
+    if world_size * numel > MAX_VALUES:  # else torch's allocator fails deep inside, with a C++ message
+        raise ValueError(f"world_size x numel = {world_size} x {numel} gradient values is more than this simulation "
+                         f"holds in memory (at most 2**28 = {MAX_VALUES}); use fewer ranks or a smaller numel")
     spread = _args.real(spread, "spread", nonnegative=True, what=">= 0 (a finite number)")
     gen = torch.Generator().manual_seed(_args.seed(seed))
     signal = torch.randn(numel, generator=gen)
     grads = signal + spread * torch.randn(world_size, numel, generator=gen)
+    if not torch.isfinite(grads).all():  # an inf gradient makes the "error" nan, silently
+        raise ValueError(f"spread={spread!r} makes the simulated gradients overflow float32; use a spread below 1e30")
     exact = grads.double().mean(0)
     got = simulate_reduction(grads, dtype=dtype, algorithm=algorithm).double()
     return float((got - exact).norm() / exact.norm())

@@ -85,3 +85,17 @@ def test_exercise_7_4_tolerance_counts_one_rounding_per_ring_addition():
     exact = grads.double().mean(0)
     err = (simulate_reduction(grads).double() - exact).abs().max() / exact.abs().max()
     assert err <= _bf16_tolerance(8)
+
+
+@pytest.mark.parametrize("call, says", [
+    # average="no" is truthy: before, it silently averaged
+    (lambda: simulate_reduction(torch.ones(2, 3), average="no"), "average must be True or False"),
+    # before: nan, silently (the gradients themselves overflowed float32)
+    (lambda: reduction_error(2, spread=1e39), "overflow float32"),
+    # before: a RuntimeError from torch's CPU allocator ("you tried to allocate 16384000000000 bytes")
+    (lambda: reduction_error(10**9), "more than this simulation holds"),
+    (lambda: reduction_error(2, numel=10**12), "more than this simulation holds"),
+])
+def test_edge_inputs_are_refused_naming_the_argument(call, says):
+    with pytest.raises(ValueError, match=says):
+        call()
