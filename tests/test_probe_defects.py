@@ -92,3 +92,20 @@ def test_resume_refuses_changed_scaler_settings(tmp_path: Path) -> None:
         train("mlp", steps=4, resume=True, **kw)
     h = train("mlp", steps=4, resume=True, scaler_kwargs={"growth_interval": 1, "init_scale": 8.0}, **kw)
     assert h.series()["scale"][-1] > h.series()["scale"][0]  # same settings: resumes (init_scale may differ)
+
+
+# --- checkpoint.load with a map_location this machine lacks: the good file was blamed ------------------------
+
+@pytest.mark.parametrize("where,says", [
+    ("cuda:7", "CUDA device"),  # on a GPU machine too: no 8th GPU in CI
+    ("foo", "is not a device"),
+    (3.5, "map_location must be a device"),
+])
+def test_load_names_a_bad_map_location_not_the_file(tmp_path: Path, where, says) -> None:
+    from ampcourse import checkpoint
+    train("mlp", steps=1, checkpoint_dir=tmp_path, progress=False, precision="fp32")
+    # before: CheckpointError "it is truncated or not a torch file (RuntimeError)": move a good file aside?
+    with pytest.raises(ValueError, match=says) as caught:
+        checkpoint.load(checkpoint.path_in(tmp_path), map_location=where)
+    assert "truncated" not in str(caught.value)
+    assert checkpoint.load(checkpoint.path_in(tmp_path), map_location=torch.device("cpu"))["step"] == 1

@@ -258,10 +258,34 @@ def _verify_crcs(path: Path) -> bool:
     return True
 
 
+def _check_map_location(where: Any) -> None:
+    """ValueError naming map_location unless torch.load can put tensors there (a device here, a dict or a callable).
+
+    torch.load's own error for map_location="cuda" on a machine without CUDA would surface inside load()'s
+    catch-all as "truncated or not a torch file": a good checkpoint blamed for a wrong argument.
+    """
+    if where is None or callable(where) or isinstance(where, dict):
+        return
+    if isinstance(where, bool) or not isinstance(where, (str, torch.device)):
+        raise ValueError(f"map_location must be a device such as 'cpu' or 'cuda:0' (str or torch.device), "
+                         f"got {_args.shown(where)}")
+    try:
+        device = torch.device(where)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"map_location {where!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    if device.type == "cuda" and (not torch.cuda.is_available()
+                                  or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"map_location {where!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                         "load to 'cpu' (the default) and move the tensors after")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"map_location {where!r}: MPS is not available here; load to 'cpu' (the default)")
+
+
 def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
          required: tuple[str, ...] = _REQUIRED) -> dict[str, Any]:
     """Read a checkpoint with torch.load(weights_only=True) and check it is ours; CheckpointError if not."""
     path = _as_path(path, "path")
+    _check_map_location(map_location)  # before: a bad device was reported as a damaged file
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r}; train without resume first, or check the path")
     if not path.is_file():
