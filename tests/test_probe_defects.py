@@ -62,7 +62,7 @@ def _run_cli(main, argv: list[str]) -> tuple[int, str]:
 
 def test_train_cli_huge_lr_is_one_line_exit_2() -> None:
     code, err = _run_cli(cli.main, ["--steps", "1", "--lr", "1e39", "--no-progress"])
-    assert code == 2 and err.startswith("ampcourse.train: error: lr must be") and err.count("\n") == 1
+    assert code == 2 and err.startswith("ampcourse.train: error: --lr must be") and err.count("\n") == 1
 
 
 def test_trial_cli_huge_lr_is_one_line_exit_2() -> None:
@@ -109,3 +109,24 @@ def test_load_names_a_bad_map_location_not_the_file(tmp_path: Path, where, says)
         checkpoint.load(checkpoint.path_in(tmp_path), map_location=where)
     assert "truncated" not in str(caught.value)
     assert checkpoint.load(checkpoint.path_in(tmp_path), map_location=torch.device("cpu"))["step"] == 1
+
+
+# --- the train CLI's errors named train()'s Python arguments, not its flags ----------------------------------
+
+@pytest.mark.parametrize("argv,says", [
+    (["--steps", "0"], "error: --steps must be an int >= 1"),  # was "steps must be"
+    (["--global-batch-size", "2048"], "error: --global-batch-size 2048 is larger than the dataset"),  # "batch_size"
+    (["--samples", "0"], "error: --samples must be a positive int"),  # "n_samples"
+    (["--resume"], "error: --resume needs a --checkpoint-dir"),  # "resume and checkpoint_every need a checkpoint_dir"
+])
+def test_train_cli_errors_name_the_flags(argv, says) -> None:
+    code, err = _run_cli(cli.main, ["--no-progress", *argv])
+    assert code == 2 and says in err, err
+
+
+def test_train_cli_existing_checkpoint_says_add_resume(tmp_path: Path) -> None:
+    base = ["--no-progress", "--steps", "1", "--checkpoint-dir", str(tmp_path)]
+    assert _run_cli(cli.main, base)[0] == 0
+    code, err = _run_cli(cli.main, base)
+    # before: "... pass resume=True to continue that run, or choose an empty checkpoint_dir" (Python names)
+    assert code == 2 and "pass --resume to continue that run, or choose an empty --checkpoint-dir" in err, err

@@ -322,8 +322,8 @@ BAD = [
     (dict(size="huge"), "tiny, small, large"),
     (dict(device="cuda"), "CUDA is not available"),
     (dict(device="tpu"), "unknown device"),
-    (dict(resume=True), "need a checkpoint_dir"),
-    (dict(checkpoint_every=5), "need a checkpoint_dir"),
+    (dict(resume=True), "resume=True needs a checkpoint_dir"),
+    (dict(checkpoint_every=5), "checkpoint_every needs a checkpoint_dir"),
     (dict(data=[1, 2, 3]), "TensorDataset"),
     (dict(model=torch.nn.Linear(2, 2)), "data=None only works for the reference models"),
 ]

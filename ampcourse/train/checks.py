@@ -167,7 +167,8 @@ def _check_arguments(*, steps, lr, seed, accum_steps, batch_size, rank, world_si
                              _args.integer(checkpoint_every, "checkpoint_every", low=1,
                                            what="an int >= 1 or None (only at the end)"))
     if checkpoint_dir is None and (v["resume"] or v["checkpoint_every"] is not None):
-        raise ValueError("resume and checkpoint_every need a checkpoint_dir")
+        raise ValueError(f"{'resume=True' if v['resume'] else 'checkpoint_every'} needs a checkpoint_dir (where the "
+                         "checkpoint is read or written); pass one, or leave it out")
     if checkpoint_dir is not None:
         v["checkpoint_dir"] = _args.as_path(checkpoint_dir, "checkpoint_dir")  # not bytes, no NUL byte
     if not callable(optimizer) and optimizer not in OPTIMIZERS:

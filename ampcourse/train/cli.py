@@ -93,9 +93,30 @@ class _Plan:
     checkpointer: Any
 
 
+#: train()'s argument names as this command line spells them: its checks name the Python argument.
+_FLAGS = {"steps": "--steps", "lr": "--lr", "seed": "--seed", "accum_steps": "--accum-steps",
+          "batch_size": "--global-batch-size", "n_samples": "--samples", "grad_clip": "--grad-clip",
+          "weight_decay": "--weight-decay", "checkpoint_every": "--checkpoint-every",
+          "checkpoint_dir": "--checkpoint-dir", "resume=True": "--resume"}
+
+
+def _as_flags(message: str) -> str:
+    """message with train()'s argument names, where they name an argument, spelled as this CLI's flags.
+
+    Only the opening name ("steps must be ...", "batch_size 64 is larger ..."), 'resume=True' and 'checkpoint_dir'
+    are renamed: the same words elsewhere are prose ("the steps of the first run").
+    """
+    head, _, rest = message.partition(" ")
+    if head in _FLAGS:
+        message = f"{_FLAGS[head]} {rest}"
+    for name in ("resume=True", "checkpoint_dir"):
+        message = message.replace(name, _FLAGS[name])
+    return message
+
+
 def _fail(message: str, local_rank: int) -> None:
     """Exit 2 with one line; under torchrun only local rank 0 prints it (the others would repeat it)."""
-    _args.cli_error(PROG, message, quiet=local_rank != 0)
+    _args.cli_error(PROG, _as_flags(message), quiet=local_rank != 0)
 
 
 def _plan(args: argparse.Namespace, env) -> _Plan:
