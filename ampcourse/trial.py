@@ -315,6 +315,11 @@ class Trial:
 
     def layer_series(self, run: str, prefix: str) -> dict[str, list[float]]:
         """{layer: values} for every series ``prefix/<layer>`` of a run (``"drift"``, ``"attention_logit_max"``)."""
+        if run not in self.series:
+            raise ValueError(f"run {run!r} is not in this trial; runs: {', '.join(self.series)}")
+        known = ("drift", "update", *self.monitors)
+        if not isinstance(prefix, str) or prefix.rstrip("/") not in known:  # a typo gave {}: "no layer departed"
+            raise ValueError(f"no per-layer series {_args.shown(prefix)}; choose one of {', '.join(known)}")
         start = prefix.rstrip("/") + "/"
         return {k[len(start):]: v for k, v in self.series[run].items() if k.startswith(start)}
 
@@ -584,10 +589,26 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
 
 
 def _check_precisions(precisions) -> tuple[str, ...]:
-    """Precision names, each once, from PRECISIONS (dtype aliases such as 'bfloat16' accepted)."""
-    names = _args.names(precisions, "precisions", [*PRECISIONS, "bfloat16", "float16", "float32", "half"])
-    out = tuple(dict.fromkeys(n if n in PRECISIONS else parse_precision(n) for n in names))
-    return out
+    """Precision names, each once, from PRECISIONS, read as train() reads them ('FP16 ', 'bfloat16', torch.float16).
+
+    One name alone (a str or a dtype) counts as a sequence of one.
+    """
+    if isinstance(precisions, (str, torch.dtype)):
+        precisions = (precisions,)
+    if isinstance(precisions, (bytes, dict)) or not isinstance(precisions, (Sequence, set, frozenset)) or not precisions:
+        raise ValueError(f"precisions must be a non-empty sequence of names from {', '.join(PRECISIONS)}; "
+                         f"got {_args.shown(precisions)}")
+    out = []
+    for name in precisions:
+        if isinstance(name, str) and name.strip().lower() == "fp16-noscaler":
+            out.append("fp16-noscaler")
+            continue
+        try:
+            out.append(parse_precision(name))  # the one reading of precision names (ampcourse.device)
+        except ValueError:
+            raise ValueError(f"precisions: unknown name {_args.shown(name)}; choose from {', '.join(PRECISIONS)} "
+                             "(dtype names such as 'bfloat16' work too)") from None
+    return tuple(dict.fromkeys(out))
 
 
 def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tuple | None = None,
@@ -649,6 +670,9 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
         raise ValueError(f"monitors must be Monitor objects (ampcourse.trial.Monitor), got {_args.shown(bad[0])}")
     if len({m.name for m in monitors}) != len(monitors):
         raise ValueError(f"monitor names must differ, got {[m.name for m in monitors]}")
+    if isinstance(scaler_kwargs, dict) and "enabled" in scaler_kwargs:  # it was dropped silently
+        raise ValueError("scaler_kwargs: 'enabled' is set by the precision name: 'fp16' runs with GradScaler, "
+                         "'fp16-noscaler' without; leave 'enabled' out")
     scaler_settings = {**_scaler.DEFAULTS, **{k: v for k, v in _scaler.gradscaler_kwargs(scaler_kwargs).items() if k != "enabled"}}
     make_opt = _make_optimizer(optimizer_factory, lr)
     for name in names:  # fp16 on a device without fp16 autocast: say so now, not at step 0

@@ -130,3 +130,35 @@ def test_train_cli_existing_checkpoint_says_add_resume(tmp_path: Path) -> None:
     code, err = _run_cli(cli.main, base)
     # before: "... pass resume=True to continue that run, or choose an empty checkpoint_dir" (Python names)
     assert code == 2 and "pass --resume to continue that run, or choose an empty --checkpoint-dir" in err, err
+
+
+# --- trial reads precision names as train() does; settings it would drop or typos it would hide are refused ----
+
+@pytest.mark.parametrize("given,want", [(("FP16 ",), ("fp16",)), ((torch.bfloat16,), ("bf16",)), ("bf16", ("bf16",)),
+                                        (("Fp16-NoScaler", "float16"), ("fp16-noscaler", "fp16"))])
+def test_trial_reads_precision_names_like_train(given, want) -> None:
+    # before: 'FP16 ' and torch.bfloat16 were "unknown name(s)", though train(precision=...) takes both
+    assert trial_mod._check_precisions(given) == want
+
+
+def test_trial_still_refuses_unknown_precisions() -> None:
+    with pytest.raises(ValueError, match=r"precisions: unknown name 'fp8'; choose from fp32, bf16, fp16, fp16-noscaler"):
+        trial_mod._check_precisions(("bf16", "fp8"))
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        trial_mod._check_precisions(None)
+
+
+def test_trial_refuses_scaler_enabled_instead_of_dropping_it() -> None:
+    # before: scaler_kwargs={"enabled": False} was ignored and the fp16 run used a GradScaler anyway
+    with pytest.raises(ValueError, match="'fp16-noscaler' without"):
+        trial_mod.trial("mlp", steps=1, precisions=("fp16",), scaler_kwargs={"enabled": False})
+
+
+def test_trial_layer_series_refuses_an_unknown_prefix() -> None:
+    t = trial_mod.trial("mlp", steps=2, monitors=[])
+    assert set(t.layer_series("bf16", "drift")) == set(t.layers)
+    # before: {} for a typo, which reads as "no layer has that series"
+    with pytest.raises(ValueError, match="no per-layer series 'drfit'; choose one of drift, update"):
+        t.layer_series("bf16", "drfit")
+    with pytest.raises(ValueError, match="run 'fp8' is not in this trial"):
+        t.layer_series("fp8", "drift")
