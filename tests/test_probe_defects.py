@@ -162,3 +162,30 @@ def test_trial_layer_series_refuses_an_unknown_prefix() -> None:
         t.layer_series("bf16", "drfit")
     with pytest.raises(ValueError, match="run 'fp8' is not in this trial"):
         t.layer_series("fp8", "drift")
+
+
+# --- checkpoint.save wrote files load() refuses, over the good checkpoint --------------------------------------
+
+def _good_state():
+    from ampcourse import checkpoint
+    m = torch.nn.Linear(4, 2)
+    return checkpoint.capture(1, m, torch.optim.AdamW(m.parameters()), torch.amp.GradScaler("cpu"))
+
+
+class _Note:  # a user's own object in the config: weights_only=True cannot unpickle it
+    pass
+
+
+@pytest.mark.parametrize("bad,says", [
+    (lambda s: {**s, "config": {"note": _Note()}}, r"state\['config'\]\['note'\] is a _Note"),
+    (lambda s: {**s, "history": {"loss": [1.0, _Note()]}}, r"state\['history'\]\['loss'\]\[1\] is a _Note"),
+    (lambda s: [1, 2], "save\\(\\) writes a checkpoint made by checkpoint.capture"),
+])
+def test_save_refuses_what_load_could_not_read_and_keeps_the_good_file(tmp_path: Path, bad, says) -> None:
+    from ampcourse import checkpoint
+    target = tmp_path / "checkpoint.pt"
+    checkpoint.save(_good_state(), target)
+    # before: save() succeeded, replacing the good checkpoint with one that load() refuses ("holds Python objects")
+    with pytest.raises(checkpoint.CheckpointError, match=says):
+        checkpoint.save(bad(_good_state()), target)
+    assert checkpoint.load(target)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]

@@ -8,7 +8,9 @@ disk, a file-size limit, a read-only folder) raises one too, and leaves the prev
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import io
 import os
 import pickle
 import re
@@ -68,6 +70,36 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):  # namedtuples stay as they are
         return type(obj)(_plain(v) for v in obj)
     return obj
+
+
+_SAFE_LEAVES = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _check_loadable(obj: Any, where: str, path: Path) -> None:
+    """CheckpointError naming the entry unless torch.load(weights_only=True) can read `obj` back.
+
+    Checked before writing: a checkpoint that saves but cannot be loaded would replace a good one on disk and
+    be found out only at resume. Leaves of a known-safe type pass at once; any other is round-tripped alone
+    through weights_only=True, so the answer is torch's own.
+    """
+    if isinstance(obj, _SAFE_LEAVES):
+        return
+    if type(obj) in (dict, list, tuple) or isinstance(obj, collections.OrderedDict):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in items:
+            if isinstance(obj, dict):
+                _check_loadable(key, f"{where} key {key!r}", path)
+            _check_loadable(value, f"{where}[{key!r}]", path)
+        return
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception:
+        raise CheckpointError(f"cannot save a checkpoint to {str(path)!r}: {where} is a {type(obj).__name__}, which "
+                              "torch.load(weights_only=True) cannot read back; keep only tensors, numbers, strings, "
+                              "lists, tuples and dicts in it. Nothing was written") from None
 
 
 def _temp_prefix(path: Path) -> str:
@@ -185,6 +217,11 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """
     path = _as_path(path, "path")
     _check_writable_folder(path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"cannot save {_args.shown(state)} to {str(path)!r}: save() writes a checkpoint made by "
+                              "checkpoint.capture(...) (a dict with format 'ampcourse.checkpoint'), which load() reads")
+    state = _plain(state)  # numpy scalars would be unreadable with weights_only=True
+    _check_loadable(state, "state", path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
     except OSError as err:
@@ -195,7 +232,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
             recorder = _WriteRecorder(fh)
             try:
                 with _crc32_on():
-                    torch.save(_plain(state), recorder)  # numpy scalars would be unreadable with weights_only=True
+                    torch.save(state, recorder)
                 fh.flush()
                 os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
             except OSError as err:
