@@ -189,3 +189,23 @@ def test_save_refuses_what_load_could_not_read_and_keeps_the_good_file(tmp_path:
     with pytest.raises(checkpoint.CheckpointError, match=says):
         checkpoint.save(bad(_good_state()), target)
     assert checkpoint.load(target)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+@pytest.mark.parametrize("pieces,says", [
+    (lambda m, o, s: (None, o, s), "model must be a torch.nn"),
+    (lambda m, o, s: (m, None, s), "optimizer must be a torch.optim"),
+    (lambda m, o, s: (m, o, None), r"scaler must be .*GradScaler\(enabled=False\)"),
+])
+def test_capture_and_restore_name_a_missing_piece(pieces, says) -> None:
+    from ampcourse import checkpoint
+    m = torch.nn.Linear(4, 2)
+    o = torch.optim.AdamW(m.parameters())
+    s = torch.amp.GradScaler("cpu")
+    state = checkpoint.capture(0, m, o, s)
+    # before: AttributeError: 'NoneType' object has no attribute 'state_dict' / 'is_enabled'
+    with pytest.raises(TypeError, match=says):
+        checkpoint.capture(1, *pieces(m, o, s))
+    with pytest.raises(TypeError, match=says):
+        checkpoint.restore(state, *pieces(m, o, s))
+    with pytest.raises(TypeError, match="history must be a dict"):
+        checkpoint.capture(1, m, o, s, history=[1.0])

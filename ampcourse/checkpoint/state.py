@@ -35,10 +35,26 @@ def set_rng_state(state: dict[str, torch.Tensor | None], device: torch.device | 
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _check_pieces(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> None:
+    """TypeError naming the argument unless model, optimizer, scaler (and scheduler) are what capture/restore take."""
+    for name, value, kind in (("model", model, torch.nn.Module), ("optimizer", optimizer, torch.optim.Optimizer),
+                              ("scaler", scaler, torch.amp.GradScaler)):
+        if not isinstance(value, kind):  # else AttributeError: 'NoneType' object has no attribute 'state_dict'
+            raise TypeError(f"{name} must be a {kind.__module__}.{kind.__qualname__}, got {_args.shown(value)}"
+                            + ("; for fp32 or bf16 pass a disabled one: torch.amp.GradScaler(enabled=False)"
+                               if name == "scaler" else ""))
+    if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+        raise TypeError(f"scheduler must be an LR scheduler (with state_dict) or None, got {_args.shown(scheduler)}")
+
+
 def capture(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
             scheduler: Any = None, *, device: torch.device | None = None, config: dict | None = None,
             history: dict | None = None) -> dict[str, Any]:
     """Everything needed to continue after `step` completed steps, as plain tensors and containers."""
+    _check_pieces(model, optimizer, scaler, scheduler)
+    for name, value in (("config", config), ("history", history)):
+        if value is not None and not isinstance(value, Mapping):
+            raise TypeError(f"{name} must be a dict or None, got {_args.shown(value)}")
     return _plain({
         "format": FORMAT, "version": VERSION, "step": _args.integer(step, "step", low=0),
         "model": model.state_dict(),
@@ -59,6 +75,7 @@ def restore(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.opti
     All or nothing: check_fits() looks at everything first, and if loading still fails midway the
     model, optimizer, scaler and scheduler get their previous state back before the error is raised.
     """
+    _check_pieces(model, optimizer, scaler, scheduler)
     step = check_fits(state, model, optimizer, scaler, scheduler, path=path)
     before = _snapshot(model, optimizer, scaler, scheduler)
     try:
