@@ -209,3 +209,25 @@ def test_capture_and_restore_name_a_missing_piece(pieces, says) -> None:
         checkpoint.restore(state, *pieces(m, o, s))
     with pytest.raises(TypeError, match="history must be a dict"):
         checkpoint.capture(1, m, o, s, history=[1.0])
+
+
+# --- local_indices / StepIndices: a rank past the world, or an uneven split, lost samples silently -------------
+
+@pytest.mark.parametrize("rank,world,says", [
+    (3, 2, r"rank must be an int in 0..1 \(world_size=2\)"),  # before: an empty tensor
+    (0, 4, "batch_size 6 must divide by world_size 4"),  # before: 1 sample per rank, 2 of 6 never seen
+    (0, 0, "world_size must be an int >= 1"),  # before: ZeroDivisionError
+])
+def test_local_indices_refuse_a_split_that_loses_samples(rank, world, says) -> None:
+    from ampcourse.train import local_indices
+    from ampcourse.train.batches import StepIndices
+    with pytest.raises(ValueError, match=says):
+        local_indices(0, 0, 16, 6 if world == 4 else 8, rank=rank, world_size=world)
+    with pytest.raises(ValueError, match=says):
+        StepIndices(0, 16, 6 if world == 4 else 8, rank=rank, world_size=world)
+
+
+def test_local_indices_still_cover_the_batch() -> None:
+    from ampcourse.train import batch_indices, local_indices
+    parts = [local_indices(2, 0, 16, 8, rank=r, world_size=4) for r in range(4)]
+    assert torch.equal(torch.cat(parts), batch_indices(2, 0, 16, 8))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -47,10 +48,26 @@ def batch_indices(step: int, seed: int, dataset_size: int, batch_size: int) -> t
     return _epoch_permutation(seed, epoch, dataset_size)[pos * batch_size:(pos + 1) * batch_size].clone()
 
 
+def _check_split(batch_size: int, rank: Any, world_size: Any) -> tuple[int, int]:
+    """(rank, world_size) as ints, with 0 <= rank < world_size and batch_size dividing evenly among the ranks.
+
+    Otherwise a ValueError naming the argument: a rank past the world got an empty slice, and an uneven split
+    silently dropped the last samples of every batch (6 samples on 4 ranks: 1 each, 2 never seen).
+    """
+    world_size = _args.integer(world_size, "world_size", low=1, what="an int >= 1")
+    rank = _args.integer(rank, "rank", low=0, high=world_size - 1,
+                         what=f"an int in 0..{world_size - 1} (world_size={world_size})")
+    if batch_size % world_size:
+        raise ValueError(f"batch_size {batch_size} must divide by world_size {world_size}, "
+                         "so every rank gets the same number of samples")
+    return rank, world_size
+
+
 def local_indices(step: int, seed: int, dataset_size: int, batch_size: int, rank: int = 0,
                   world_size: int = 1) -> torch.Tensor:
     """This rank's contiguous slice of the global batch for `step`."""
     indices = batch_indices(step, seed, dataset_size, batch_size)
+    rank, world_size = _check_split(len(indices), rank, world_size)
     if world_size == 1:
         return indices
     local = batch_size // world_size
@@ -77,6 +94,7 @@ class StepIndices:
         self.per_epoch = dataset_size // batch_size
         if self.per_epoch < 1:
             raise ValueError(f"batch_size {batch_size} is larger than the dataset ({dataset_size} samples)")
+        rank, world_size = _check_split(batch_size, rank, world_size)
         self.local = batch_size // world_size
         self.offset = rank * self.local
         self.device = torch.device(device)
