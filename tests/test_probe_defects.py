@@ -231,3 +231,20 @@ def test_local_indices_still_cover_the_batch() -> None:
     from ampcourse.train import batch_indices, local_indices
     parts = [local_indices(2, 0, 16, 8, rank=r, world_size=4) for r in range(4)]
     assert torch.equal(torch.cat(parts), batch_indices(2, 0, 16, 8))
+
+
+# --- train() with callables of your own that return the wrong thing: AttributeError / RuntimeError inside ------
+
+X, Y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(optimizer=lambda p, lr, weight_decay: None), "optimizer callable must return a torch.optim.Optimizer, got NoneType"),
+    (dict(scheduler=lambda opt: 5), "scheduler callable must return an LR scheduler"),
+    (dict(loss_fn=lambda out, t: out.float().sum(1)), r"loss_fn must return a 0-d tensor .* shape \(8,\)"),
+    (dict(loss_fn=lambda out, t: 1.0), "loss_fn must return a 0-d tensor .* got a float"),
+])
+def test_train_names_a_callable_that_returns_the_wrong_thing(kwargs, says) -> None:
+    from torch.utils.data import TensorDataset
+    with pytest.raises(ValueError, match=says):
+        train(torch.nn.Linear(32, 10), TensorDataset(X, Y), steps=1, batch_size=8, progress=False, **kwargs)

@@ -82,7 +82,10 @@ def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float 
         >>> opt = make_optimizer("adamw", model.parameters(), lr=1e-3)   # what train() uses
     """
     if callable(spec):
-        return spec(params, lr=lr, weight_decay=weight_decay)
+        made = spec(params, lr=lr, weight_decay=weight_decay)
+        if not isinstance(made, torch.optim.Optimizer):  # else AttributeError: ... has no attribute 'zero_grad'
+            raise ValueError(f"optimizer callable must return a torch.optim.Optimizer, got {type(made).__name__}")
+        return made
     lr, weight_decay = optimizer_settings(lr, weight_decay)  # not a RuntimeError at the first step
     if spec in ("adam", "adamw"):
         params = list(params)
@@ -105,7 +108,11 @@ def make_scheduler(spec: str | Callable | None, optimizer: torch.optim.Optimizer
     if spec is None:
         return None
     if callable(spec):
-        return spec(optimizer)
+        made = spec(optimizer)
+        if not all(callable(getattr(made, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+            raise ValueError(f"scheduler callable must return an LR scheduler (step, state_dict, load_state_dict), "
+                             f"such as torch.optim.lr_scheduler.LambdaLR(optimizer, ...); got {type(made).__name__}")
+        return made
     if spec == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     raise ValueError(f"unknown scheduler {spec!r}; choose None, {', '.join(SCHEDULERS)} or pass a callable")
@@ -173,6 +180,13 @@ def _read_back(tensors: list[torch.Tensor]) -> list[float]:
     return [t.item() for t in tensors]  # a CPU has no sync to save, and .item() is cheaper than a stack there
 
 
+def _loss_shown(loss: Any) -> str:
+    """A bad loss, described for an error message: its shape if a tensor, its type otherwise."""
+    if isinstance(loss, torch.Tensor):
+        return f"a tensor of shape {tuple(loss.shape)}"
+    return f"a {type(loss).__name__}"
+
+
 def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, amp: AmpSetup, *,
                grad_clip: float | None = None, scheduler: Any = None, autocast: bool = True) -> StepStats:
@@ -187,6 +201,9 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
         with _grad_sync(model, sync=i == n - 1):
             with amp.autocast(enabled=autocast):  # forward and loss only; backward runs outside autocast
                 loss = loss_fn(model(x), y)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:  # shape only: no host sync
+                raise ValueError(f"loss_fn must return a 0-d tensor (one number, e.g. a mean over the batch), "
+                                 f"got {_loss_shown(loss)}; reduce it with .mean()")
             # Divide by n so the summed gradient is the mean over the whole window, as with one big batch
             # (n == 1: no division, which is exact anyway, and one kernel less).
             scaler.scale(loss / n if n > 1 else loss).backward()
