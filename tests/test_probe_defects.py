@@ -248,3 +248,11 @@ def test_train_names_a_callable_that_returns_the_wrong_thing(kwargs, says) -> No
     from torch.utils.data import TensorDataset
     with pytest.raises(ValueError, match=says):
         train(torch.nn.Linear(32, 10), TensorDataset(X, Y), steps=1, batch_size=8, progress=False, **kwargs)
+
+
+def test_train_cli_refuses_one_file_for_summary_and_history(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    # before: the history was written, then the summary overwrote it: exit 0, history lost
+    code, err = _run_cli(cli.main, ["--no-progress", "--steps", "1", "--out", "r.json", "--history-out", "./r.json"])
+    assert code == 2 and "--out and --history-out name the same file" in err
+    assert list(tmp_path.iterdir()) == []
