@@ -256,3 +256,11 @@ def test_train_cli_refuses_one_file_for_summary_and_history(tmp_path: Path, monk
     code, err = _run_cli(cli.main, ["--no-progress", "--steps", "1", "--out", "r.json", "--history-out", "./r.json"])
     assert code == 2 and "--out and --history-out name the same file" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_trial_cli_refuses_one_file_for_json_and_plot(tmp_path: Path, monkeypatch) -> None:
+    ran = []
+    monkeypatch.setattr(trial_mod, "trial", lambda *a, **k: ran.append(1))
+    out = str(tmp_path / "t.png")
+    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--out", out, "--plot", out])
+    assert code == 2 and "--out and --plot name the same file" in err and ran == []
