@@ -264,3 +264,22 @@ def test_trial_cli_refuses_one_file_for_json_and_plot(tmp_path: Path, monkeypatc
     out = str(tmp_path / "t.png")
     code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--out", out, "--plot", out])
     assert code == 2 and "--out and --plot name the same file" in err and ran == []
+
+
+def test_train_cli_ctrl_c_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    from ampcourse import checkpoint
+    from ampcourse.train import loop
+    real, calls = loop.train_step, []
+
+    def interrupted_at_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", interrupted_at_third)
+    argv = ["--no-progress", "--steps", "5", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path)]
+    # before: a KeyboardInterrupt traceback from inside train()
+    code, err = _run_cli(cli.main, argv)
+    assert code == 130 and err.count("\n") == 1 and "add --resume to the same command" in err, err
+    assert checkpoint.load(checkpoint.path_in(tmp_path))["step"] == 2  # the step-2 checkpoint survived

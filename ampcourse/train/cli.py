@@ -209,9 +209,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         distributed.teardown(barrier=True)  # every rank is done communicating before any rank shuts down
     except (ValueError, TypeError) as err:  # includes CheckpointError (a full disk while saving, too)
         _fail(str(err), env.local_rank)
+    except KeyboardInterrupt:  # Ctrl-C: one line saying what is kept, not a traceback from inside the step
+        _args.cli_error(PROG, _interrupted(args, plan), code=130, quiet=env.local_rank != 0)
     if env.is_main:
         _report(args, summary, history)
     return 0
+
+
+def _interrupted(args: argparse.Namespace, plan: _Plan) -> str:
+    """What Ctrl-C left behind: the last complete checkpoint (writes are atomic) and how to go on from it."""
+    if args.checkpoint_dir is None:
+        return "interrupted; nothing was saved (pass --checkpoint-dir DIR --checkpoint-every N to keep progress)"
+    if plan.checkpointer.path(args.checkpoint_dir).exists():
+        return (f"interrupted; the last complete checkpoint in {args.checkpoint_dir!r} is intact: add --resume "
+                "to the same command to continue from it")
+    return (f"interrupted before the first checkpoint in {args.checkpoint_dir!r}; rerun the same command "
+            "(without --resume) to start again")
 
 
 def _report(args: argparse.Namespace, summary: dict, history: dict | None) -> None:
