@@ -283,3 +283,16 @@ def test_train_cli_ctrl_c_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Pa
     code, err = _run_cli(cli.main, argv)
     assert code == 130 and err.count("\n") == 1 and "add --resume to the same command" in err, err
     assert checkpoint.load(checkpoint.path_in(tmp_path))["step"] == 2  # the step-2 checkpoint survived
+
+
+@pytest.mark.parametrize("damage", ["bytes", "folder"])
+def test_sharded_latest_pointer_damage_is_a_checkpoint_error(tmp_path: Path, damage) -> None:
+    from ampcourse import checkpoint
+    pointer = checkpoint.ShardedCheckpointer().path(tmp_path)
+    pointer.parent.mkdir(parents=True)
+    if damage == "bytes":
+        pointer.write_bytes(b"\xff\xfe\x00garbage")  # before: UnicodeDecodeError
+    else:
+        pointer.mkdir()  # before: IsADirectoryError, a traceback from the CLI
+    with pytest.raises(checkpoint.CheckpointError, match="cannot resume from"):
+        checkpoint.ShardedCheckpointer().read(tmp_path)

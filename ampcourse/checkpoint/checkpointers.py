@@ -151,7 +151,11 @@ class ShardedCheckpointer(FileCheckpointer):
     def _current(self, directory: str | os.PathLike) -> Path:
         """The step folder `latest` points to."""
         pointer = self.path(directory)
-        name = pointer.read_text().strip()
+        try:  # garbage bytes or a folder named 'latest': the CheckpointError below, not a UnicodeDecodeError/OSError
+            name = pointer.read_text(errors="replace").strip()
+        except OSError as err:
+            raise CheckpointError(f"cannot resume from {str(pointer.parent)!r}: 'latest' cannot be read "
+                                  f"({err.strerror or err}); move the folder aside or start a fresh run") from None
         if not re.fullmatch(r"step-\d{8}", name) or not (pointer.parent / name).is_dir():
             raise CheckpointError(f"cannot resume from {str(pointer.parent)!r}: 'latest' names "
                                              f"{name[:40]!r}, which is not a step folder there")
