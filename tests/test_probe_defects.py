@@ -296,3 +296,19 @@ def test_sharded_latest_pointer_damage_is_a_checkpoint_error(tmp_path: Path, dam
         pointer.mkdir()  # before: IsADirectoryError, a traceback from the CLI
     with pytest.raises(checkpoint.CheckpointError, match="cannot resume from"):
         checkpoint.ShardedCheckpointer().read(tmp_path)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--fused", "--optimizer", "sgd"], "--fused applies to --optimizer adam and adamw only"),  # was ignored, exit 0
+    (["--inject-inf", "0:5"], "this launch runs at most --steps 2 steps"),  # never fired, exit 0
+])
+def test_train_cli_refuses_flags_that_would_do_nothing(argv, says, monkeypatch) -> None:
+    from ampcourse.train import loop
+    monkeypatch.setattr(loop, "train_step", lambda *a, **k: pytest.fail("trained despite a flag that does nothing"))
+    code, err = _run_cli(cli.main, ["--no-progress", "--steps", "2", *argv])
+    assert code == 2 and says in err, err
+
+
+def test_make_optimizer_refuses_fused_sgd() -> None:
+    with pytest.raises(ValueError, match="fused=True .* adam and adamw only"):
+        make_optimizer("sgd", [torch.nn.Parameter(torch.ones(2))], lr=0.1, fused=True)

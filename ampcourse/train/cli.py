@@ -147,6 +147,11 @@ def _plan(args: argparse.Namespace, env) -> _Plan:
     if args.global_batch_size >= 1 and args.accum_steps >= 1 and args.global_batch_size % split:
         raise ValueError(f"--global-batch-size {args.global_batch_size} must divide by world size x accum steps = "
                          f"{env.world_size} x {args.accum_steps}, so every rank gets the same number of samples")
+    if args.fused and args.optimizer == "sgd":  # before any process group: it would be ignored silently
+        raise ValueError("--fused applies to --optimizer adam and adamw only; leave it out for sgd")
+    if args.inject_inf is not None and args.inject_inf[1] >= args.steps >= 1:  # the teaching aid would never fire
+        raise ValueError(f"--inject-inf {args.inject_inf[0]}:{args.inject_inf[1]}: this launch runs at most "
+                         f"--steps {args.steps} steps (0..{args.steps - 1}); choose a STEP below {args.steps}")
     if args.inject_inf is not None and args.inject_inf[0] >= env.world_size:
         raise ValueError(f"--inject-inf {args.inject_inf[0]}:{args.inject_inf[1]}: there is no rank "
                          f"{args.inject_inf[0]} in a world of {env.world_size}")
