@@ -37,7 +37,8 @@ Where each piece lives (one concern per file):
 
 - ``loop``: :func:`train` (checks, build, the loop), :class:`History`, :class:`Parallel` (rank, world size,
   wrapper, checkpointer, autocast in one object) and the per-step hook ``on_step``;
-- ``step``: :func:`train_step` (one optimizer step, each AMP decision with its reason), :func:`make_optimizer`,
+- ``step``: :func:`train_step` (one optimizer step, each AMP decision with its reason), :func:`make_optimizer`
+  (and :func:`optimizer_settings`, the lr and weight_decay it takes: within float32's range),
   :func:`make_scheduler`, :func:`state_checksum`;
 - ``batches``: which samples each step sees (:func:`batch_indices`, :func:`local_indices`, ``StepIndices``);
 - ``checks``: every argument check, run before any work;
