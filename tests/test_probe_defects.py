@@ -309,6 +309,10 @@ def test_train_cli_refuses_flags_that_would_do_nothing(argv, says, monkeypatch) 
     assert code == 2 and says in err, err
 
 
-def test_make_optimizer_refuses_fused_sgd() -> None:
-    with pytest.raises(ValueError, match="fused=True .* adam and adamw only"):
-        make_optimizer("sgd", [torch.nn.Parameter(torch.ones(2))], lr=0.1, fused=True)
+def test_resume_without_the_scheduler_it_was_written_with_is_refused(tmp_path: Path) -> None:
+    kw = dict(checkpoint_dir=tmp_path, progress=False, precision="fp32")
+    train("mlp", steps=2, scheduler="cosine", **kw)
+    # before: resumed silently at the schedule's lr of step 2, held constant from there
+    with pytest.raises(ValueError, match="written with an LR scheduler and this run has none"):
+        train("mlp", steps=2, resume=True, **kw)
+    assert train("mlp", steps=2, resume=True, scheduler="cosine", **kw).steps_done == 2

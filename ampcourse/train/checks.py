@@ -135,6 +135,9 @@ def _check_resumable(state: dict, config: dict, path: Path, scheduler: bool,
         now = {**_scaler.DEFAULTS, **scaler_kwargs}
         diffs += [f"scaler_kwargs {k}={saved_scaler[k]!r} in the checkpoint, {now[k]!r} now" for k in _SCALER_MUST_MATCH
                   if k in saved_scaler and saved_scaler[k] != now[k]]
+    if not scheduler and state.get("scheduler") is not None:
+        # the optimizer state would bring back the schedule's lr of that moment, then hold it: silently another run
+        diffs.append("the checkpoint was written with an LR scheduler and this run has none (pass the same scheduler)")
     if scheduler and saved.get("steps", config["steps"]) != config["steps"]:
         diffs.append(f"steps={saved['steps']} in the checkpoint, {config['steps']} now (the LR schedule spans the "
                      "steps of the first run)")

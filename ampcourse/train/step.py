@@ -94,8 +94,6 @@ def make_optimizer(spec: str | Callable, params, lr: float, weight_decay: float 
         cls = torch.optim.AdamW if spec == "adamw" else torch.optim.Adam
         return cls(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
     if spec == "sgd":
-        if fused:  # it would be ignored: train()'s SGD is the plain (foreach) one
-            raise ValueError("fused=True (--fused) applies to adam and adamw only; leave it out for sgd")
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {spec!r}; choose one of {', '.join(OPTIMIZERS)} or pass a callable")
 
