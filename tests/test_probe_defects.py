@@ -316,3 +316,9 @@ def test_resume_without_the_scheduler_it_was_written_with_is_refused(tmp_path: P
     with pytest.raises(ValueError, match="written with an LR scheduler and this run has none"):
         train("mlp", steps=2, resume=True, **kw)
     assert train("mlp", steps=2, resume=True, scheduler="cosine", **kw).steps_done == 2
+
+
+def test_train_cli_flag_names_leave_prose_and_double_names_alone() -> None:
+    text = "move it aside or point checkpoint_dir / --checkpoint-dir at another directory; the steps of the first run"
+    assert cli._as_flags(text) == ("move it aside or point --checkpoint-dir at another directory; "
+                                   "the steps of the first run")

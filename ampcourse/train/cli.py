@@ -109,6 +109,7 @@ def _as_flags(message: str) -> str:
     head, _, rest = message.partition(" ")
     if head in _FLAGS:
         message = f"{_FLAGS[head]} {rest}"
+    message = message.replace("checkpoint_dir / --checkpoint-dir", "--checkpoint-dir")  # a message naming both
     for name in ("resume=True", "checkpoint_dir"):
         message = message.replace(name, _FLAGS[name])
     return message
