@@ -537,6 +537,9 @@ def _resolve_data(data, name: str | None, size: str, seed: int) -> TensorDataset
             raise ValueError("data is None: pass a TensorDataset(inputs, targets) or a pair of tensors for your model")
         return models.make_dataset(name, n=1024, seed=seed, size=size)
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        if data[0].dim() == 0 or data[1].dim() == 0 or len(data[0]) != len(data[1]):  # else TensorDataset's AssertionError
+            raise ValueError(f"data: inputs {tuple(data[0].shape)} and targets {tuple(data[1].shape)} must have one "
+                             "row per sample, the same number of rows")
         data = TensorDataset(*data)
     if not isinstance(data, TensorDataset) or len(data.tensors) != 2:
         raise ValueError(f"data must be a TensorDataset(inputs, targets) or a pair of tensors, got {_args.shown(data)}")

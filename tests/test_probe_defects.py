@@ -323,3 +323,9 @@ def test_train_cli_flag_names_leave_prose_and_double_names_alone() -> None:
     text = "move it aside or point checkpoint_dir / --checkpoint-dir at another directory; the steps of the first run"
     assert cli._as_flags(text) == ("move it aside or point --checkpoint-dir at another directory; "
                                    "the steps of the first run")
+
+
+def test_trial_pair_of_tensors_of_different_lengths_is_a_value_error() -> None:
+    # before: AssertionError "Size mismatch between tensors" from torch's TensorDataset
+    with pytest.raises(ValueError, match=r"inputs \(64, 32\) and targets \(10,\) must have one row per sample"):
+        trial_mod.trial(lambda: torch.nn.Linear(32, 10), data=(X, Y[:10]), steps=1)
