@@ -193,8 +193,9 @@ def test_stub_and_non_functions_fail_without_a_launch(capsys):
 
 
 def test_nproc_is_checked():
-    with pytest.raises(ValueError, match="nproc must be an int >= 1"):
-        run_on_ranks("t", "ampcourse.exercises.ch07:_run_dp", {}, nproc=0)
+    for bad in (0, 1, 10**6, "2"):  # 1 rank tests nothing; 10**6 spawned processes for 120 s before this check
+        with pytest.raises(ValueError, match="nproc must be an int from 2 to 64"):
+            run_on_ranks("t", "ampcourse.exercises.ch07:_run_dp", {}, nproc=bad)
     assert os.environ.get("RANK") is None  # the checkers run in the notebook's process, not under torchrun
 
 

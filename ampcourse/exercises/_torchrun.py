@@ -89,6 +89,10 @@ def default_nproc(device: str | None) -> tuple[int, str]:
     raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {device!r}")
 
 
+#: The most ranks a checker launches on one node (each is a Python process importing torch).
+MAX_NPROC = 64
+
+
 @dataclass
 class RankResults:
     """What every rank returned for every solution: results[name][rank] (a dict, or {'error': text})."""
@@ -122,8 +126,11 @@ def run_on_ranks(title: str, runner: str, solutions: Mapping[str, tuple[str, str
     """
     procs, dev = default_nproc(device)
     if nproc is not None:
-        if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-            raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+        # One rank tests nothing (a solution that never all-reduces passes), and a huge count spawns that many
+        # processes before failing: both refused before any launch.
+        if isinstance(nproc, bool) or not isinstance(nproc, int) or not 2 <= nproc <= MAX_NPROC:
+            raise ValueError(f"nproc must be an int from 2 to {MAX_NPROC} (one rank cannot show a collective's "
+                             f"effect), got {nproc!r}")
         if dev == "cuda" and nproc > torch.cuda.device_count():
             raise ValueError(f"nproc={nproc} but this node has {torch.cuda.device_count()} GPUs; use at most that")
         procs = nproc
