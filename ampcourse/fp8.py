@@ -16,8 +16,26 @@ The MX scale follows the OCP Microscaling spec v1.0 (section 6.3): ``X = 2**(flo
 with emax the element format's largest exponent. That is a *floor* of the exponent, so amax / X lies in
 [2**emax, 2**(emax+1)) and can exceed the element's max (448 for e4m3 = 1.75 * 2**8): those values are
 clamped (saturated), as the spec says. ``mx_rounding="rceil"`` rounds the exponent *up* instead,
-``2**ceil(log2(amax / max))``, which never clips (NVIDIA's and torchao's RCEIL mode). Both equal
-torchao's ``MXTensor.to_mx`` with ``ScaleCalculationMode.FLOOR`` / ``RCEIL`` (tests/test_fp8.py).
+``2**ceil(log2(amax / max))``, which never clips (NVIDIA's RCEIL: cuDNN's block-scale quantize documents
+``scale = quantize_round_up(amax / vmax)`` and ``output = quantize_round_to_even(vals / scale)``). Both
+exponents are computed exactly (``torch.frexp``, no floating-point log2), and clamped to e8m0's
+[-127, 127], as the spec authors' reference library (microsoft/microxcaling, ``_quantize_mx``) does.
+
+Against torchao 0.18 (``torchao_quantize``: ``MXTensor.to_mx``, ``NVFP4Tensor.to_nvfp4``), bit for bit
+(tests/test_fp8.py): equal on ordinary tensors, with and without outliers, every element format and both
+roundings; different at three edges, where torchao departs from the rule above (``MX_EDGE_CASES``):
+
+- a block whose scale is 2**-127 (amax below about 2**(emax - 126)): FLOOR divides by 2**-126, float32's
+  smallest normal (torchao clamps the float32 scale there: 2**-127 is float32-subnormal), then multiplies
+  back by 2**-127, so every element comes back halved; RCEIL multiplies by 1 instead of 2**127 (TE's
+  ``exp2f_rcp`` convention for the biased exponent 0), so every element flushes to zero;
+- RCEIL with amax one float32 ulp above ``max * 2**k``: torchao's eager path takes ``ceil(log2(amax / max))``
+  in float32, whose log2 rounds to exactly k, so it picks 2**k where the round-up rule gives 2**(k + 1)
+  (and where its own Blackwell path, ``cvt.rp.satfinite.ue8m0x2.f32``, rounds up); the block's top value
+  then saturates by less than an ulp;
+- NVFP4 exact ties (x / s halfway between two fp4 values): torchao multiplies by the float32 reciprocal
+  of the e4m3 scale (to match the MSLK kernel), which moves a tie by an ulp and rounds it away from even;
+  here the quotient is exact and the tie goes to even, as cuDNN's formula says.
 
 Element rounding uses ``ampcourse.formats.quantize`` (round to nearest, ties to even, exact for every
 format); values beyond the element's max are clamped to +-max before rounding (saturation).
@@ -43,7 +61,8 @@ from . import _args, formats
 
 __all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "median_relative_error", "sqnr_db", "compare_granularities",
            "ScalingStep", "simulate_scaling", "spike_sequence", "Component", "TrainingScheme", "SCHEMES",
-           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "element_formats", "RECIPES", "to_recipe", "recipe_unavailable", "train_recipe",
+           "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "torchao_unavailable", "torchao_quantize", "EdgeCase",
+           "mx_edge_cases", "element_formats", "RECIPES", "to_recipe", "recipe_unavailable", "train_recipe",
            "ROWWISE_SCALED_MM_CPU", "SCALED_MM_MULTIPLE", "AMAX_EPS"]
 
 #: granularity name -> (group shape: rows, cols; None = the whole dimension), scale format
@@ -103,14 +122,28 @@ def _group_shape(x: torch.Tensor, granularity: str, block_size: int | None) -> t
     return (r, c), scale_fmt
 
 
+def _floor_log2(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2(x)) of positive float64 values, exactly: frexp's exponent (a floating-point log2 rounds
+    log2(2**k * (1 - 2**-53)) to k)."""
+    return (torch.frexp(x).exponent - 1).to(torch.float64)
+
+
+def _ceil_log2_ratio(x: torch.Tensor, top: float) -> torch.Tensor:
+    """The smallest integer k with x <= top * 2**k, exactly (positive float64 x): no rounded log2 or quotient."""
+    k = _floor_log2(x) - _floor_log2(torch.tensor(top, dtype=torch.float64))  # within one of the answer
+    k = torch.where(x > torch.ldexp(torch.full_like(x, top), k), k + 1, k)
+    return torch.where(x <= torch.ldexp(torch.full_like(x, top), k - 1), k - 1, k)
+
+
 def _mx_scale(amax: torch.Tensor, element: formats.FormatSpec, rounding: str) -> torch.Tensor:
     """The e8m0 scale per group: OCP's floor rule, or round-up ('rceil'); exponent clamped to [-127, 127]."""
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     if rounding == "floor":  # OCP MX v1.0: X = 2**(floor(log2(amax)) - emax_elem)
-        exp = torch.floor(torch.log2(safe)) - element.emax
+        exp = _floor_log2(safe) - element.emax
     else:  # rceil: the smallest power of two with amax / X <= max, so nothing clips
-        exp = torch.ceil(torch.log2(safe / element.max))
+        exp = _ceil_log2_ratio(safe, element.max)
     exp = torch.where(amax > 0, exp, torch.full_like(exp, -127.0))  # an all-zero block: the smallest scale
+    # e8m0 holds 2**-127 .. 2**127; below, the spec's reference library (microxcaling) clamps to 2**-127 too
     return torch.exp2(exp.clamp(-127, 127))
 
 
@@ -507,6 +540,129 @@ def quiet_torchao() -> Iterator[None]:
     finally:
         for lg, lvl in zip(loggers, levels):
             lg.setLevel(lvl)
+
+
+# --- torchao's MX and NVFP4 quantization, side by side ---------------------------------------------
+
+#: our element name -> the attribute of torch (a dtype) or torchao's own name (fp6) that MXTensor.to_mx takes
+_TORCHAO_MX_ELEMENTS = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "fp6_e2m3": "fp6_e2m3",
+                        "fp6_e3m2": "fp6_e3m2", "fp4_e2m1": "float4_e2m1fn_x2"}
+
+
+@functools.cache
+def torchao_unavailable() -> str | None:
+    """Why torchao's MX and NVFP4 classes cannot be used here, in one line; None when they can.
+
+    Where a course installs with ``pip install --no-deps`` (Colab), torchao may be missing or built for
+    another torch: the chapter skips what needs it and prints this reason.
+
+    Example::
+
+        >>> torchao_unavailable() is None or "torchao" in torchao_unavailable()
+        True
+    """
+    try:
+        with quiet_torchao():
+            from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: F401
+            from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: F401
+            from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor  # noqa: F401
+    except (ImportError, AttributeError, RuntimeError) as err:  # missing, or built against another torch
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"torchao's MX formats cannot be imported on torch {torch.__version__} ({first}); `pip install torchao` adds them"
+    return None
+
+
+def torchao_quantize(x, element: str = "fp8_e4m3", granularity: str = "mx", *,
+                     mx_rounding: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's version of ``quantize_scaled(x, element, granularity)``: (dequantized values, scales) as float64.
+
+    Args:
+        x: a 2-D tensor; torchao takes float32 (and bf16), so x is cast to float32 first.
+        element: an MX element format (``_TORCHAO_MX_ELEMENTS``), or "fp4_e2m1" for "nvfp4".
+        granularity: "mx" (``MXTensor.to_mx``, blocks of 32) or "nvfp4" (``NVFP4Tensor.to_nvfp4``, one level).
+        mx_rounding: "floor" or "rceil" (torchao's ``ScaleCalculationMode``), for "mx".
+
+    Raises:
+        RuntimeError: torchao is not usable here (``torchao_unavailable`` says why).
+        ValueError: an element or granularity torchao's classes do not take.
+
+    Example::
+
+        >>> x = torch.randn(2, 64)
+        >>> values, scales = torchao_quantize(x, "fp8_e4m3", "mx")
+        >>> torch.equal(values, quantize_scaled(x.float(), "fp8_e4m3", "mx").values)
+        True
+    """
+    reason = torchao_unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+    if granularity not in ("mx", "nvfp4"):
+        raise ValueError(f"granularity must be 'mx' or 'nvfp4' (torchao's MXTensor, NVFP4Tensor), got {_args.shown(granularity)}")
+    if not isinstance(mx_rounding, str) or mx_rounding not in ("floor", "rceil"):
+        raise ValueError(f"mx_rounding must be 'floor' or 'rceil', got {_args.shown(mx_rounding)}")
+    m = _as_matrix(x).to(torch.float32).contiguous()
+    name = _element(element).name
+    with quiet_torchao():
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+    if granularity == "nvfp4":
+        if name != "fp4_e2m1":
+            raise ValueError(f"granularity 'nvfp4' has fp4_e2m1 elements, got {name!r}")
+        t = NVFP4Tensor.to_nvfp4(m)
+    else:
+        if name not in _TORCHAO_MX_ELEMENTS:
+            raise ValueError(f"torchao's MX elements are {', '.join(_TORCHAO_MX_ELEMENTS)}, got {name!r}")
+        elem = _TORCHAO_MX_ELEMENTS[name]
+        elem = elem if elem.startswith("fp6") else getattr(torch, elem)
+        mode = ScaleCalculationMode.FLOOR if mx_rounding == "floor" else ScaleCalculationMode.RCEIL
+        t = MXTensor.to_mx(m, elem, 32, mode)
+    values = t.dequantize(torch.float32).to(torch.float64)
+    return values, t.scale.float().to(torch.float64).reshape(m.shape[0], -1)
+
+
+@dataclass(frozen=True)
+class EdgeCase:
+    """A block where torchao departs from the rule ``quantize_scaled`` follows, and what the rule says."""
+
+    name: str
+    x: torch.Tensor  # float32, one row of 32 (MX) or 16 (NVFP4) values
+    element: str
+    granularity: str
+    mx_rounding: str
+    rule: str  # the rule, and who states it
+    torchao: str  # what torchao does instead, and why (from its source)
+
+
+def mx_edge_cases() -> list[EdgeCase]:
+    """The blocks where torchao 0.18's MX and NVFP4 quantization differ from the spec's rule (see the module doc).
+
+    Example::
+
+        >>> [c.name for c in mx_edge_cases()][:1]
+        ['FLOOR, scale 2**-127']
+    """
+    tiny = torch.tensor([1.5, 1.0, 0.75, 0.5] * 8, dtype=torch.float32) * 2.0**-120  # floor(log2) - 8 < -127
+    k = 16
+    top = torch.tensor(448.0 * 2.0**k, dtype=torch.float32)
+    ulp_above = torch.full((32,), 1.25 * 2.0 ** (k - 7), dtype=torch.float32)  # small values that feel the scale
+    ulp_above[0] = torch.nextafter(top, torch.tensor(math.inf))
+    s = 0.9375  # an e4m3 number (1.875 * 2**-1) whose reciprocal is not exact in float32
+    tie = torch.tensor([6.0, 2.5, 1.25, 5.0] * 4, dtype=torch.float32) * s  # x / s: 6 (sets s), then ties
+    return [
+        EdgeCase("FLOOR, scale 2**-127", tiny[None], "fp8_e4m3", "mx", "floor",
+                 "OCP MX v1.0 6.3: X = 2**-127 (shared_exp clamped, as microxcaling does), P = quantize(V / X)",
+                 "divides by 2**-126 (its float32 scale is clamped to the smallest normal), multiplies back by 2**-127: halves"),
+        EdgeCase("RCEIL, scale 2**-127", tiny[None], "fp8_e4m3", "mx", "rceil",
+                 "cuDNN: scale = round_up(amax / max) = 2**-127 (clamped), output = round_to_even(x / scale)",
+                 "multiplies by 1 for the biased exponent 0 (TE's exp2f_rcp), not by 2**127: flushes to zero"),
+        EdgeCase(f"RCEIL, amax one ulp above 448 * 2**{k}", ulp_above[None], "fp8_e4m3", "mx", "rceil",
+                 f"cuDNN: scale = round_up(amax / 448) = 2**{k + 1} (the quotient is above 2**{k}; PTX cvt.rp rounds it up)",
+                 f"ceil(log2(amax / 448)) in float32: log2 rounds to exactly {k}, so 2**{k}; the top value saturates"),
+        EdgeCase("NVFP4, exact ties", tie[None], "fp4_e2m1", "nvfp4", "floor",
+                 "cuDNN: output = quantize_round_to_even(vals / scale): 2.5 -> 2, 1.25 -> 1, 5 -> 4",
+                 "multiplies by the float32 reciprocal of the scale (MSLK's numerics): a tie moves up an ulp, rounds up"),
+    ]
 
 
 # --- emulated low-precision training (torchao) ---------------------------------------------------------

@@ -351,3 +351,104 @@ def test_element_formats_come_from_the_formats_registry(monkeypatch):
     assert quantize_scaled(torch.ones(1, 32), "fp5_e2m2", "mx").element == "fp5_e2m2"
     with pytest.raises(ValueError, match="fp5_e2m2"):
         quantize_scaled(torch.ones(1, 32), "fp8_e8m0", "mx")
+
+
+# --- torchao side by side: agreement away from the edges, and each edge where torchao departs from the rule ---
+
+def need_torchao() -> None:
+    """Skip, naming why, where torchao's MX classes cannot be imported (fp8.torchao_unavailable)."""
+    reason = fp8.torchao_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("element", list(TORCHAO_ELEMENTS))
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_torchao_quantize_agrees_on_ordinary_tensors(element, rounding):
+    need_torchao()
+    for seed in range(2):
+        x = sample(8, 256, seed=seed + 10, outlier=300.0)
+        ours = quantize_scaled(x, element, "mx", mx_rounding=rounding)
+        values, scales = fp8.torchao_quantize(x, element, "mx", mx_rounding=rounding)
+        assert torch.equal(ours.values, values) and torch.equal(ours.scales, scales), (element, rounding, seed)
+
+
+def test_torchao_nvfp4_agrees_off_ties():
+    need_torchao()
+    x = sample(16, 256, seed=3, outlier=40.0)
+    ours = quantize_scaled(x, "fp4_e2m1", "nvfp4")
+    values, scales = fp8.torchao_quantize(x, "fp4_e2m1", "nvfp4")
+    assert torch.equal(ours.values, values) and torch.equal(ours.scales, scales)
+
+
+def edge(name: str) -> fp8.EdgeCase:
+    """One of fp8.mx_edge_cases() by the start of its name."""
+    return next(c for c in fp8.mx_edge_cases() if c.name.startswith(name))
+
+
+def both(case: fp8.EdgeCase):
+    """Ours (a Quantized) and torchao's (values, scales) for one edge case."""
+    ours = quantize_scaled(case.x, case.element, case.granularity, mx_rounding=case.mx_rounding)
+    return ours, fp8.torchao_quantize(case.x, case.element, case.granularity, mx_rounding=case.mx_rounding)
+
+
+def test_edge_floor_scale_2_pow_minus_127_torchao_halves():
+    need_torchao()
+    case = edge("FLOOR, scale 2**-127")
+    ours, (values, scales) = both(case)
+    x = case.x.double()
+    assert ours.scales.item() == scales.item() == 2.0**-127
+    vals, _ = ocp_mx_reference(case.x, "fp8_e4m3")  # the spec's algorithm in Python floats
+    assert np.array_equal(ours.values.numpy(), vals) and torch.equal(ours.values, x)  # e4m3 holds x / 2**-127 exactly
+    assert torch.equal(values, x / 2)  # torchao divided by 2**-126 and multiplied back by 2**-127
+
+
+def test_edge_rceil_scale_2_pow_minus_127_torchao_flushes():
+    need_torchao()
+    case = edge("RCEIL, scale 2**-127")
+    ours, (values, scales) = both(case)
+    assert ours.scales.item() == scales.item() == 2.0**-127
+    assert torch.equal(ours.values, case.x.double()) and ours.underflowed == 0
+    assert torch.count_nonzero(values) == 0
+
+
+def test_edge_rceil_one_ulp_above_a_boundary_torchao_rounds_down():
+    need_torchao()
+    case = edge("RCEIL, amax one ulp above")
+    ours, (values, scales) = both(case)
+    amax = case.x.abs().max().double()
+    assert amax > 448 * scales.item()  # torchao's scale leaves the top value above 448: it saturates
+    assert ours.scales.item() == 2 * scales.item() and ours.saturated == 0
+    assert values[0, 0].item() == 448 * scales.item() == ours.values[0, 0].item()  # the top value ends equal
+    assert ours.values[0, 1].item() == 512.0 and values[0, 1].item() == 640.0  # the small ones do not: one subnormal bit
+
+
+def test_edge_nvfp4_ties_torchao_rounds_away_from_even():
+    need_torchao()
+    case = edge("NVFP4, exact ties")
+    ours, (values, scales) = both(case)
+    s = ours.scales.item()
+    assert s == scales.item() == 0.9375
+    assert (ours.values[0, :4] / s).tolist() == [6.0, 2.0, 1.0, 4.0]  # ties to even (2.5, 1.25, 5 -> 2, 1, 4)
+    assert (values[0, :4] / s).tolist() == [6.0, 3.0, 1.5, 6.0]
+
+
+def test_mx_exponents_are_exact_at_every_boundary():
+    # floor(log2) and the round-up exponent by frexp: a float64 log2 would round 2**k * (1 - 2**-53) to k
+    for k in [-100, -3, 0, 5, 60]:
+        below = torch.full((1, 32), 2.0**k * (1 - 2.0**-53), dtype=torch.float64)
+        assert quantize_scaled(below, "fp8_e4m3", "mx").scales.item() == 2.0 ** (k - 1 - 8)
+        at = torch.full((1, 32), 448 * 2.0**k, dtype=torch.float64)
+        above = torch.full((1, 32), 448 * 2.0**k * (1 + 2.0**-52), dtype=torch.float64)
+        assert quantize_scaled(at, "fp8_e4m3", "mx", mx_rounding="rceil").scales.item() == 2.0**k
+        assert quantize_scaled(above, "fp8_e4m3", "mx", mx_rounding="rceil").scales.item() == 2.0 ** (k + 1)
+
+
+def test_torchao_quantize_refuses_what_torchao_does_not_take():
+    need_torchao()
+    with pytest.raises(ValueError, match="'mx' or 'nvfp4'"):
+        fp8.torchao_quantize(torch.ones(1, 32), "fp8_e4m3", "row")
+    with pytest.raises(ValueError, match="fp4_e2m1 elements"):
+        fp8.torchao_quantize(torch.ones(1, 16), "fp8_e4m3", "nvfp4")
+    with pytest.raises(ValueError, match="MX elements"):
+        fp8.torchao_quantize(torch.ones(1, 32), "bf16", "mx")
