@@ -42,6 +42,22 @@ def test_largest_exact_integer():
             exercises.check_largest_exact_integer(wrong, "bf16")
 
 
+@pytest.mark.parametrize("fmt, wrong, hint", [
+    ("bf16", 255, "try a bigger number"), ("bf16", 128, "try a bigger number"), ("bf16", 0, "try a bigger number"),
+    ("bf16", 257, "spacing between neighbours becomes 2"), ("bf16", 65504, "7 stored mantissa bits"),
+    ("fp16", 2047, "try a bigger number"), ("fp16", 4096, "10 stored mantissa bits"),
+])
+def test_largest_exact_integer_hints_at_the_idea_not_the_answer(fmt, wrong, hint, capsys):
+    with pytest.raises(ExerciseError, match=hint):
+        exercises.check_largest_exact_integer(wrong, fmt)
+    out = capsys.readouterr().out
+    answer = {"bf16": 256, "fp16": 2048}[fmt]
+    shown = out.split("hint", 1)[1]  # what the hint says (the 'got' line repeats the learner's own number)
+    for leak in (answer, answer + 1, answer - 1):
+        if leak != wrong:
+            assert str(leak) not in shown, (wrong, leak, shown)
+
+
 def test_subnormal_example():
     exercises.check_subnormal_example(1e-6)
     exercises.check_subnormal_example(2.0**-20)

@@ -38,8 +38,11 @@ def check_largest_exact_integer(n: Any, fmt: str = "bf16") -> None:
     if not isinstance(n, int) or isinstance(n, bool):
         failed(title, "an int", repr(n), "answer with a whole number such as 100")
     if n != want:
-        hint = (f"{n + 1} is still exact in {f.name}: try a bigger number" if n < want else
-                f"{want + 1} rounds to {formats.quantize(want + 1, f):.0f} in {f.name}: try a smaller number")
+        # Hint at the idea, never at the answer: no integer near 2**(p + 1) is named (N + 1 for N = want - 1 would be it)
+        p = f.mantissa_bits
+        hint = (f"every integer up to {n} is exact in {f.name}, and so are some beyond it: try a bigger number" if n < want else
+                f"not every integer up to {n} survives in {f.name}: with {p} stored mantissa bits (+1 implicit), "
+                "find the power of two above which the spacing between neighbours becomes 2")
         failed(title, "the N where N + 1 is the first integer that rounds", n, hint)
     passed(title, f"With {f.mantissa_bits} stored mantissa bits (+1 implicit), integers are exact up to 2**{f.mantissa_bits + 1}.")
 

@@ -62,6 +62,46 @@ def check_mx_scale(mx_scale: Callable[[float, str], float]) -> None:
     passed(title, "Blocks whose amax / X lands above the element's max will saturate: that is the cost of the floor.")
 
 
+def _delayed(amaxes: Sequence[float], history: int, margin: int, fmax: float, *, own_amax: bool = False,
+             start: float = 1.0) -> list[float]:
+    """Delayed scaling's scale per step, in plain Python; ``own_amax`` puts each step's amax in its window first (a slip)."""
+    out, seen, scale = [], [], start
+    for a in amaxes:
+        if own_amax:
+            seen = (seen + [a])[-history:]
+            scale = max(seen) * 2.0**margin / fmax
+        out.append(scale)
+        if not own_amax:
+            seen = (seen + [a])[-history:]
+            scale = max(seen) * 2.0**margin / fmax
+    return out
+
+
+def _slips(amaxes: Sequence[float], history: int, margin: int, fmax: float) -> list[tuple[list[float], str]]:
+    """Whole answers that a known slip gives, each with its hint, most specific first.
+
+    Diagnosing the whole list, not one step: a wrong window can match another rule at one step (a 2-step
+    window gives this step's own amax where the last two steps repeat it, which a per-step test took for
+    current scaling).
+    """
+    slips = []
+    for h in range(1, len(amaxes) + 1):
+        if h < history:
+            slips.append((_delayed(amaxes, h, margin, fmax),
+                          f"the window holds the last {history} amaxes, not {h}: a spike stays in it for {history} steps"))
+        elif h > history:
+            slips.append((_delayed(amaxes, h, margin, fmax),
+                          f"the history holds only the last {history} amaxes: older ones drop out"))
+    slips.append((_delayed(amaxes, history, margin, fmax, own_amax=True),
+                  "a step's own amax enters the history only after its cast: the scale of step i uses steps before i"))
+    if margin:
+        slips.append((_delayed(amaxes, history, 0, fmax), f"remember the margin: multiply by 2**{margin}"))
+    for m in sorted({margin, 0}):
+        slips.append(([a * 2.0**m / fmax for a in amaxes],
+                       "that is current scaling (each step's own amax): delayed scaling uses the amaxes of *earlier* steps only"))
+    return slips
+
+
 def check_delayed_scales(scales: Any, amaxes: Sequence[float], history: int, margin: int = 0,
                          element: str = "fp8_e4m3") -> None:
     """Exercise 9.2: the dequantization scale delayed scaling uses at each step of an amax sequence."""
@@ -70,20 +110,19 @@ def check_delayed_scales(scales: Any, amaxes: Sequence[float], history: int, mar
     want = [s.scale for s in simulate_scaling(tensors, element, "delayed", history=history, margin=margin)]
     got = number_list(title, scales, len(want), "one scale per step", "one entry per amax in the sequence")
     fmax = formats.spec(element).max
-    current = [(a / fmax, a * 2.0**margin / fmax) for a in amaxes]  # without and with the margin
+
+    def same(a: Sequence[float], b: Sequence[float]) -> bool:
+        return all(math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b))
+
     for i, (g, w) in enumerate(zip(got, want)):
         if math.isclose(g, w, rel_tol=1e-9):
             continue
-        window = amaxes[max(0, i - history):i]
-        if any(math.isclose(g, c, rel_tol=1e-9) for c in current[i]):
-            hint = "that is current scaling: delayed scaling uses the amaxes of *earlier* steps only"
-        elif i == 0:
+        hint = next((h for slip, h in _slips(amaxes, history, margin, fmax) if same(got, slip)), None)
+        if hint is None and i == 0:
             hint = "the first step has no history yet: the scale starts at 1"
-        elif math.isclose(g, max(window) / fmax, rel_tol=1e-9) and margin:
-            hint = f"remember the margin: multiply by 2**{margin}"
-        elif math.isclose(g, max(amaxes[:i]) * 2.0**margin / fmax, rel_tol=1e-9):
-            hint = f"the history holds only the last {history} amaxes: older ones drop out"
-        else:
+        elif hint is None and same(got[1:], want[1:]):
+            hint = "only the first step is off: with no history yet, the scale starts at 1"
+        elif hint is None:
             hint = f"scale = max(last {history} amaxes before this step) * 2**margin / {fmax:g}"
         failed(title, f"scale {w!r} at step {i}", g, hint)
     passed(title, "A spike stays in the history for its whole window: that is where delayed scaling loses precision.")
