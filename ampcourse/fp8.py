@@ -632,6 +632,7 @@ class EdgeCase:
     mx_rounding: str
     rule: str  # the rule, and who states it
     torchao: str  # what torchao does instead, and why (from its source)
+    unit: float = 1.0  # a convenient unit to print this block's values in (a power of two, or its scale)
 
 
 def mx_edge_cases() -> list[EdgeCase]:
@@ -652,16 +653,20 @@ def mx_edge_cases() -> list[EdgeCase]:
     return [
         EdgeCase("FLOOR, scale 2**-127", tiny[None], "fp8_e4m3", "mx", "floor",
                  "OCP MX v1.0 6.3: X = 2**-127 (shared_exp clamped, as microxcaling does), P = quantize(V / X)",
-                 "divides by 2**-126 (its float32 scale is clamped to the smallest normal), multiplies back by 2**-127: halves"),
+                 "divides by 2**-126 (its float32 scale is clamped to the smallest normal), multiplies back by 2**-127: halves",
+                 2.0**-120),
         EdgeCase("RCEIL, scale 2**-127", tiny[None], "fp8_e4m3", "mx", "rceil",
                  "cuDNN: scale = round_up(amax / max) = 2**-127 (clamped), output = round_to_even(x / scale)",
-                 "multiplies by 1 for the biased exponent 0 (TE's exp2f_rcp), not by 2**127: flushes to zero"),
+                 "multiplies by 1 for the biased exponent 0 (TE's exp2f_rcp), not by 2**127: flushes to zero",
+                 2.0**-120),
         EdgeCase(f"RCEIL, amax one ulp above 448 * 2**{k}", ulp_above[None], "fp8_e4m3", "mx", "rceil",
                  f"cuDNN: scale = round_up(amax / 448) = 2**{k + 1} (the quotient is above 2**{k}; PTX cvt.rp rounds it up)",
-                 f"ceil(log2(amax / 448)) in float32: log2 rounds to exactly {k}, so 2**{k}; the top value saturates"),
+                 f"ceil(log2(amax / 448)) in float32: log2 rounds to exactly {k}, so 2**{k}; the top value saturates",
+                 2.0 ** (k - 7)),
         EdgeCase("NVFP4, exact ties", tie[None], "fp4_e2m1", "nvfp4", "floor",
                  "cuDNN: output = quantize_round_to_even(vals / scale): 2.5 -> 2, 1.25 -> 1, 5 -> 4",
-                 "multiplies by the float32 reciprocal of the scale (MSLK's numerics): a tie moves up an ulp, rounds up"),
+                 "multiplies by the float32 reciprocal of the scale (MSLK's numerics): a tie moves up an ulp, rounds up",
+                 s),
     ]
 
 
@@ -730,7 +735,10 @@ def recipe_unavailable(recipe: str) -> str | None:
         return None
     try:
         _convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe)
-    except (ImportError, AssertionError, RuntimeError, NotImplementedError) as err:
+    except ImportError as err:  # no torchao (Colab with --no-deps), or one that lacks the recipe
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"torchao cannot be imported for it on torch {torch.__version__} ({first}); `pip install torchao` adds it"
+    except (AssertionError, RuntimeError, NotImplementedError) as err:
         try:
             import torchao
             ao = f"torchao {torchao.__version__}"

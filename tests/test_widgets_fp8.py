@@ -48,3 +48,27 @@ def test_element_and_position_controls():
 def test_outlier_explorer_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         outlier_explorer(**kwargs)
+
+
+def test_chapter_9_checks_leave_the_learner_s_widget_alone():
+    """No cell after the one that shows the outlier widget assigns to it: a check cell that moved the learner's
+    slider (``w.magnitude.value = 12``) changed what the learner had set; the chapter's check uses its own probe."""
+    import ast
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "chapters" / "09_below_16_bits.ipynb").read_text())
+    codes = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    shown = next(i for i, s in enumerate(codes) if "outlier_explorer(" in s and "= outlier_explorer(" in s)
+    name = next(t.id for node in ast.walk(ast.parse(codes[shown])) if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name))
+
+    def root(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    for source in codes[shown + 1:]:
+        for node in ast.walk(ast.parse(source)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+            assert all(root(t) != name or isinstance(t, ast.Name) for t in targets), source
