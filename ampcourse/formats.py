@@ -9,9 +9,11 @@ Note: torch casts float64 to float16/bfloat16 *through float32*, which rounds tw
 float32 values when you compare with torch casts.
 
 fp8_e4m3 is OCP's E4M3FN (``torch.float8_e4m3fn``): there is no infinity, the only NaN is the
-all-ones pattern ``S.1111.111``, so its largest value is 448; casts *saturate*: any finite value
-or infinity beyond the range becomes +-448, NaN stays NaN. torch's eager cast does the same from torch 2.13
-(``TORCH_E4M3_CAST_SATURATES_FROM``); before that it gives NaN for values that round past 448.
+all-ones pattern ``S.1111.111``, so its largest value is 448. With no infinity, a conversion past the
+range has two possible results, and OCP's 8-bit spec (OFP8 v1.0) defines both: *saturating* (+-448) and
+non-saturating (NaN). ``quantize`` saturates (as the OCP MX spec's element conversion does): any finite
+value or infinity beyond the range becomes +-448, NaN stays NaN. torch's eager cast does the same from torch
+2.13 (``TORCH_E4M3_CAST_SATURATES_FROM``); before that it gives NaN for values that round past 448.
 fp8_e5m2 follows the IEEE rules of fp16 (overflow to inf).
 
 The formats of the OCP Microscaling (MX) spec v1.0 (checked against ml_dtypes on every bit pattern):
@@ -165,7 +167,7 @@ _ALIASES = {
 
 
 #: The first torch whose eager casts to float8_e4m3fn saturate (measured: 2.6 to 2.12.1 give NaN for 500, 1e5
-#: and inf; 2.13 and later give 448). quantize saturates on every torch: it follows the OCP rule, not the cast.
+#: and inf; 2.13 and later give 448). quantize saturates on every torch: OFP8's saturating conversion, not the cast.
 TORCH_E4M3_CAST_SATURATES_FROM = (2, 13)
 
 
