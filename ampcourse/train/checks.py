@@ -26,7 +26,9 @@ from .step import OPTIMIZERS, SCHEDULERS, optimizer_settings
 # and what the saved scaler state means.
 # lr and weight_decay too: optimizer.load_state_dict would silently put back the checkpoint's values, so a
 # resume "with lr=1e-4" would go on with the old one. Refused, not warned: a resumed run stays the run it was.
-_MUST_MATCH = ("precision", "seed", "batch_size", "dataset_size", "lr", "weight_decay")
+# accum_steps and grad_clip too: another micro-batching rounds the summed gradient differently and another clip
+# moves every clipped step, so either one is silently another run.
+_MUST_MATCH = ("precision", "seed", "batch_size", "dataset_size", "lr", "weight_decay", "accum_steps", "grad_clip")
 
 
 _MODEL_NAMES = {models.MLP: "mlp", models.SmallCNN: "cnn", models.TinyTransformer: "transformer"}
@@ -138,6 +140,11 @@ def _check_resumable(state: dict, config: dict, path: Path, scheduler: bool,
     if not scheduler and state.get("scheduler") is not None:
         # the optimizer state would bring back the schedule's lr of that moment, then hold it: silently another run
         diffs.append("the checkpoint was written with an LR scheduler and this run has none (pass the same scheduler)")
+    done = state.get("step")
+    if isinstance(done, int) and not isinstance(done, bool) and done > config["steps"]:
+        # else the longer run came back as if it were this one (steps_done 4 when 2 were asked for)
+        diffs.append(f"it holds {done} completed steps and steps={config['steps']} now asks for fewer (pass "
+                     f"steps={done} or more to continue it; a shorter run needs a fresh checkpoint_dir)")
     if scheduler and saved.get("steps", config["steps"]) != config["steps"]:
         diffs.append(f"steps={saved['steps']} in the checkpoint, {config['steps']} now (the LR schedule spans the "
                      "steps of the first run)")
@@ -290,7 +297,11 @@ def check_run(*, model, data, precision, steps, lr, seed, device, grad_clip, acc
     _check_finite(data)
     config = {"precision": amp.precision, "seed": v["seed"], "batch_size": batch, "dataset_size": n,
               "steps": v["steps"], "model": name or type(module).__name__, "accum_steps": v["accum_steps"],
-              "world_size": v["world_size"], "lr": v["lr"], "weight_decay": v["weight_decay"]}
+              "world_size": v["world_size"], "lr": v["lr"], "weight_decay": v["weight_decay"], "grad_clip": v["grad_clip"]}
+    if checkpointer is not None and not all(callable(getattr(checkpointer, m, None))
+                                            for m in ("path", "read", "restore", "write")):
+        raise ValueError(f"parallel.checkpointer must be None (one file from rank 0), checkpoint.FileCheckpointer(rank) "
+                         f"or checkpoint.ShardedCheckpointer(rank) (FSDP2), got {_args.shown(checkpointer)}")
     store = checkpointer if checkpointer is not None else checkpoint.FileCheckpointer(v["rank"])
     directory, state = v.get("checkpoint_dir"), None
     if directory is not None:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from .. import models
+from .. import _args, models
 from . import checks
 from .batches import StepIndices, data_on_device, local_indices
 from .step import StepStats, make_optimizer, make_scheduler, state_checksum, train_step
@@ -204,6 +204,9 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         torch.cuda.reset_peak_memory_stats(amp.device)
     loss_fn = loss_fn or models.loss_fn
     net = par.wrap(module) if par.wrap is not None else module
+    if not isinstance(net, nn.Module):  # else an AttributeError from inside make_optimizer
+        raise ValueError(f"parallel.wrap must return the model to train (an nn.Module), got {_args.shown(net)}"
+                         + ("; did it forget to `return` the model?" if net is None else ""))
     opt = make_optimizer(optimizer, net.parameters(), run.lr, run.weight_decay)
     sched = make_scheduler(scheduler, opt, run.steps)
     scaler = amp.make_scaler(**run.scaler_kwargs)
