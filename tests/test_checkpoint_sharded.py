@@ -183,3 +183,17 @@ def test_a_damaged_shard_under_torchrun_is_one_line(tmp_path):
     worker_frames = [line for line in again.stderr.splitlines()
                      if line.strip().startswith("File ") and ("ampcourse" in line or "distributed/checkpoint" in line)]
     assert not worker_frames, again.stderr[-2000:]
+
+
+def test_a_damaged_zip_end_record_is_a_checkpoint_error(tmp_path):
+    """zipfile.is_zipfile itself raised BadZipFile ("zipfiles that span multiple disks are not supported") for a
+    flipped bit in the end record's disk number: it escaped load() (found by tests/test_faults.py's random flips)."""
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save(_state(), path)
+    data = bytearray(path.read_bytes())
+    locator = data.rfind(b"PK\x06\x07")  # the zip64 end-of-central-directory locator (torch writes zip64 records)
+    assert locator > 0
+    data[locator + 4] ^= 0x01  # the number of the disk that holds the zip64 record: now 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="truncated or not a torch file"):
+        checkpoint.load(path)

@@ -330,7 +330,11 @@ def _verify_crcs(path: Path) -> bool:
     torch.load itself does not check them, so without this a flipped bit in a tensor loads silently.
     Not a zip at all: False, and torch.load's own error (or load()'s refusal of a legacy file) follows.
     """
-    if not zipfile.is_zipfile(path):
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except zipfile.BadZipFile as err:  # a damaged end record ("zipfiles that span multiple disks"): is_zipfile lets it out
+        raise _unreadable(path, f"it is truncated or not a torch file (BadZipFile: {err})") from err
+    if not is_zip:
         return False
     try:
         with zipfile.ZipFile(path) as zf:
