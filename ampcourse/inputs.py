@@ -180,6 +180,7 @@ class Batches:
 
     def __init__(self, source: Iterable, seed: int = 0, name: str = "data") -> None:
         self.source, self.seed, self.name = source, _args.seed(seed), name
+        self._first: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         """Batches per epoch, if the source knows (a DataLoader, a list); TypeError otherwise."""
@@ -208,8 +209,11 @@ class Batches:
             yield _batch(item, i, self.name)
 
     def first(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first batch of epoch 0 (what the preflight runs on)."""
-        return next(self._epoch(0))
+        """The first batch of epoch 0 (what the checks and the preflight run on), read once: a DataLoader with
+        workers starts them for every iteration."""
+        if self._first is None:
+            self._first = next(self._epoch(0))
+        return self._first
 
     def stream(self, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every batch, epoch after epoch, without end; the first `skip` are iterated and dropped (a resume)."""

@@ -231,7 +231,7 @@ class _Hooks:
         def hook(module, args, out):
             # A detached output: the measure's ops build no autograd graph (cheaper than a no_grad block per call).
             value = measure(module, args, out.detach() if isinstance(out, torch.Tensor) else out)
-            if type(value) is not torch.Tensor or value.numel() != 1:  # else an error that blamed the data
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:  # else an error that blamed the data
                 raise _inputs.InputError(f"monitor {label!r}: its measure returned {_measured(value)}; a measure "
                                          "returns a 0-d tensor (one number, e.g. out.abs().amax())")
             if value.dtype != torch.float32 or value.dim():  # the built-in measures return 0-d fp32 already
