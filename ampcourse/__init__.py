@@ -21,6 +21,7 @@ Modules, one idea each:
     course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
     doctor     examine(model, ...): measure fp16/bf16 on your own model and advise (python -m ampcourse.doctor)
     trial      fp32 and AMP side by side over N steps: drift per layer, logit growth, first departure (python -m ampcourse.trial)
+    inputs     the front door: one reader of a model, data (DataLoaders too), precisions; InputError; the preflight
 Private helpers: _args (one rule for arguments and CLI errors), _scaler (GradScaler's settings: one owner).
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
@@ -35,12 +36,15 @@ _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
     "fp8", "optim", "reduce_sim",
-    "doctor", "trial",
+    "doctor", "trial", "inputs",
 }
 
 
 def __getattr__(name: str):
     """Import submodules lazily: ``ampcourse.formats`` works without importing every module."""
+    if name == "InputError":  # the one exception for bad input (ValueError and TypeError), raised by ampcourse.inputs
+        from ._args import InputError
+        return InputError
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'ampcourse' has no attribute {name!r}")

@@ -5,7 +5,7 @@ a 0-d numpy array or a 0-d tensor. Every entry point of ampcourse turns such a v
 number here, first thing, so nothing further down (torch's C++ argument parser, ``weights_only`` pickles,
 an ``lru_cache`` key, integer arithmetic) ever sees a numpy or tensor scalar. Anything else (bools, text,
 complex numbers, several-element arrays, ints too large for a float or for torch's int64) is refused with
-a ``ValueError`` that names the argument, shows the value and says what is allowed, before any work starts.
+an :class:`InputError` (a ``ValueError``) that names the argument, shows the value and says what is allowed, before any work starts.
 
     >>> from ampcourse import _args
     >>> _args.integer(np.int64(3), "steps", low=1)          # 3, a Python int
@@ -34,8 +34,19 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-__all__ = ["INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
+__all__ = ["InputError", "INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
            "flag", "as_path", "writable_file", "OneLineParser", "cli_error"]
+
+
+
+class InputError(ValueError, TypeError):
+    """A bad argument to a public entry point: the message names the argument (or the CLI flag) and what is allowed.
+
+    Both a ValueError and a TypeError (the pattern of numpy's AxisError), so callers that catch either keep working:
+    ``train(model=42)`` once raised ValueError and ``examine(model=42)`` TypeError. Public as ``ampcourse.InputError``
+    (``ampcourse.inputs``, the front door, raises it); defined here, at the bottom of the layers, so every module can.
+    """
+
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -66,10 +77,10 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
     what = what or _int_range(low, high)
     v = scalar(value)
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise ValueError(f"{name} must be {what}, got {shown(value)}")
+        raise InputError(f"{name} must be {what}, got {shown(value)}")
     v = int(v)
     if (low is not None and v < low) or (high is not None and v > high):
-        raise ValueError(f"{name} must be {what}, got {shown(value)}")
+        raise InputError(f"{name} must be {what}, got {shown(value)}")
     return v
 
 
@@ -93,13 +104,13 @@ def real(value: Any, name: str, *, positive: bool = False, nonnegative: bool = F
         what += " > 0" if positive else " >= 0" if nonnegative else ""
     v = scalar(value)
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise ValueError(f"{name} must be {what}, got {shown(value)}")
+        raise InputError(f"{name} must be {what}, got {shown(value)}")
     try:
         f = float(v)
     except OverflowError:  # an int beyond float's range (10**400): no float holds it
-        raise ValueError(f"{name} must be {what}, got {shown(value)} (too large for a float)") from None
+        raise InputError(f"{name} must be {what}, got {shown(value)} (too large for a float)") from None
     if (finite and not math.isfinite(f)) or (positive and not f > 0) or (nonnegative and not f >= 0):
-        raise ValueError(f"{name} must be {what}, got {shown(value)}")
+        raise InputError(f"{name} must be {what}, got {shown(value)}")
     return f
 
 
@@ -111,7 +122,7 @@ def seed(value: Any, name: str = "seed") -> int:
 def choice(value: Any, name: str, allowed: Sequence[str]) -> str:
     """value if it is one of the allowed names (a str); ValueError naming the argument and listing them otherwise."""
     if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {shown(value)}")
+        raise InputError(f"{name} must be one of {', '.join(allowed)}; got {shown(value)}")
     return value
 
 
@@ -120,10 +131,10 @@ def names(value: Any, name: str, allowed: Sequence[str]) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if isinstance(value, (bytes, Mapping)) or not isinstance(value, (Sequence, set, frozenset)) or not value:
-        raise ValueError(f"{name} must be a non-empty sequence of names from {', '.join(allowed)}; got {shown(value)}")
+        raise InputError(f"{name} must be a non-empty sequence of names from {', '.join(allowed)}; got {shown(value)}")
     bad = [v for v in value if not isinstance(v, str) or v not in allowed]
     if bad:
-        raise ValueError(f"{name}: unknown name(s) {shown(bad)}; choose from {', '.join(allowed)}")
+        raise InputError(f"{name}: unknown name(s) {shown(bad)}; choose from {', '.join(allowed)}")
     return tuple(value)
 
 
@@ -131,7 +142,7 @@ def flag(value: Any, name: str) -> bool:
     """value as a bool (True, False, numpy bools, 0-d bool tensors); ValueError naming it otherwise."""
     v = scalar(value)
     if not isinstance(v, bool):
-        raise ValueError(f"{name} must be True or False, got {shown(value)}")
+        raise InputError(f"{name} must be True or False, got {shown(value)}")
     return v
 
 
@@ -142,12 +153,12 @@ def as_path(value: Any, name: str) -> Path:
     an error that names no argument, so it is refused here, first.
     """
     if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
-        raise ValueError(f"{name} must be a path (str or pathlib.Path), got {shown(value)}")
+        raise InputError(f"{name} must be a path (str or pathlib.Path), got {shown(value)}")
     text = os.fspath(value)
     if isinstance(text, bytes):
-        raise ValueError(f"{name} must be a text path (str or pathlib.Path), got {shown(value)}")
+        raise InputError(f"{name} must be a text path (str or pathlib.Path), got {shown(value)}")
     if "\0" in text:
-        raise ValueError(f"{name} {shown(text, 300)} contains a NUL byte (\\x00, at character {text.index(chr(0))}), "
+        raise InputError(f"{name} {shown(text, 300)} contains a NUL byte (\\x00, at character {text.index(chr(0))}), "
                          "which no file name can hold; "
                          "remove it from the path")
     return Path(text)
@@ -161,10 +172,10 @@ def writable_file(path: Any, name: str) -> Path:
     such as /dev/full gets one probe byte, since only a write tells whether it takes data.
     """
     if isinstance(path, bool) or not isinstance(path, (str, Path)) or not str(path):
-        raise ValueError(f"{name} must be a file path (str or pathlib.Path), got {shown(path)}")
+        raise InputError(f"{name} must be a file path (str or pathlib.Path), got {shown(path)}")
     target = as_path(path, name)
     if target.is_dir() or not target.resolve().parent.is_dir():
-        raise ValueError(f"cannot write {name} {str(path)!r}: "
+        raise InputError(f"cannot write {name} {str(path)!r}: "
                          f"{'it is a directory' if target.is_dir() else 'its folder does not exist'}")
     existed = target.exists()
     try:
@@ -176,7 +187,7 @@ def writable_file(path: Any, name: str) -> Path:
                 fh.write("\n")
                 fh.flush()
     except OSError as err:
-        raise ValueError(f"cannot write {name} {str(path)!r}: {err.strerror or err}; choose a file you can write to") from None
+        raise InputError(f"cannot write {name} {str(path)!r}: {err.strerror or err}; choose a file you can write to") from None
     if not existed:
         target.unlink(missing_ok=True)
     return target
@@ -190,20 +201,20 @@ def creatable_dir(path: Path, name: str) -> None:
     """
     path = as_path(path, name)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{name} {str(path)!r} exists and is not a directory; pass a directory path")
+        raise InputError(f"{name} {str(path)!r} exists and is not a directory; pass a directory path")
     probe = path
     while not probe.exists():  # the nearest existing ancestor must let us create the directory
         if probe.is_symlink():  # a link to nothing: exists() says no, yet mkdir() would meet the name
-            raise ValueError(f"{name} {str(path)!r} cannot be created: {str(probe)!r} is a symbolic link "
+            raise InputError(f"{name} {str(path)!r} cannot be created: {str(probe)!r} is a symbolic link "
                              f"to {os.readlink(probe)!r}, which does not exist; remove the link or create its target")
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"{name} {str(path)!r} cannot be created: {str(probe)!r} is a file, not a folder")
+        raise InputError(f"{name} {str(path)!r} cannot be created: {str(probe)!r} is a file, not a folder")
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as err:
-        raise ValueError(f"{name} {str(path)!r} is not writable ({err.strerror or err}); "
+        raise InputError(f"{name} {str(path)!r} is not writable ({err.strerror or err}); "
                          "choose a directory you can write to") from None
 
 

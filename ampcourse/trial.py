@@ -52,8 +52,8 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 from . import _args, _scaler, formats, models
+from . import inputs as _inputs
 from . import train as _train
-from .train import checks as _checks
 from .device import AmpSetup, parse_precision, pick
 
 __all__ = ["Monitor", "Departure", "Trial", "trial", "attention_logit_max", "output_logit_max", "activation_max",
@@ -159,8 +159,14 @@ def _abs_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _abs_max(module: nn.Module, args: tuple, out: Any) -> torch.Tensor:
-    """max |output| as 0-d fp32 (the max of bf16 values is a bf16 value: exact in fp32)."""
-    return _abs_amax(out).float()  # in the output's dtype: no fp32 copy of it (the hook passes it detached)
+    """max |output| as 0-d fp32 (the max of bf16 values is a bf16 value: exact in fp32).
+
+    Of the tensor the output leads with (``(logits, aux)``: the logits; ``.logits``); nan for an output without one.
+    """
+    t = out if isinstance(out, torch.Tensor) else _inputs.first_tensor(out)
+    if t is None:
+        return torch.tensor(math.nan)
+    return _abs_amax(t.detach()).float()  # in the output's dtype: no fp32 copy of it (the hook passes it detached)
 
 
 def output_logit_max() -> Monitor:
@@ -185,6 +191,26 @@ def default_monitors() -> list[Monitor]:
     return [attention_logit_max(), output_logit_max(), activation_max()]
 
 
+def _measured(value: Any) -> str:
+    """What a monitor's measure returned, for the error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{_args.shown(value)} (a {type(value).__name__}, not a tensor)"
+
+
+def _where(monitor: Monitor, model: nn.Module) -> list[tuple[str, nn.Module, Measure]]:
+    """monitor.where(model), checked: a list of (layer label, module of the model, callable measure) triples."""
+    found = monitor.where(model)
+    triples = list(found) if isinstance(found, (list, tuple)) else None
+    ours = {id(m) for m in model.modules()}
+    if triples is None or not all(isinstance(t, (tuple, list)) and len(t) == 3 and isinstance(t[0], str)
+                                  and isinstance(t[1], nn.Module) and id(t[1]) in ours and callable(t[2])
+                                  for t in triples):
+        raise _inputs.InputError(f"monitor {monitor.name!r}: where(model) returned {_args.shown(found)}; it must return "
+                                 "a list of (layer label, module of the model, measure) triples")
+    return triples
+
+
 class _Hooks:
     """The forward hooks of one run's monitors: each step's values stay 0-d tensors until read()."""
 
@@ -195,7 +221,7 @@ class _Hooks:
         self.nan = torch.tensor(math.nan, device=next(model.parameters()).device)
         self.handles = []
         for monitor in monitors:
-            for layer, module, measure in monitor.where(model):
+            for layer, module, measure in _where(monitor, model):
                 label = f"{monitor.name}/{layer}"
                 if label not in self.labels:
                     self.labels.append(label)
@@ -205,6 +231,9 @@ class _Hooks:
         def hook(module, args, out):
             # A detached output: the measure's ops build no autograd graph (cheaper than a no_grad block per call).
             value = measure(module, args, out.detach() if isinstance(out, torch.Tensor) else out)
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:  # else an error that blamed the data
+                raise _inputs.InputError(f"monitor {label!r}: its measure returned {_measured(value)}; a measure "
+                                         "returns a 0-d tensor (one number, e.g. out.abs().amax())")
             if value.dtype != torch.float32 or value.dim():  # the built-in measures return 0-d fp32 already
                 value = value.detach().float().reshape(())
             old = self.values.get(label)
@@ -507,47 +536,6 @@ def _precision(label: str) -> tuple[str, bool]:
     return parse_precision(label), label == "fp16"
 
 
-def _build_model(model_factory: Callable[[], nn.Module] | str, size: str, seed: int) -> tuple[nn.Module, str | None]:
-    """The initial model (built once, seeded; every run gets a deep copy) and its reference name."""
-    if isinstance(model_factory, str):
-        if model_factory not in models.MODELS:
-            raise ValueError(f"unknown model {model_factory!r}; choose one of {', '.join(models.MODELS)} "
-                             "or pass a callable that returns an nn.Module")
-        return models.make_model(model_factory, size=size, seed=seed), model_factory
-    if isinstance(model_factory, nn.Module):
-        raise ValueError("model_factory must build a fresh model (a callable such as `lambda: MyNet()`), not a model: "
-                         "a trial trains several copies and must not change yours")
-    if not callable(model_factory):
-        raise ValueError(f"model_factory must be a reference model name ({', '.join(models.MODELS)}) or a callable "
-                         f"returning an nn.Module, got {_args.shown(model_factory)}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_factory()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model_factory() must return an nn.Module, got {type(model).__name__}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"the model from model_factory ({type(model).__name__}) has no trainable parameters")
-    return model, None
-
-
-def _resolve_data(data, name: str | None, size: str, seed: int) -> TensorDataset:
-    """A TensorDataset from a TensorDataset or an (inputs, targets) pair; the reference model's data for None."""
-    if data is None:
-        if name is None:
-            raise ValueError("data is None: pass a TensorDataset(inputs, targets) or a pair of tensors for your model")
-        return models.make_dataset(name, n=1024, seed=seed, size=size)
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        if data[0].dim() == 0 or data[1].dim() == 0 or len(data[0]) != len(data[1]):  # else TensorDataset's AssertionError
-            raise ValueError(f"data: inputs {tuple(data[0].shape)} and targets {tuple(data[1].shape)} must have one "
-                             "row per sample, the same number of rows")
-        data = TensorDataset(*data)
-    if not isinstance(data, TensorDataset) or len(data.tensors) != 2:
-        raise ValueError(f"data must be a TensorDataset(inputs, targets) or a pair of tensors, got {_args.shown(data)}")
-    if len(data) == 0:
-        raise ValueError("data is empty (0 samples); pass at least batch_size samples")
-    return data
-
-
 def _make_optimizer(optimizer_factory, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
     """A callable(params) -> Optimizer from a name ('adamw', 'adam', 'sgd') or a callable(params)."""
     if optimizer_factory is None or isinstance(optimizer_factory, str):
@@ -592,31 +580,13 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
 
 
 def _check_precisions(precisions) -> tuple[str, ...]:
-    """Precision names, each once, from PRECISIONS, read as train() reads them ('FP16 ', 'bfloat16', torch.float16).
-
-    One name alone (a str or a dtype) counts as a sequence of one.
-    """
-    if isinstance(precisions, (str, torch.dtype)):
-        precisions = (precisions,)
-    if isinstance(precisions, (bytes, dict)) or not isinstance(precisions, (Sequence, set, frozenset)) or not precisions:
-        raise ValueError(f"precisions must be a non-empty sequence of names from {', '.join(PRECISIONS)}; "
-                         f"got {_args.shown(precisions)}")
-    out = []
-    for name in precisions:
-        if isinstance(name, str) and name.strip().lower() == "fp16-noscaler":
-            out.append("fp16-noscaler")
-            continue
-        try:
-            out.append(parse_precision(name))  # the one reading of precision names (ampcourse.device)
-        except ValueError:
-            raise ValueError(f"precisions: unknown name {_args.shown(name)}; choose from {', '.join(PRECISIONS)} "
-                             "(dtype names such as 'bfloat16' work too)") from None
-    return tuple(dict.fromkeys(out))
+    """Precision names, each once, from PRECISIONS, read by the front door as train() reads one (``ampcourse.inputs``)."""
+    return _inputs.precision_names(precisions, "precisions", allowed=("fp32", "bf16", "fp16"), extra=("fp16-noscaler",))
 
 
 def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tuple | None = None,
           precisions: Sequence[str] = ("bf16",), steps: int = 200, optimizer_factory: Callable | str | None = None,
-          seed: int = 0, monitors: Sequence[Monitor] | None = None, *, lr: float = 1e-3, batch_size: int = 32,
+          seed: int = 0, monitors: Sequence[Monitor] | None = None, *, lr: float = 1e-3, batch_size: int | None = None,
           loss_fn: Callable | None = None, tolerance: float = 0.1, device: str | torch.device | None = None,
           scaler_kwargs: dict | None = None, size: str = "tiny", grad_clip: float | None = None,
           chunk: int | None = None) -> Trial:
@@ -626,13 +596,17 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
         model_factory: a reference model name (``"mlp"``, ``"cnn"``, ``"transformer"``, built with ``size`` and
             ``seed``) or a callable returning a fresh nn.Module (called once under ``torch.manual_seed(seed)``;
             every run trains a deep copy of that one model).
-        data: TensorDataset(inputs, targets) or a pair of tensors; None: the reference model's synthetic data.
+        data: TensorDataset(inputs, targets) or a pair of tensors (batches drawn by train's seeded order); a
+            DataLoader or any re-iterable of (inputs, targets) batches, one batch per step, iterated as it gives
+            them (``ampcourse.inputs.Batches``: every run gets the same batches); None: the reference model's
+            synthetic data.
         precisions: names from ``PRECISIONS`` compared against the fp32 reference (default ``("bf16",)``).
         steps: optimizer steps per run (one batch per step, the same batch for every run).
         optimizer_factory: ``"adamw"`` (default), ``"adam"``, ``"sgd"`` (with ``lr``) or a callable(params).
         seed: model init (for a name or a factory), batch order and each run's random stream (dropout).
         monitors: per-layer forward measurements (default: :func:`default_monitors`); ``[]`` for none.
-        lr: learning rate of a named optimizer. batch_size: samples per step (at most the dataset's size).
+        lr: learning rate of a named optimizer. batch_size: samples per step of tensor data (at most the
+            dataset's size; None: 32); refused with a DataLoader, whose batches have their size.
         loss_fn: callable(output, targets) -> loss; default: ``ampcourse.models.loss_fn`` (cross entropy).
         tolerance: the relative gap to fp32 (loss, monitors, per-layer drift) that counts as a departure.
         device: as ``ampcourse.device.pick`` takes it (default: the best available).
@@ -659,7 +633,8 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     steps = _args.integer(steps, "steps", low=1)
     seed = _args.seed(seed)
     lr, _ = _train.optimizer_settings(lr)  # within float32's range, or the first step fails inside torch
-    batch_size = _args.integer(batch_size, "batch_size", low=1)
+    if batch_size is not None:
+        batch_size = _args.integer(batch_size, "batch_size", low=1)
     tolerance = _args.real(tolerance, "tolerance", positive=True)
     grad_clip = None if grad_clip is None else _args.real(grad_clip, "grad_clip", positive=True)
     chunk = None if chunk is None else _args.integer(chunk, "chunk", low=1)
@@ -679,17 +654,20 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     scaler_settings = {**_scaler.DEFAULTS, **{k: v for k, v in _scaler.gradscaler_kwargs(scaler_kwargs).items() if k != "enabled"}}
     make_opt = _make_optimizer(optimizer_factory, lr)
     for name in names:  # fp16 on a device without fp16 autocast: say so now, not at step 0
-        amp = pick(device, _precision(name)[0])
-        problem = _checks._amp_works(amp.device_type, amp.precision)
-        if problem:
-            raise ValueError(f"precision {name!r} cannot run on {amp.device} ({problem}); choose another")
-    model, ref_name = _build_model(model_factory, size, seed)
-    data = _resolve_data(data, ref_name, size, seed)
-    models.check_data(model, data, targets=loss_fn is None)
-    if batch_size > len(data):
-        raise ValueError(f"batch_size {batch_size} is larger than the dataset ({len(data)} samples); "
-                         f"use at most {len(data)}")
-    _checks._check_finite(data)
+        _inputs.check_amp(pick(device, _precision(name)[0]), "precision", label=name)
+    model, ref_name = _inputs.read_model(model_factory, "model_factory", size=size, seed=seed, accept=("name", "factory"))
+    # fp16 with a GradScaler cannot unscale fp16 gradients: refused now, not after the fp32 reference has run
+    _inputs.check_fp16_parameters(model, any(_precision(n)[1] for n in names), "the model from model_factory", "trial()")
+    data = _inputs.read_data(data, reference=ref_name, seed=seed, size=size, batch_size=batch_size)
+    iterable = data if isinstance(data, _inputs.Batches) else None
+    sample = TensorDataset(*iterable.first()) if iterable is not None else data
+    models.check_data(model, sample, targets=loss_fn is None)
+    if iterable is None:
+        batch_size = 32 if batch_size is None else batch_size
+        if batch_size > len(data):
+            raise _inputs.InputError(f"batch_size {batch_size} is larger than the dataset ({len(data)} samples); "
+                                     f"use at most {len(data)}")
+    _inputs.check_finite(*sample.tensors)
     loss = loss_fn or models.loss_fn
 
     ref_amp = pick(device, "fp32")
@@ -702,16 +680,25 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
             for label in (REFERENCE, *names)]
     ref = runs[0]
     ref.history = ref.flat.new_empty((chunk, ref.flat.numel()))  # at most CHUNK_BYTES by default
-    probe = data.tensors[0][:1].to(ref_amp.device), data.tensors[1][:1].to(ref_amp.device)
-    _checks.preflight(ref.model, *probe, loss if loss_fn is None else None, ref.amp)  # bad data: one line, now
+    probe = sample.tensors[0][:1].to(ref_amp.device), sample.tensors[1][:1].to(ref_amp.device)
+    all_targets = sample.tensors[1] if loss_fn is None and iterable is None else None
+    classes = _inputs.preflight(ref.model, *probe, loss if loss_fn is None else None, ref.amp,
+                                labels=all_targets)  # bad data: one line, now
     ref.hooks.take()
-    xs, ys = data.tensors
+    xs, ys = sample.tensors
+    stream = iterable.stream() if iterable is not None else None  # one stream: every run gets the same batches
     train_seconds = 0.0
     try:
         with torch.random.fork_rng(devices=[ref_amp.device] if ref_amp.device_type == "cuda" else []):
             for start in range(0, steps, chunk):
                 batches = []
                 for step in range(start, min(start + chunk, steps)):
+                    if stream is not None:
+                        x, y = next(stream)
+                        if classes is not None and y.device.type == "cpu":  # on the host: no device sync
+                            _inputs.check_labels(y, classes, f"data targets of step {step}")
+                        batches.append((x.to(ref_amp.device), y.to(ref_amp.device)))
+                        continue
                     idx = _train.batch_indices(step, seed, len(data), batch_size)
                     batches.append((xs[idx].to(ref_amp.device), ys[idx].to(ref_amp.device)))
                 ref_after: list[tuple[torch.Tensor, list[float]]] = []  # the reference's weights after each step

@@ -157,7 +157,7 @@ API = {
     "train own model, wrong input width": Row(lambda t: train(t, torch.nn.Linear(32, 10), mlp_data(x=torch.randn(64, 7))),
                                               "(32, 7)", "shapes cannot be multiplied"),
     "train own model, bad targets": Row(lambda t: train(t, torch.nn.Linear(32, 10), mlp_data(y=torch.full((64,), 50))),
-                                        "Target 50", "out of bounds"),
+                                        "from 50 to 50", r"10 classes \(0\.\.9\)"),
     # train: scaler settings (GradScaler itself takes a negative scale without a word)
     "train negative init_scale": Row(lambda t: train(t, precision="fp16", scaler_kwargs={"init_scale": -1.0}), "-1.0",
                                      "positive finite float32"),

@@ -117,10 +117,13 @@ def test_resume_on_more_ranks_draws_the_same_global_batch(tmp_path):
     assert rest.start_step == 2 and rest.steps_done == 3
 
 
-def test_resume_past_the_end_does_nothing(tmp_path):
+def test_resume_at_the_end_does_nothing_and_before_it_is_refused(tmp_path):
+    """steps equal to the checkpoint's: the finished run comes back. Fewer: refused (it silently came back, too)."""
     first = train("mlp", None, "fp32", steps=3, checkpoint_dir=tmp_path, **FAST)
-    again = train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, resume=True, **FAST)
+    again = train("mlp", None, "fp32", steps=3, checkpoint_dir=tmp_path, resume=True, **FAST)
     assert again.steps_done == 3 and state_checksum(again.model) == state_checksum(first.model)
+    with pytest.raises(ValueError, match="holds 3 completed steps and steps=2 now asks for fewer"):
+        train("mlp", None, "fp32", steps=2, checkpoint_dir=tmp_path, resume=True, **FAST)
 
 
 @pytest.mark.parametrize("change,name", [(dict(seed=1), "seed"), (dict(batch_size=16), "batch_size"),

@@ -143,7 +143,7 @@ def test_trial_reads_precision_names_like_train(given, want) -> None:
 
 
 def test_trial_still_refuses_unknown_precisions() -> None:
-    with pytest.raises(ValueError, match=r"precisions: unknown name 'fp8'; choose from fp32, bf16, fp16, fp16-noscaler"):
+    with pytest.raises(ValueError, match=r"precisions: unknown precision 'fp8'; choose from fp32, bf16, fp16, fp16-noscaler"):
         trial_mod._check_precisions(("bf16", "fp8"))
     with pytest.raises(ValueError, match="non-empty sequence"):
         trial_mod._check_precisions(None)

@@ -304,7 +304,7 @@ BAD = [
     (dict(lr=float("inf")), "lr must be a finite number > 0"),
     (dict(seed=-1), "seed must be an int >= 0"),
     (dict(model="resnet"), "choose one of mlp, cnn, transformer"),
-    (dict(model=42), "nn.Module or one of mlp"),
+    (dict(model=42), "model must be a reference model name .*an nn.Module.*got 42"),
     (dict(batch_size=0), "batch_size must be an int >= 1"),
     (dict(batch_size=512), r"larger than the dataset \(256 samples\); use at most 256"),
     (dict(batch_size=30, accum_steps=4), "must divide by world_size \\* accum_steps"),
@@ -346,7 +346,9 @@ def test_checkpoint_every_zero():
 
 
 def test_fp16_on_a_device_that_cannot_run_it(monkeypatch):
-    monkeypatch.setattr(train_mod.checks, "_amp_works", lambda device_type, precision:
+    from ampcourse import inputs
+
+    monkeypatch.setattr(inputs, "amp_problem", lambda device_type, precision:
                         "no fp16 kernels" if precision == "fp16" else None)
     with pytest.raises(ValueError, match="precision 'fp16' cannot run on cpu .*no fp16 kernels.*use bf16 or fp32"):
         train("mlp", None, "fp16", **FAST)
@@ -354,7 +356,9 @@ def test_fp16_on_a_device_that_cannot_run_it(monkeypatch):
 
 
 def test_amp_probe_on_this_cpu():
-    assert train_mod.checks._amp_works("cpu", "fp16") is None and train_mod.checks._amp_works("cpu", "bf16") is None
+    from ampcourse import inputs
+
+    assert inputs.amp_problem("cpu", "fp16") is None and inputs.amp_problem("cpu", "bf16") is None
 
 
 def test_checkpoint_dir_not_writable(tmp_path):

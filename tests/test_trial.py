@@ -156,7 +156,7 @@ def test_non_finite_values_survive_json():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(precisions=("fp8",)), "precisions: unknown name"),
+    (dict(precisions=("fp8",)), "precisions: unknown precision"),
     (dict(precisions=()), "precisions must be a non-empty sequence"),
     (dict(steps=0), "steps must be an int >= 1"),
     (dict(tolerance=-1), "tolerance must be a finite number > 0"),
@@ -196,7 +196,7 @@ def test_cli(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "gpt"], "--model must be one of mlp, cnn, transformer"),
-    (["--model", "mlp", "--precisions", "fp8"], "precisions: unknown name"),
+    (["--model", "mlp", "--precisions", "fp8"], "precisions: unknown precision"),
     (["--model", "mlp", "--steps", "0"], "steps must be an int >= 1"),
     (["--model", "mlp", "--out", "/nonexistent/x.json"], "cannot write --out"),
     # a device that opens but refuses data: found by _args.writable_file's probe byte, before the trainings

@@ -20,7 +20,12 @@ What a checkpoint promises (README, "Reliability"):
 
 - integrity: torch writes every piece (each tensor's bytes, the pickled structure) as a member of a zip
   file with its CRC-32; ``load`` checks every CRC before unpickling, so a flipped bit anywhere in the data
-  is a :class:`CheckpointError`, never a silently different resume;
+  is a :class:`CheckpointError`, never a silently different resume; a sharded (FSDP2, DCP) checkpoint's meta.pt
+  lists the size and CRC-32 of every DCP file, which every rank checks before DCP reads one
+  (:func:`~ampcourse.checkpoint.checkpointers.verify_shards`), and what DCP itself raises (its
+  ``CheckpointException`` is a BaseException) becomes a CheckpointError too;
+- never over what is not a file: a path that names a device (``/dev/null``), a FIFO or a socket is refused before
+  the temp file is renamed over it; a symbolic link is written through (the link stays);
 - plain contents: numpy scalars in the settings, history, optimizer or scheduler state are turned into
   Python numbers by ``capture`` (``weights_only=True`` refuses numpy objects);
 - whatever the global torch settings: ``save`` writes with CRC-32s on even after

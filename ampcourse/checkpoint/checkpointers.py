@@ -10,7 +10,7 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .saving import FORMAT, VERSION, CheckpointError, load, path_in, save
+from .saving import FORMAT, VERSION, CheckpointError, load, path_in, replace_atomically, save
 from .state import capture, check_settings, restore, rng_state, set_rng_state
 
 __all__ = ["FileCheckpointer", "ShardedCheckpointer"]
@@ -130,6 +130,81 @@ def _tensor_leaves_only(tree: Any, where: str = "") -> None:
 
 _SHARDED_REQUIRED = ("format", "version", "step", "scaler", "scheduler", "rng", "param_groups")
 
+#: The file in a step folder that is not a DCP file (it holds the checksums of the others, and its own zip CRCs).
+_META = "meta.pt"
+
+
+def _crc32_of(path: Path) -> tuple[int, int]:
+    """(size in bytes, CRC-32) of a file, read in 1 MiB pieces."""
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while piece := fh.read(1 << 20):
+            crc, size = zlib.crc32(piece, crc), size + len(piece)
+    return size, crc
+
+
+def shard_checksums(folder: Path) -> dict[str, list[int]]:
+    """{file name: [size, CRC-32]} of every DCP file in a step folder (its .metadata and every rank's shards).
+
+    Rank 0 computes them after ``dcp.save`` has returned there, when every rank's shards are written; they go
+    into meta.pt, whose own bytes the zip CRCs of ``checkpoint.save`` protect. DCP itself checks no checksum:
+    without these a flipped bit in a shard resumed silently from the damaged weight.
+    """
+    return {p.name: list(_crc32_of(p)) for p in sorted(folder.iterdir()) if p.name != _META and p.is_file()}
+
+
+def verify_shards(folder: Path, files: Any) -> None:
+    """CheckpointError unless every file meta.pt lists is in `folder` with its size and CRC-32 (changes nothing).
+
+    Every rank checks every file, so all ranks reach the same verdict without a collective: none of them starts
+    DCP's load (and its collectives) on a damaged checkpoint while another refuses it.
+    """
+    if not isinstance(files, Mapping) or ".metadata" not in files or not all(
+            isinstance(k, str) and isinstance(v, (list, tuple)) and len(v) == 2 and all(type(x) is int for x in v)
+            for k, v in files.items()):
+        raise CheckpointError(f"cannot resume from {str(folder)!r}: its meta.pt lists no checksums of the DCP files "
+                              "(written by an older ampcourse, or not by ampcourse); its shards cannot be checked, so "
+                              "it is not resumed. Start a fresh run in another checkpoint_dir")
+    for name, (size, crc) in files.items():
+        path = folder / name
+        if "/" in name or name in ("", ".", "..") or not path.is_file():
+            raise CheckpointError(f"cannot resume from {str(folder)!r}: {name!r} is missing (a copy that stopped "
+                                  "early, or a file deleted); move the folder aside or start a fresh run")
+        try:
+            got_size, got_crc = _crc32_of(path)
+        except OSError as err:
+            raise CheckpointError(f"cannot resume from {str(folder)!r}: {name!r} cannot be read "
+                                  f"({err.strerror or err})") from None
+        if got_size != size:
+            raise CheckpointError(f"cannot resume from {str(folder)!r}: {name!r} has {got_size} bytes, "
+                                  f"{size} when it was written (truncated or damaged); move the folder aside or "
+                                  "start a fresh run")
+        if got_crc != crc:
+            raise CheckpointError(f"cannot resume from {str(folder)!r}: {name!r} fails its CRC-32 check (a flipped "
+                                  "bit, a failing disk or an incomplete copy): its bytes differ from what was "
+                                  "saved; move the folder aside or start a fresh run")
+
+
+def _dcp_failure(err: BaseException) -> str:
+    """One line for what DCP raised: the first failing rank's own error (its CheckpointException str is tracebacks)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        rank, pair = next(iter(failures.items()))
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        text = str(inner).strip().splitlines()[0][:300] if str(inner).strip() else ""
+        return f"rank {rank}: {type(inner).__name__}: {text}"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    """torch's CheckpointException: it derives from BaseException (torch 2.13), so `except Exception` misses it."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # pragma: no cover - a torch without it
+        return Exception
+    return CheckpointException
+
 
 class ShardedCheckpointer(FileCheckpointer):
     """FSDP2 checkpoints: every rank writes its shards with DCP; rank 0 writes a small meta.pt beside them.
@@ -163,7 +238,7 @@ class ShardedCheckpointer(FileCheckpointer):
 
     def read(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Load meta.pt of the latest step folder (config, history, scaler, ...); the shards come in restore()."""
-        return load(self._current(directory) / "meta.pt", required=_SHARDED_REQUIRED)
+        return load(self._current(directory) / _META, required=_SHARDED_REQUIRED)
 
     @staticmethod
     def _dcp_state(net: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
@@ -184,15 +259,15 @@ class ShardedCheckpointer(FileCheckpointer):
         # Everything but the shards first: a wrong optimizer, scaler state or step fails before DCP touches the model.
         check_settings({**state, "optimizer": {"state": {}, "param_groups": state.get("param_groups")}},
                                   optimizer, scaler, scheduler, path=folder)
+        verify_shards(folder, state.get("files"))  # every byte DCP is about to read, as it was written
         target, _ = self._dcp_state(net, optimizer)
         try:
             dcp.load(target, storage_reader=_safe_reader(folder), planner=_tensor_only_planner())
         except CheckpointError:
             raise
-        except Exception as err:  # DCP wraps per-rank failures in CheckpointException and friends
-            first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        except (Exception, _checkpoint_exception()) as err:  # DCP wraps per-rank failures in CheckpointException
             raise CheckpointError(f"cannot resume from {str(folder)!r}: DCP could not load it into this "
-                                             f"model ({type(err).__name__}: {first})") from err
+                                  f"model ({_dcp_failure(err)})") from None
         set_model_state_dict(net, target["model"])
         set_optimizer_state_dict(net, optimizer, {"state": target["optim"], "param_groups": state["param_groups"]})
         if scaler.is_enabled():  # present and sensible: check_settings said so
@@ -218,8 +293,8 @@ class ShardedCheckpointer(FileCheckpointer):
                     "scaler": scaler.state_dict(), "param_groups": param_groups,
                     "scheduler": None if scheduler is None else scheduler.state_dict(),
                     "rng": rng_state(device), "config": dict(config or {}), "history": dict(history or {}),
-                    "world_size": dist.get_world_size()}
-            save(meta, folder / "meta.pt")
+                    "world_size": dist.get_world_size(), "files": shard_checksums(folder)}
+            save(meta, folder / _META)
             _replace_text(self.path(directory), folder.name)
             for old in root.glob("step-*"):
                 if old != folder and old.is_dir():
@@ -228,10 +303,5 @@ class ShardedCheckpointer(FileCheckpointer):
 
 
 def _replace_text(path: Path, text: str) -> None:
-    """Write a small text file atomically (temp file + os.replace)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write a small text file atomically (``saving.replace_atomically``: temp file + os.replace)."""
+    replace_atomically(path, (text + "\n").encode())

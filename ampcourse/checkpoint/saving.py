@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import socket
+import stat
 import tempfile
 import warnings
 import zipfile
@@ -26,7 +27,7 @@ import torch
 
 from .. import _args
 
-__all__ = ["FORMAT", "VERSION", "FILENAME", "CheckpointError", "path_in", "save", "load"]
+__all__ = ["FORMAT", "VERSION", "FILENAME", "CheckpointError", "path_in", "save", "load", "replace_atomically"]
 
 
 #: Marker and version stored in every file, so a foreign torch file is recognised as such.
@@ -136,6 +137,54 @@ def _remove_stale_temps(path: Path) -> list[Path]:
     return removed
 
 
+def rename_target(path: Path) -> Path:
+    """The path a temp file may be renamed onto: `path`, or the file a symbolic link names (the link stays a link).
+
+    A rename replaces whatever has the name: run as root, ``os.replace(tmp, "/dev/null")`` turns the device into a
+    regular file for every program on the machine, and over a FIFO or a socket it cuts off whoever listens. So a
+    name that is not a regular file (after following links) is refused, with a CheckpointError naming it.
+    """
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return target  # a new file (or a link to one not written yet): nothing is replaced
+    except OSError as err:
+        raise CheckpointError(f"cannot write {str(path)!r}: {err.strerror or err}") from None
+    if stat.S_ISDIR(mode):
+        raise CheckpointError(f"cannot save a checkpoint to {str(path)!r}: it is a directory; give a file path "
+                              f"such as {str(path / FILENAME)!r}")
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise CheckpointError(f"cannot write {str(path)!r}: it is {kind}, not a regular file; a checkpoint is written "
+                              "to a temporary file and renamed over the name, which would replace it. Give the path "
+                              "of a regular file (or of one that does not exist yet)")
+    return target
+
+
+def replace_atomically(path: str | os.PathLike, data: bytes) -> Path:
+    """Write bytes to `path` atomically (temp file in the same folder, fsync, os.replace); refuses non-regular files.
+
+    Example::
+
+        >>> replace_atomically(Path("runs/a/sharded/latest"), b"step-00000008\n")
+    """
+    target = rename_target(_as_path(path, "path"))
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
 def _check_writable_folder(path: Path) -> None:
     """CheckpointError naming the path unless its folder exists and is a directory (before any bytes are written)."""
     folder = path.parent
@@ -217,6 +266,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """
     path = _as_path(path, "path")
     _check_writable_folder(path)
+    path = rename_target(path)  # a link's target (the link stays); a device, pipe or socket is refused
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"cannot save {_args.shown(state)} to {str(path)!r}: save() writes a checkpoint made by "
                               "checkpoint.capture(...) (a dict with format 'ampcourse.checkpoint'), which load() reads")
@@ -280,7 +330,11 @@ def _verify_crcs(path: Path) -> bool:
     torch.load itself does not check them, so without this a flipped bit in a tensor loads silently.
     Not a zip at all: False, and torch.load's own error (or load()'s refusal of a legacy file) follows.
     """
-    if not zipfile.is_zipfile(path):
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except zipfile.BadZipFile as err:  # a damaged end record ("zipfiles that span multiple disks"): is_zipfile lets it out
+        raise _unreadable(path, f"it is truncated or not a torch file (BadZipFile: {err})") from err
+    if not is_zip:
         return False
     try:
         with zipfile.ZipFile(path) as zf:

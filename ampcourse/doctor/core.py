@@ -11,10 +11,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import inputs as _inputs
 from ..device import AmpSetup, pick
 from . import rules
 from .audit import audit
-from .capture import (Context, PassFailed, PassResult, Snapshot, autocast_pass, check_inputs, check_precisions,
+from .capture import (Context, PassFailed, PassResult, Snapshot, autocast_pass, check_inputs,
                       reference_pass, resolve_device, to_device)
 from .report import Finding, Report, _sort_key, quoted
 from .rules import MAX_ISLANDS, Evidence
@@ -70,8 +71,7 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError("model is a torch.jit.ScriptModule: the doctor needs hooks and op dispatch, which scripted "
                         "code does not run; pass the eager nn.Module (the one before torch.jit.script)")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _inputs.read_model(model, "model", accept=("module",), trainable=False)  # the front door: InputError (a TypeError)
     check_inputs(inputs)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (e.g. nn.functional.cross_entropy) or None, got {type(loss_fn).__name__}")
@@ -80,7 +80,8 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
                          "for a model that returns its own loss")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-    precs = check_precisions(precisions)
+    precs = _inputs.precision_names(precisions, "precisions", allowed=("fp16", "bf16"), refused={
+        "fp32": "it lists the low-precision formats to examine ('fp16', 'bf16'); fp32 is always run as the reference"})
     dev = resolve_device(model, device)
     with known_state(dev):
         return _examine(model, inputs, targets, loss_fn, optimizer, dev, precs)

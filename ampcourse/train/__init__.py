@@ -35,13 +35,16 @@ From Python::
 
 Where each piece lives (one concern per file):
 
-- ``loop``: :func:`train` (checks, build, the loop), :class:`History`, :class:`Parallel` (rank, world size,
-  wrapper, checkpointer, autocast in one object) and the per-step hook ``on_step``;
+- ``loop``: :func:`train` (checks, build, the loop) and :class:`History`;
+- ``settings``: :class:`TrainSettings` (every setting in one frozen, checked object: a setting is added there) and
+  :class:`Parallel` (rank, world size, wrapper, checkpointer, autocast in one object);
 - ``step``: :func:`train_step` (one optimizer step, each AMP decision with its reason), :func:`make_optimizer`
   (and :func:`optimizer_settings`, the lr and weight_decay it takes: within float32's range),
   :func:`make_scheduler`, :func:`state_checksum`;
 - ``batches``: which samples each step sees (:func:`batch_indices`, :func:`local_indices`, ``StepIndices``);
-- ``checks``: every argument check, run before any work;
+- ``checks``: the checks that need the model or the data (the batch split, the checkpoint, a resume), before any
+  work; the model, data and precision themselves are read by ``ampcourse.inputs``, the front door trial and the
+  doctor share;
 - ``cli`` and ``__main__``: ``python -m ampcourse.train``.
 
 Design, and why:
@@ -63,7 +66,8 @@ from __future__ import annotations
 from .batches import batch_indices, local_indices
 from .cli import STRATEGIES, main
 from .loop import History, Parallel, train
+from .settings import TrainSettings
 from .step import OPTIMIZERS, SCHEDULERS, StepStats, make_optimizer, optimizer_settings, make_scheduler, state_checksum, train_step
 
-__all__ = ["History", "StepStats", "Parallel", "train", "train_step", "batch_indices", "local_indices",
+__all__ = ["History", "StepStats", "Parallel", "TrainSettings", "train", "train_step", "batch_indices", "local_indices",
            "make_optimizer", "optimizer_settings", "make_scheduler", "state_checksum", "main", "OPTIMIZERS", "SCHEDULERS", "STRATEGIES"]

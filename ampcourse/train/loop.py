@@ -8,7 +8,6 @@ in ``cli``. What stays here is what a reader of nanoGPT's train.py expects to fi
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,15 +15,17 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from .. import models
+from .. import _args, inputs, models
+from .._args import InputError
+from ..inputs import Batches
 from . import checks
 from .batches import StepIndices, data_on_device, local_indices
+from .settings import Parallel, TrainSettings, settings_from
 from .step import StepStats, make_optimizer, make_scheduler, state_checksum, train_step
 
-__all__ = ["History", "Parallel", "train"]
+__all__ = ["History", "Parallel", "TrainSettings", "train"]
 
 # History fields saved in a checkpoint, so a resumed run returns the whole run's history.
 _SERIES = ("loss", "scale", "skipped", "grad_norm", "lr", "step_time")
@@ -89,86 +90,47 @@ class History:
         }
 
 
-@dataclass(frozen=True)
-class Parallel:
-    """How this process takes part in a multi-process run; the defaults are one process (what most callers want).
-
-    ``ampcourse.train``'s command line fills it in from torchrun's environment (``ampcourse.distributed``).
-
-    Args:
-        rank: this process's global rank, 0 .. world_size - 1: it picks this rank's slice of every global batch.
-        world_size: how many processes share each global batch.
-        wrap: called once with the model on its device; returns the model to train (DDP, or FSDP2's
-            ``fully_shard``). Micro-batches before the last run under its ``no_sync()`` when it has one.
-        checkpointer: how checkpoints are written and read: ``checkpoint.FileCheckpointer(rank)`` (default: one
-            file, written by rank 0) or ``checkpoint.ShardedCheckpointer(rank)`` (FSDP2, DCP shards).
-        autocast: False leaves the forward pass alone (FSDP2's MixedPrecisionPolicy casts the parameters instead).
-
-    Example::
-
-        >>> train("mlp", parallel=Parallel(rank=1, world_size=2))   # rank 1's half of each batch, no process group
-    """
-
-    rank: int = 0
-    world_size: int = 1
-    wrap: Callable[[nn.Module], nn.Module] | None = None
-    checkpointer: Any = None
-    autocast: bool = True
-
-
 def _checkpoint_due(done: int, steps: int, every: int | None) -> bool:
     """Write a checkpoint after the last step and after every `every`-th one."""
     return done == steps or (every is not None and done % every == 0)
 
 
-def train(model: nn.Module | str, data: TensorDataset | None = None, precision: str | None = None,
-          steps: int = 100, lr: float = 1e-3, seed: int = 0, device: str | torch.device | None = None,
-          grad_clip: float | None = None, accum_steps: int = 1, checkpoint_dir: str | os.PathLike | None = None,
-          resume: bool = False, *, batch_size: int = 64, checkpoint_every: int | None = None,
-          optimizer: str | Callable = "adamw", weight_decay: float = 0.0, scheduler: str | Callable | None = None,
-          loss_fn: Callable | None = None, scaler_kwargs: dict | None = None, progress: bool = True,
-          size: str = "tiny", n_samples: int = 1024, parallel: Parallel | None = None,
-          on_step: Callable[[int, StepStats], None] | None = None) -> History:
+class _Default:
+    """The default of train()'s positional settings: 'take it from settings (or TrainSettings' default)'."""
+
+    def __repr__(self) -> str:
+        return "<from settings>"
+
+
+_FROM_SETTINGS: Any = _Default()
+
+
+def train(model: nn.Module | str | Callable[[], nn.Module], data: Any = None, precision: str | None = None,
+          steps: int = _FROM_SETTINGS, lr: float = _FROM_SETTINGS, seed: int = _FROM_SETTINGS,
+          device: str | torch.device | None = _FROM_SETTINGS, *, settings: TrainSettings | None = None,
+          **overrides: Any) -> History:
     """Train `model` for `steps` optimizer steps in fp32, fp16 (+ GradScaler) or bf16; returns a :class:`History`.
 
     One loop serves every precision: autocast and the GradScaler are switched by ``enabled=`` flags from
-    ``ampcourse.device.pick`` (for fp32 and bf16 the scaler is disabled and its calls are no-ops). Every
-    argument is checked before any work (a ValueError that says what to do); numbers may be Python, numpy
-    or 0-d tensor scalars and are turned into Python ints/floats first (``ampcourse._args``).
+    ``ampcourse.device.pick`` (for fp32 and bf16 the scaler is disabled and its calls are no-ops). Everything
+    is checked before any work (an :class:`ampcourse.InputError`, a ValueError, that says what to do): the
+    settings by :class:`TrainSettings`, the model, data and precision by the front door, ``ampcourse.inputs``.
 
     Args:
-        model: an ``nn.Module`` (trained in place, moved to the device), or ``'mlp'``, ``'cnn'``,
-            ``'transformer'`` (built with `size` and `seed`).
-        data: ``TensorDataset(inputs, targets)``, or None for the reference model's synthetic dataset of
-            `n_samples`.
+        model: an ``nn.Module`` (trained in place, moved to the device), ``'mlp'``, ``'cnn'``, ``'transformer'``
+            (built with `size` and `seed`), or a callable returning a fresh ``nn.Module`` (called under the seed).
+        data: ``TensorDataset(inputs, targets)`` or a pair of tensors (each step's global batch drawn by the seeded
+            order of :func:`batch_indices`); a ``DataLoader`` or any re-iterable of ``(inputs, targets)`` batches,
+            iterated as it gives them, one batch per micro-batch (``accum_steps`` per optimizer step; under several
+            processes each rank iterates the loader it was given); or None for the reference model's synthetic
+            dataset. A resume with batches to iterate skips the batches already trained on (see
+            ``ampcourse.inputs.Batches`` for when that is bit-identical).
         precision: ``'fp32'``, ``'fp16'`` or ``'bf16'``. Default: None, the device's choice (``pick``).
-        steps: optimizer steps in the whole run (a resumed run continues up to it). Default: 100.
-        lr: learning rate. Default: 1e-3.
-        seed: seeds the model, the synthetic data and the batch order. Default: 0.
-        device: ``'cpu'``, ``'cuda'``, ``'cuda:N'``, ``'mps'``. Default: None, the best available.
-        grad_clip: max L2 norm of the true (unscaled) gradients; None: no clipping.
-        accum_steps: micro-batches per optimizer step (gradient accumulation). Default: 1.
-        checkpoint_dir: write ``checkpoint.pt`` there every `checkpoint_every` steps and after the last.
-        resume: continue from `checkpoint_dir` (bit-identical to an uninterrupted run on CPU). Refused
-            (ValueError) if precision, seed, batch_size, the dataset size, lr or weight_decay differ from the
-            checkpoint's: the optimizer state would silently put the old lr back.
-        batch_size: the GLOBAL batch per optimizer step (all ranks and micro-batches); it must divide by
-            ``world_size * accum_steps``. Default: 64.
-        checkpoint_every: steps between checkpoints; None: only after the last step.
-        optimizer: ``'adamw'`` (default; fused on CUDA), ``'adam'``, ``'sgd'``, or a
-            ``callable(params, lr=, weight_decay=)``; see :func:`make_optimizer`.
-        weight_decay: the optimizer's weight decay. Default: 0.0.
-        scheduler: None, ``'cosine'`` or a ``callable(optimizer)``; not stepped on steps the GradScaler skipped.
-        loss_fn: ``callable(outputs, targets)``; None: the reference models' cross-entropy.
-        scaler_kwargs: GradScaler's settings (``init_scale``, ``growth_factor``, ``backoff_factor``,
-            ``growth_interval``, ``enabled``), checked by their owner, ``ampcourse._scaler``.
-        progress: show a tqdm progress bar (rank 0 only). Default: True.
-        size: the reference models' size (``'tiny'``, ...). Default: ``'tiny'``.
-        n_samples: size of the synthetic dataset when `data` is None. Default: 1024.
-        parallel: a :class:`Parallel`: rank, world size, model wrapper, checkpointer, autocast. Default: one process.
-        on_step: called as ``on_step(step, stats)`` after each optimizer step has been recorded (and
-            checkpointed, when one was due); e.g. to log, or to time something between two steps
-            (``ampcourse.bench``). Default: None.
+        steps, lr, seed, device: settings that may be passed by position (see :class:`TrainSettings`).
+        settings: a :class:`TrainSettings` (every setting in one checked object). Default: its defaults.
+        **overrides: any setting of :class:`TrainSettings` by name (``grad_clip=1.0``, ``checkpoint_dir=...``,
+            ``batch_size=``, ``scheduler=``, ``parallel=``, ``on_step=``, ...), applied over `settings`; an unknown
+            name is refused with the nearest one.
 
     Returns:
         A :class:`History`: per-step loss, scale, skipped flags, gradient norms, learning rates and step
@@ -182,30 +144,37 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
         >>> # fp16 with a GradScaler, resumable: run twice, the second run continues where the first stopped
         >>> train("mlp", precision="fp16", steps=100, checkpoint_dir="runs/a", checkpoint_every=25)
         >>> train("mlp", precision="fp16", steps=200, checkpoint_dir="runs/a", resume=True)
+        >>> train(my_model, DataLoader(my_dataset, batch_size=32, shuffle=True), "bf16", steps=500)
     """
-    par = parallel if parallel is not None else Parallel()
-    if not isinstance(par, Parallel):
-        raise ValueError(f"parallel must be an ampcourse.train.Parallel or None, got {type(par).__name__}")
-    run = checks.check_run(model=model, data=data, precision=precision, steps=steps, lr=lr, seed=seed, device=device,
-                           grad_clip=grad_clip, accum_steps=accum_steps, checkpoint_dir=checkpoint_dir, resume=resume,
-                           batch_size=batch_size, checkpoint_every=checkpoint_every, optimizer=optimizer,
-                           weight_decay=weight_decay, scheduler=scheduler, loss_fn=loss_fn, scaler_kwargs=scaler_kwargs,
-                           size=size, n_samples=n_samples, rank=par.rank, world_size=par.world_size, wrap=par.wrap,
-                           checkpointer=par.checkpointer, autocast=par.autocast, on_step=on_step)
-    amp, rank, world = run.amp, run.rank, run.world_size
-    n, local_batch = len(run.data), run.batch_size // world
+    positional = {"steps": steps, "lr": lr, "seed": seed, "device": device}
+    s = settings_from(settings, {**{k: v for k, v in positional.items() if v is not _FROM_SETTINGS}, **overrides})
+    run = checks.check_run(model, data, precision, s)
+    amp, par = run.amp, s.parallel
+    rank, world = par.rank, par.world_size
+    loss_fn = s.loss_fn
 
     # --- build ---
     module = run.module.to(amp.device)
-    first = local_indices(0, run.seed, n, run.batch_size, rank, world)[:local_batch // run.accum_steps]
-    checks.preflight(module, run.data.tensors[0][first].to(amp.device), run.data.tensors[1][first].to(amp.device),
-                      models.loss_fn if loss_fn is None else None, amp, par.autocast)
+    batches = run.data if isinstance(run.data, Batches) else None
+    course_loss = models.loss_fn if loss_fn is None else None
+    if batches is None:
+        n, local_batch = len(run.data), run.batch_size // world
+        first = local_indices(0, s.seed, n, run.batch_size, rank, world)[:local_batch // s.accum_steps]
+        xs0, ys0 = run.data.tensors
+        classes = inputs.preflight(module, xs0[first].to(amp.device), ys0[first].to(amp.device), course_loss, amp,
+                                   par.autocast, labels=ys0 if course_loss is not None else None)
+    else:
+        x0, y0 = batches.first()
+        classes = inputs.preflight(module, x0.to(amp.device), y0.to(amp.device), course_loss, amp, par.autocast)
     if amp.device_type == "cuda":  # the peak we report is the training steps', not the preflight's
         torch.cuda.reset_peak_memory_stats(amp.device)
     loss_fn = loss_fn or models.loss_fn
     net = par.wrap(module) if par.wrap is not None else module
-    opt = make_optimizer(optimizer, net.parameters(), run.lr, run.weight_decay)
-    sched = make_scheduler(scheduler, opt, run.steps)
+    if not isinstance(net, nn.Module):  # else an AttributeError from inside make_optimizer
+        raise InputError(f"parallel.wrap must return the model to train (an nn.Module), got {_args.shown(net)}"
+                         + ("; did it forget to `return` the model?" if net is None else ""))
+    opt = make_optimizer(s.optimizer, net.parameters(), s.lr, s.weight_decay)
+    sched = make_scheduler(s.scheduler, opt, s.steps)
     scaler = amp.make_scaler(**run.scaler_kwargs)
     run.config["optimizer"] = type(opt).__name__  # restore() refuses a checkpoint of another optimizer by this name
     hist = History(precision=amp.precision, device_type=amp.device_type, world_size=world, model=module)
@@ -222,30 +191,49 @@ def train(model: nn.Module | str, data: TensorDataset | None = None, precision: 
                 if key in _SERIES:
                     getattr(hist, key).extend(values)
         else:
-            torch.manual_seed(run.seed)
+            torch.manual_seed(s.seed)
         hist.start_step = start
-        xs, ys = data_on_device(run.data.tensors, amp.device)
-        indices = StepIndices(run.seed, n, run.batch_size, rank, world, device=xs.device)  # no host copy per step
-        bar = tqdm(total=run.steps, initial=start, desc=f"train {amp.precision}", disable=not progress or rank != 0,
+        if batches is None:
+            xs, ys = data_on_device(run.data.tensors, amp.device)
+            indices = StepIndices(s.seed, n, run.batch_size, rank, world, device=xs.device)  # no host copy per step
+        else:
+            stream = batches.stream(skip=start * s.accum_steps)  # a resume: the batches already trained on, dropped
+        bar = tqdm(total=s.steps, initial=start, desc=f"train {amp.precision}", disable=not s.progress or rank != 0,
                    unit="step")
-        for step in range(start, run.steps):
+        for step in range(start, s.steps):
             t0 = time.perf_counter()
-            idx = indices(step)
-            micro = [(xs[i].to(amp.device, non_blocking=True), ys[i].to(amp.device, non_blocking=True))
-                     for i in (idx.view(run.accum_steps, -1) if run.accum_steps > 1 else (idx,))]
-            stats = train_step(net, micro, loss_fn, opt, scaler, amp, grad_clip=run.grad_clip, scheduler=sched,
+            if batches is None:
+                idx = indices(step)
+                micro = [(xs[i].to(amp.device, non_blocking=True), ys[i].to(amp.device, non_blocking=True))
+                         for i in (idx.view(s.accum_steps, -1) if s.accum_steps > 1 else (idx,))]
+            else:
+                micro = [_on_device(next(stream), amp.device, classes, step) for _ in range(s.accum_steps)]
+            stats = train_step(net, micro, loss_fn, opt, scaler, amp, grad_clip=s.grad_clip, scheduler=sched,
                                autocast=par.autocast)
             if not bar.disable:
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats.loss:.4g}", scale=f"{stats.scale:g}", refresh=False)
             # The step's wall time covers everything the loop does per step except writing a checkpoint.
             hist.append(stats, time.perf_counter() - t0)
-            if run.checkpoint_dir is not None and _checkpoint_due(step + 1, run.steps, run.checkpoint_every):
+            if run.checkpoint_dir is not None and _checkpoint_due(step + 1, s.steps, s.checkpoint_every):
                 run.store.write(run.checkpoint_dir, step + 1, config=run.config, history=hist.series(), **pieces)
-            if on_step is not None:
-                on_step(step, stats)
+            if s.on_step is not None:
+                s.on_step(step, stats)
         bar.close()
     hist.final_scale = scaler.get_scale()
     if amp.device_type == "cuda":
         hist.peak_device_bytes = torch.cuda.max_memory_allocated(amp.device)
     return hist
+
+
+def _on_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, classes: int | None,
+               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch from the loader on the training device; with the course's loss, its labels checked while on the CPU.
+
+    On the host the check costs a min and a max over the labels (no device sync); a bad label would otherwise be
+    cross-entropy's IndexError at this step (on CUDA, a device-side assert that ends the process).
+    """
+    x, y = batch
+    if classes is not None and y.device.type == "cpu":
+        inputs.check_labels(y, classes, f"data targets of step {step}")
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)

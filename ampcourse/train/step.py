@@ -187,15 +187,44 @@ def _loss_shown(loss: Any) -> str:
     return f"a {type(loss).__name__}"
 
 
+def _check_window(micro_batches: Any) -> int:
+    """How many micro-batches the step has: at least one, each an (inputs, targets) pair; ValueError otherwise."""
+    if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Sequence):
+        raise ValueError(f"micro_batches must be a list of (inputs, targets) pairs, got {_args.shown(micro_batches)}")
+    if not micro_batches:  # else an IndexError from reading the losses back
+        raise ValueError("micro_batches is empty: an optimizer step needs at least one (inputs, targets) pair")
+    bad = [i for i, mb in enumerate(micro_batches) if not isinstance(mb, (tuple, list)) or len(mb) != 2]
+    if bad:
+        raise ValueError(f"micro_batches[{bad[0]}] must be an (inputs, targets) pair, "
+                         f"got {_args.shown(micro_batches[bad[0]])}")
+    return len(micro_batches)
+
+
+def _no_graph(model: nn.Module) -> str:
+    """Why a loss has no autograd graph, for the error message (train and trial share train_step)."""
+    if not torch.is_grad_enabled():
+        return ("the loss does not require grad because gradients are off (torch.no_grad() or "
+                "torch.inference_mode() around the step); call train_step outside it")
+    if not any(p.requires_grad for p in model.parameters()):
+        return "the loss does not require grad: no parameter of the model has requires_grad=True; unfreeze some"
+    return ("loss_fn returned a tensor that does not depend on the model's parameters (detached with .detach(), "
+            "rebuilt from .item() or a number, or a constant), so there is nothing to backpropagate; compute the "
+            "loss from the model's output with torch operations")
+
+
 def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, amp: AmpSetup, *,
                grad_clip: float | None = None, scheduler: Any = None, autocast: bool = True) -> StepStats:
     """One optimizer step over an accumulation window: autocast forward, scaled backward, unscale, clip, step.
 
     autocast=False leaves the forward pass alone: FSDP2 casts the parameters per module instead.
+    grad_clip: a finite number > 0, or None (no clipping). NaN would make every weight NaN, a negative one
+    flips every gradient (an uphill step) and 0 zeroes them: refused (ValueError) before the step, as train() does.
     """
+    n = _check_window(micro_batches)
+    if grad_clip is not None:
+        grad_clip = _args.real(grad_clip, "grad_clip", positive=True, what="a finite number > 0 or None (no clipping)")
     optimizer.zero_grad(set_to_none=True)
-    n = len(micro_batches)
     losses = []
     for i, (x, y) in enumerate(micro_batches):
         with _grad_sync(model, sync=i == n - 1):
@@ -204,6 +233,8 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:  # shape only: no host sync
                 raise ValueError(f"loss_fn must return a 0-d tensor (one number, e.g. a mean over the batch), "
                                  f"got {_loss_shown(loss)}; reduce it with .mean()")
+            if not loss.requires_grad:  # else autograd's "element 0 of tensors does not require grad" from backward()
+                raise ValueError(_no_graph(model))
             # Divide by n so the summed gradient is the mean over the whole window, as with one big batch
             # (n == 1: no division, which is exact anyway, and one kernel less).
             scaler.scale(loss / n if n > 1 else loss).backward()
