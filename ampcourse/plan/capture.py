@@ -83,7 +83,8 @@ class StepCounts:
 
     ``peak_bytes`` is the most bytes live at once (weights + optimizer state + gradients + activations +
     temporaries), the quantity ``torch.cuda.max_memory_allocated`` reports on a GPU (without the allocator's
-    rounding to 512-byte blocks). ``saved_bytes`` counts what autograd holds for backward at the end of the
+    rounding to 512-byte blocks); ``step_peak_bytes`` the part of it allocated during the step (the peak above
+    weights, buffers, optimizer state and inputs, which exist before it). ``saved_bytes`` counts what autograd holds for backward at the end of the
     forward, each storage once, parameters excluded; ``weight_copy_bytes`` the part of it that is autocast's
     low-precision copies of the weights.
     """
@@ -97,6 +98,7 @@ class StepCounts:
     saved_bytes: int
     weight_copy_bytes: int
     peak_bytes: int
+    step_peak_bytes: int
     peak_phase: str
     policy: str
     notes: list[str] = field(default_factory=list)
@@ -564,5 +566,5 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
     return StepCounts(precision=precision, ops=counter.ops, weights_bytes=weights, gradients_bytes=gradients,
                       optimizer_state_bytes=_storages_bytes(state), inputs_bytes=inputs_bytes,
                       saved_bytes=saved_bytes, weight_copy_bytes=weight_copies,
-                      peak_bytes=baseline + inputs_bytes + counter.peak, peak_phase=counter.peak_phase,
+                      peak_bytes=baseline + inputs_bytes + counter.peak, step_peak_bytes=counter.peak, peak_phase=counter.peak_phase,
                       policy=policy_name() if precision in _LOW else "none (fp32)", notes=notes)

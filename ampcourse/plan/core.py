@@ -99,11 +99,10 @@ class PlanReport:
         """The longest op groups of a recipe (default: the last asked) as text."""
         p = precision or self.precisions[-1]
         total = self.gpu_seconds[p]
-        lines = [f"{self.gpu.name}, {p}: {'phase':9} {'op':44} {'dtype':9} {'n':>4} {'GFLOP':>9} {'MB':>9} "
-                 f"{'ms':>8} {'share':>6}  bound"]
-        lines[0] = f"{'phase':9} {'op':44} {'dtype':9} {'n':>4} {'GFLOP':>9} {'MB':>9} {'ms':>8} {'share':>6}  bound"
+        lines = [f"{self.gpu.name}, {p}: the {top} longest op groups of {total * 1e3:.2f} ms on the GPU",
+                 f"{'phase':9} {'op':52} {'dtype':9} {'n':>4} {'GFLOP':>9} {'MB':>9} {'ms':>8} {'share':>6}  bound"]
         for g in self.rows(p)[:top]:
-            lines.append(f"{g['phase']:9} {g['op'][:44]:44} {g['dtype']:9} {g['count']:>4} {g['flops'] / 1e9:>9.1f} "
+            lines.append(f"{g['phase']:9} {g['op'].removeprefix('aten.')[:52]:52} {g['dtype']:9} {g['count']:>4} {g['flops'] / 1e9:>9.1f} "
                          f"{g['bytes'] / 1e6:>9.1f} {g['seconds'] * 1e3:>8.2f} {g['seconds'] / total:>6.1%}  {g['bound']}")
         return "\n".join(lines)
 
