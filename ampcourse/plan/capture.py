@@ -371,8 +371,9 @@ class _Counter(TorchDispatchMode):
 # The step.
 
 def _meta_tensor(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """A meta tensor of t's shape, dtype and strides (t itself if it is one)."""
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    """A contiguous meta tensor of t's shape and dtype (a batch copied to a GPU is contiguous: a slice of a larger
+    tensor on the host does not bring the rest of its storage along)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="meta")
     return out.requires_grad_(requires_grad)
 
 
