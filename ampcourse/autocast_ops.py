@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -500,7 +501,7 @@ def _in_child(fn: Callable, *args):
 
 
 @dataclass(frozen=True)
-class Policy:
+class Policy:  # noqa: D101 - documented below
     """What device_type's autocast does to one aten overload, as probed.
 
     ``category`` is a key of :data:`CATEGORIES`; ``kind`` the fp32 flavour (see :class:`OpRow`);
@@ -512,6 +513,15 @@ class Policy:
     category: str
     kind: str | None = None
     reason: str | None = None
+    #: output dtype names of the schema-built call (see :func:`schema_args`) with fp32, low and mixed inputs
+    #: on fake CUDA tensors (None where the call raised): what a check of the emulator compares against
+    outputs: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "outputs", tuple(self.outputs))  # a list, when read back from the JSON cache
+
+
+_Policy = Policy
 
 
 def _overload(name: str):
@@ -520,8 +530,11 @@ def _overload(name: str):
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
-def _schema_args(op, make: Callable[[], torch.Tensor]) -> tuple[list, dict, list]:
-    """Arguments for op built from its schema: tensors from make(), defaults, small valid scalars.
+def schema_args(op, make: Callable[[], torch.Tensor]) -> tuple[list, dict, list]:
+    """Arguments for an aten overload built from its schema: tensors from make(), defaults, small scalars.
+
+    Returns (args, kwargs, tensors made). The same arguments, with CPU tensors from make(), let a check run
+    the emulator on exactly the call the policy probe made on fake CUDA tensors.
 
     The shapes need not suit the op: autocast's wrapper casts the inputs before the op checks them, so a
     cast is seen even when the op then raises.
@@ -563,7 +576,7 @@ def _record(op, dtypes: Sequence[torch.dtype], amp_dtype: torch.dtype | None, fa
         made.append(FakeTensor(fake_mode, torch.empty((2, 2), device="meta", dtype=dt), torch.device("cuda", 0)))
         return made[-1]
 
-    args, kwargs, tensors = _schema_args(op, make)
+    args, kwargs, tensors = schema_args(op, make)
     ids = {id(t): i for i, t in enumerate(tensors)}
 
     class Recorder(TorchDispatchMode):
@@ -597,9 +610,11 @@ def _classify(name: str, dtype: torch.dtype, fake_mode) -> Policy:
     """The policy of one registered overload from three recorded calls (and one without autocast)."""
     op = _overload(name)
     f32, low = torch.float32, dtype
-    up_casts, _, err_f, n_f, _ = _record(op, (f32, f32), dtype, fake_mode)
+    up_casts, _, err_f, n_f, out_f = _record(op, (f32, f32), dtype, fake_mode)
     low_casts, low_dtype_calls, err_l, n_l, out_l = _record(op, (low, low), dtype, fake_mode)
-    mixed_casts, _, _, _, _ = _record(op, (low, f32), dtype, fake_mode)
+    mixed_casts, _, _, _, out_m = _record(op, (low, f32), dtype, fake_mode)
+    outputs = tuple(None if o is None else _name(o) for o in (out_f, out_l, out_m))
+    Policy = functools.partial(_Policy, outputs=outputs)
     if any(to == low for _, to in up_casts):
         return Policy(name, "lower")
     # cast up, called with dtype=float32, or (fp16 softmax: _softmax(half_to_float=True)) fp32 out of low in
@@ -632,6 +647,64 @@ def _probe_policy(device_type: str, dtype: torch.dtype) -> dict[str, Policy]:
         except Exception as err:  # noqa: BLE001 - an overload this probe cannot call is reported, not guessed
             out[name] = Policy(name, "unsupported", reason=f"not probeable: {type(err).__name__}: {str(err)[:60]}")
     return out
+
+
+def _rebuild(v, make: Callable):
+    """An argument from its description (emulate.Call): tensors through make(shape, dtype)."""
+    if isinstance(v, tuple) and len(v) == 3 and v[0] == "tensor":
+        return make(v[1], getattr(torch, v[2]))
+    if isinstance(v, tuple) and len(v) == 2 and v[0] == "torch":
+        name = v[1].removeprefix("torch.")
+        return getattr(torch, name) if hasattr(torch, name) else torch.device("cuda" if "cpu" in name else name)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_rebuild(x, make) for x in v)
+    return v
+
+
+def _replay_calls(calls: Sequence) -> list[str]:
+    """Each call on fake CUDA tensors under CUDA autocast (runs in the child)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    _quiet_fake_logs()
+    out = []
+    for call in calls:
+        mode = FakeTensorMode()
+
+        def make(shape, dt):
+            return FakeTensor(mode, torch.empty(shape, device="meta", dtype=dt), torch.device("cuda", 0))
+
+        try:
+            args = [_rebuild(a, make) for a in call.inputs]
+            kwargs = {k: _rebuild(v, make) for k, v in call.kwargs.items()}
+            with mode, _cuda_autocast_state(getattr(torch, call.autocast_dtype)):
+                result = _overload(call.op)(*args, **kwargs)
+            first = result[0] if isinstance(result, (tuple, list)) else result
+            out.append(_name(first.dtype) if isinstance(first, torch.Tensor) else "no tensor")
+        except Exception as err:  # noqa: BLE001 - a call fake CUDA cannot run is reported
+            out.append("error: " + (str(err).strip().splitlines() or [type(err).__name__])[0][:80])
+    return out
+
+
+def replay(calls: Sequence) -> list[str]:
+    """Replay emulated calls (``emulate.Call``) on CUDA's real autocast kernels, on fake CUDA tensors.
+
+    Returns each call's output dtype name under CUDA autocast (or ``'error: ...'``), to compare with
+    the ``output`` the emulator produced. Runs in a child process, as every fake-CUDA probe does.
+
+    Args:
+        calls: what ``emulate.autocast(trace=True).calls`` recorded (calls with autocast off are skipped
+            by the caller: nothing is cast there).
+
+    Example:
+        >>> with emulate.autocast(dtype=torch.bfloat16, trace=True) as emu:
+        ...     model(x)
+        >>> all(c.output == r for c, r in zip(emu.calls, replay(emu.calls)))
+        True
+    """
+    result, why = _in_child(_replay_calls, list(calls))
+    if result is None:
+        raise RuntimeError(f"replaying on fake CUDA failed: {why}")
+    return result
 
 
 _POLICIES: dict[tuple, dict[str, Policy]] = {}

@@ -49,6 +49,11 @@ fp32 on CUDA). At the autocast key both are right, and autograd records the cast
 dtypes CUDA's would.
 
 While any thread emulates, real CPU autocast in other threads is suspended (the kernels are process-wide).
+
+Cost (measured on the course's 2-core CPU machine, torch 2.13): the first emulation in a process probes the
+policy (seconds; then read from the disk cache); each outermost enter/exit registers and removes the
+kernels (~20 ms), so a training loop should sit inside one outer ``emulate.autocast(enabled=False)`` and
+open its per-step regions inside it; each autocast op costs a Python call (~70 us more than CPU autocast).
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class Call:
     inputs: tuple  # the arguments as called: tensors as ('tensor', shape, dtype name), other values as given
     kwargs: dict
     output: str | None  # the first tensor output's dtype name
+    autocast_dtype: str | None = None  # CUDA's autocast dtype in effect ('bfloat16'), None with autocast off
 
 
 class _Local(threading.local):
@@ -247,7 +253,7 @@ def _make_kernel(name: str):
         if not (_local.depth and torch.is_autocast_enabled("cuda")):
             with _below():
                 out = op(*args, **kwargs)
-            _trace(name, "off", args, kwargs, out)
+            _trace(name, "off", args, kwargs, out, None)
             return out
         called = (args, kwargs)  # traced as called, before the casts: a replay on real kernels starts from here
         low = torch.get_autocast_dtype("cuda")
@@ -276,17 +282,17 @@ def _make_kernel(name: str):
                     raise
                 _local.fallbacks.add(name)
                 out = _fp32_then_low(op, args, kwargs, low)
-        _trace(name, category, *called, out)
+        _trace(name, category, *called, out, low)
         return out
 
     return kernel
 
 
-def _trace(name: str, category: str, args, kwargs, out) -> None:
+def _trace(name: str, category: str, args, kwargs, out, low: torch.dtype | None) -> None:
     """Record the call in every tracing emulation of this thread."""
     if _local.traces:
-        call = Call(name, category, tuple(_describe(a) for a in args),
-                    {k: _describe(v) for k, v in kwargs.items()}, _first_dtype(out))
+        call = Call(name, category, tuple(_describe(a) for a in args), {k: _describe(v) for k, v in kwargs.items()},
+                    _first_dtype(out), None if low is None else autocast_ops._name(low))
         for calls in _local.traces:
             calls.append(call)
 
