@@ -53,8 +53,10 @@ def test_linear_bf16_follows_cuda_autocast():
     assert fwd.dtype == "bfloat16" and fwd.flops == 2 * 16 * 64 * 32
     assert fwd.bytes_read == 2 * (32 + 16 * 64 + 64 * 32) and fwd.bytes_written == 2 * 16 * 32
     casts = _ops(c, "forward", "aten._to_copy")
-    # down: input, weight, bias; up: the loss's sum (CUDA autocast's fp32 list) casts the bf16 output to fp32
-    assert sorted(r.bytes_written for r in casts) == sorted([2 * 16 * 64, 2 * 64 * 32, 2 * 32, 4 * 16 * 32])
+    assert sorted(r.bytes_written for r in casts) == sorted([2 * 16 * 64, 2 * 64 * 32, 2 * 32])  # input, weight, bias
+    # the loss's sum: CUDA runs it with dtype=float32 (reads the bf16 output, sums in fp32)
+    (total,) = _ops(c, "forward", "aten.sum")
+    assert total.bytes_read == 2 * 16 * 32 and total.bytes_written == 4
     assert c.saved_bytes == 2 * 16 * 64  # the bf16 input; no input gradient is needed, so no weight copy is kept
     assert c.gradients_bytes == 4 * (64 * 32 + 32)  # fp32 master weights: fp32 gradients
 
@@ -68,12 +70,17 @@ def test_autocast_weight_copies_are_saved_where_an_input_gradient_is_needed():
 
 
 def test_saved_bytes_match_cpu_autocast_where_the_policies_agree():
-    """An MLP's ops (linear, gelu, cross_entropy) autocast alike on CPU and CUDA: the saved tensors must agree."""
+    """An MLP body (linear, gelu) autocasts alike on CPU and CUDA: the saved tensors must agree byte for byte.
+    (The loss does not: CUDA's cross_entropy runs log_softmax in bf16 and keeps it, CPU's casts to fp32 first.)"""
     from ampcourse import memory
     task = models.make_task("mlp", n=512, seed=0)
     x, y = task.data.tensors
-    real = memory.forward_saved_bytes(task.model, task.loss_fn, x, y, torch.autocast("cpu", dtype=torch.bfloat16))
-    c = capture_step(task.model, x, precision="bf16", loss_fn=task.loss_fn, targets=y)
+
+    def loss_fn(out, _):
+        return out.float().sum()
+
+    real = memory.forward_saved_bytes(task.model, loss_fn, x, y, torch.autocast("cpu", dtype=torch.bfloat16))
+    c = capture_step(task.model, x, precision="bf16", loss_fn=loss_fn, targets=y)
     assert c.saved_bytes == real.activation_bytes + real.weight_copy_bytes
     assert c.weight_copy_bytes == real.weight_copy_bytes > 0
 
@@ -179,8 +186,14 @@ def test_the_model_is_not_moved_or_changed():
 
 # --- the policy ---------------------------------------------------------------------------------------------------
 
-def test_policy_is_cuda_autocast_not_cpu():
-    """CUDA autocast runs layer_norm and softmax of a low-precision input in fp32 (CPU autocast does not)."""
+@pytest.mark.parametrize("source", ["emulate", "fallback"])
+def test_policy_is_cuda_autocast_not_cpu(source, monkeypatch):
+    """CUDA autocast runs layer_norm and softmax of a low-precision input in fp32 (CPU autocast does not), with
+    ampcourse.emulate and with the plan's own fallback (op lists) alike."""
+    from ampcourse.plan import capture
+    if source == "fallback":
+        monkeypatch.setattr(capture, "_emulate_module", lambda: None)
+    assert ("emulate" in capture.policy_name()) == (source == "emulate")
     x = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
     with autocast_policy("bf16"):
         assert F.layer_norm(x, (8,)).dtype == torch.float32
@@ -188,6 +201,8 @@ def test_policy_is_cuda_autocast_not_cpu():
         assert F.linear(x.float(), torch.empty(3, 8, device="meta")).dtype == torch.bfloat16
         assert torch.cat([x, x.float()]).dtype == torch.float32
         assert F.gelu(x).dtype == torch.bfloat16  # not on a list: left alone
+        assert x.sum().dtype == torch.float32 and F.cross_entropy(x, torch.zeros(4, dtype=torch.long,
+                                                                                 device="meta")).dtype == torch.float32
     with autocast_policy("fp32"):
         assert F.linear(x.float(), torch.empty(3, 8, device="meta")).dtype == torch.float32
 

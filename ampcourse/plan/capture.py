@@ -118,13 +118,16 @@ CUDA_LOWER = frozenset({
 #: CUDA autocast's float32 ops (same sources: "CUDA Ops that can autocast to float32"; rms_norm measured).
 CUDA_FP32 = frozenset({
     "__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
-    "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist", "erfinv",
+    "cosine_embedding_loss", "cdist", "cosine_similarity", "cumprod", "cumsum", "dist", "erfinv",
     "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm", "log", "log_softmax",
     "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss", "multilabel_margin_loss", "multi_margin_loss",
     "nll_loss", "norm", "normalize", "pdist", "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh",
     "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan",
     "triplet_margin_loss", "rms_norm", "instance_norm",
 })
+#: The fp32 ops CUDA runs by passing ``dtype=torch.float32`` (autocast_mode.cpp's fp32_set_opt_dtype) instead of
+#: casting the input first.
+_SET_OPT_DTYPE = frozenset({"sum", "prod", "cumsum", "cumprod", "softmax", "log_softmax"})
 #: CUDA autocast's promote ops: mixed inputs run in the widest floating-point type.
 CUDA_PROMOTE = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sample", "index_put",
                           "scatter_add", "tensordot", "cat", "stack"})
@@ -161,12 +164,31 @@ class _CudaAutocastEmulation(TorchFunctionMode):
             return cast
         return t.to(dtype)
 
+    def _cross_entropy(self, func, args, kwargs):
+        """CUDA registers no autocast kernel for cross_entropy: it decomposes into log_softmax in the input's
+        dtype (its explicit dtype= is kept) and nll_loss, which autocast runs in fp32."""
+        names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+        bound = dict(zip(names, args)) | kwargs
+        x = bound["input"]
+        if bound.get("label_smoothing", 0.0) or not _floating(x) or x.dim() < 1:
+            args, kwargs = tree_map(lambda t: self._to(t, torch.float32) if _floating(t) else t, (args, kwargs))
+            return func(*args, **kwargs)
+        logp = torch.log_softmax(x, 1 if x.dim() > 1 else 0, dtype=x.dtype)
+        weight = bound.get("weight")
+        return F.nll_loss(logp.float(), bound["target"], None if weight is None else weight.float(),
+                          ignore_index=bound.get("ignore_index", -100), reduction=bound.get("reduction", "mean"))
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in CUDA_LOWER:
             args, kwargs = tree_map(lambda t: self._to(t, self.dtype) if _floating(t) else t, (args, kwargs))
             return func(*args, **kwargs)
+        if name == "cross_entropy":
+            return self._cross_entropy(func, args, kwargs)
+        if name in _SET_OPT_DTYPE and "dtype" not in kwargs and any(
+                _floating(t) and t.dtype != torch.float32 for t in args[:1]):
+            return func(*args, **kwargs, dtype=torch.float32)  # CUDA passes dtype=float32: reads low, sums in fp32
         if name in CUDA_FP32:
             args, kwargs = tree_map(lambda t: self._to(t, torch.float32) if _floating(t) else t, (args, kwargs))
             return func(*args, **kwargs)
@@ -194,7 +216,7 @@ def policy_name() -> str:
     """Which autocast policy :func:`autocast_policy` applies."""
     if _emulate_module() is not None:
         return "ampcourse.emulate.autocast(device_type='cuda')"
-    return "CUDA autocast op lists (torch docs, autocast_mode.cpp), emulated by ampcourse.plan.capture"
+    return "CUDA autocast op lists (torch docs, autocast_mode.cpp) applied by ampcourse.plan.capture"
 
 
 def autocast_policy(precision: str) -> contextlib.AbstractContextManager:
@@ -236,6 +258,9 @@ class _GpuAttention(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = dict(zip(names, args)) | kwargs
         q, k, v = bound["query"], bound["key"], bound["value"]
+        if torch.is_autocast_enabled("cuda"):  # an emulation at the dispatcher casts later: cast here, as CUDA would
+            low = torch.get_autocast_dtype("cuda")
+            q, k, v = (t.to(low) if _floating(t) else t for t in (q, k, v))
         mask, p, causal = bound.get("attn_mask"), bound.get("dropout_p", 0.0), bound.get("is_causal", False)
         scale = bound.get("scale")
         if bound.get("enable_gqa") or q.dim() != 4 or q.shape[1] != k.shape[1] or q.dtype != k.dtype != v.dtype:
