@@ -82,6 +82,19 @@ def test_torch_autocast_regions_inside_the_model_are_honoured():
         assert F.linear(x, w).dtype == torch.float16
 
 
+def test_a_loop_written_for_cpu_autocast_gets_cudas_policy_inside_an_emulation():
+    x, w = x_w()
+    with emulate.autocast(enabled=False):
+        assert F.linear(x, w).dtype == torch.float32  # the outer region casts nothing
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU tensors stand for CUDA ones
+            y = F.linear(x, w)
+            assert y.dtype == torch.bfloat16 and torch.softmax(y, -1).dtype == torch.float32  # CUDA's lists
+            assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        assert not torch.is_autocast_enabled("cuda")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # outside: CPU autocast, CPU's lists
+        assert torch.softmax(F.linear(x, w), -1).dtype == torch.bfloat16
+
+
 class _UpcastMatmul(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
