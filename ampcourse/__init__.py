@@ -13,7 +13,8 @@ Modules, one idea each:
     distributed torchrun env, process groups, DDP/FSDP2 wrapping, launch(), SLURM scripts
     reduce_sim an N-rank all-reduce in bf16/fp16/fp32 (ring or tree), simulated addition by addition
     widgets    ipywidgets + matplotlib explorers used in the chapters
-    autocast_ops  the autocast op table, measured live per device and dtype
+    autocast_ops  the autocast op table, measured live per device and dtype (CUDA's too, without a GPU)
+    emulate    CUDA's autocast on CPU and meta tensors (emulate.autocast), from the probed policy
     memory     bytes saved for backward, weights, gradients, optimizer state
     fp8        below 16 bits: scaled quantization (tensor/row/MX/NVFP4/tiles), delayed vs current scaling
     bench      matmul/train-step/memory benchmark (python -m ampcourse.bench)
@@ -36,7 +37,7 @@ _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
     "fp8", "optim", "reduce_sim",
-    "doctor", "trial", "plan",
+    "doctor", "trial", "emulate", "plan",
 }
 
 

@@ -343,7 +343,7 @@ def _fake_probe(spec: OpSpec, dtypes: Sequence[torch.dtype], fake_mode, amp_dtyp
             out = spec.call(*inputs)
         result = _name(out.dtype)
     except Exception as err:  # noqa: BLE001 - any failure of a probe is a reported row, never a crash
-        result = "error: " + (str(err).strip().splitlines() or [type(err).__name__])[0][:80]
+        result = "error: " + (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
     return Probe(tuple(_name(d) for d in dtypes), result)
 
 
@@ -459,6 +459,9 @@ def _write_json(path: Path | None, data) -> None:
 def _silence_fds() -> None:
     """Send the child's stdout/stderr file descriptors to /dev/null: torch's C++ warnings and the profiler's
     start/stop lines would otherwise reach a notebook's output (ipykernel forwards file-descriptor output)."""
+    import faulthandler
+
+    faulthandler.disable()  # a probe that aborts would dump a traceback through the parent's (pytest's) stderr
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)

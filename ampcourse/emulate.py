@@ -31,8 +31,11 @@ Inside the region, as on a GPU:
   every other op runs as called (CPU autocast's own lists are switched off);
 - fp32 leaf tensors that require grad (weights) are cast once per region (the weight-cast cache);
 - ``torch.autocast("cuda", ...)`` inside the code (Hugging Face models open such regions) and
-  ``torch.amp.custom_fwd/custom_bwd(device_type="cuda")`` work as on a GPU; ``torch.autocast(x.device.type,
-  enabled=False)`` regions (device-derived, so "cpu" here) switch the emulation off as they switch CUDA's off.
+  ``torch.amp.custom_fwd/custom_bwd(device_type="cuda")`` work as on a GPU. Since CPU tensors stand for CUDA
+  tensors, ``torch.autocast("cpu", ...)`` inside an emulation opens CUDA's region too: device-derived code
+  (``torch.autocast(x.device.type, enabled=False)``, HF's RoPE) acts as it would on a GPU, and a training loop
+  written for CPU autocast (ampcourse's ``train_step``, the doctor) gets CUDA's policy by running inside one
+  outer ``emulate.autocast(enabled=False)``.
   ``custom_bwd`` needs the backward pass inside an emulation (``with emulate.autocast(enabled=False):
   loss.backward()``), since on exit the emulator leaves nothing behind for it;
 - ``torch.is_autocast_enabled("cuda")`` and ``torch.get_autocast_dtype("cuda")`` read as on a GPU.
@@ -320,8 +323,11 @@ def _patch() -> tuple:
     init, cast = mode.autocast.__init__, mode._cast
 
     def autocast_init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
-        if device_type == "cuda" and is_active() and not torch.cuda.is_available():
-            init(self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)  # skips the GPU check
+        if is_active() and (device_type == "cpu" or (device_type == "cuda" and not torch.cuda.is_available())):
+            # CPU tensors stand for CUDA ones: torch.autocast("cpu") (x.device.type) opens CUDA's region
+            if device_type == "cpu" and dtype is None:
+                dtype = torch.get_autocast_dtype("cpu")  # what the caller's "cpu" region would have used
+            init(self, "cuda", dtype=dtype, enabled=False, cache_enabled=cache_enabled)  # skips the GPU check
             self._enabled = enabled
             return
         init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
