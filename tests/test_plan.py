@@ -336,3 +336,27 @@ def test_cli_errors_are_one_line_exit_2(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err and err.startswith("ampcourse.plan: error:")
+
+
+def test_on_another_gpu_retimes_the_same_counts():
+    task = models.make_task("mlp", n=64)
+    x, y = task.data.tensors
+    a100 = plan(task.model, x, gpu="a100-sxm4-80gb", loss_fn=task.loss_fn, targets=y, precisions=("fp32", "bf16"))
+    h100 = a100.on("h100-sxm")
+    assert h100.counts == a100.counts and h100.gpu.key == "h100-sxm"
+    direct = plan(task.model, x, gpu="h100-sxm", loss_fn=task.loss_fn, targets=y, precisions=("fp32", "bf16"))
+    assert h100.step_seconds == direct.step_seconds and h100.peak_memory_bytes == direct.peak_memory_bytes
+    with pytest.raises(ValueError, match="gpu"):
+        a100.on("h200x")
+
+
+def test_plot_draws_one_bar_pair_per_recipe_and_group():
+    import matplotlib
+    matplotlib.use("Agg")
+    task = models.make_task("mlp", n=64)
+    x, y = task.data.tensors
+    r = plan(task.model, x, loss_fn=task.loss_fn, targets=y, precisions=("fp32", "bf16"))
+    ax = r.plot(top=4)
+    assert len(ax.get_yticklabels()) == 5 and len(ax.patches) == 2 * 2 * 5
+    total = sum(p.get_width() for p in ax.patches[:10])
+    assert total == pytest.approx(r.gpu_seconds["fp32"] * 1e3)

@@ -56,6 +56,48 @@ class PlanReport:
     plan_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
+    def on(self, gpu: str | GPU) -> "PlanReport":
+        """The same counted step timed on another GPU (counting is device-independent: nothing is re-run).
+
+        Example:
+            >>> h100 = report.on("h100-sxm")
+        """
+        target = gpu if isinstance(gpu, GPU) else GPUS[_args.choice(gpu, "gpu", tuple(GPUS))]
+        return _timed(target, self.precisions, self.counts, self.plan_seconds)
+
+    def plot(self, precisions: Sequence[str] | None = None, top: int = 8, ax=None):
+        """Bars of GPU time per op group and recipe, split into compute-bound (solid) and memory-bound (hatched).
+
+        Args:
+            precisions: the recipes to show (default: all).
+            top: op groups shown (the longest in the first recipe; the rest summed as "other ops").
+            ax: a matplotlib axis (default: a new figure).
+        """
+        import matplotlib.pyplot as plt
+        precisions = tuple(precisions or self.precisions)
+        first = self.rows(precisions[0])
+        names = list(dict.fromkeys(f"{g['phase'][:3]} {g['op'].removeprefix('aten.')}" for g in first))[:top]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(9, 0.45 * (len(names) + 1) + 1.2), dpi=80)
+        height = 0.8 / len(precisions)
+        for i, p in enumerate(precisions):
+            per = {n: {"compute": 0.0, "memory": 0.0} for n in [*names, "other ops"]}
+            for t in self.ops[p]:
+                key = f"{t.record.phase[:3]} {t.record.op.removeprefix('aten.')}"
+                per[key if key in per else "other ops"][t.bound] += t.seconds * 1e3
+            ys = [j + i * height for j in range(len(per))]
+            compute = [v["compute"] for v in per.values()]
+            memory = [v["memory"] for v in per.values()]
+            bars = ax.barh(ys, compute, height=height, label=f"{p} compute-bound")
+            ax.barh(ys, memory, left=compute, height=height, hatch="//", alpha=0.55, color=bars.patches[0].get_facecolor(),
+                    label=f"{p} memory-bound")
+        ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names) + 1)], [*names, "other ops"])
+        ax.invert_yaxis()
+        ax.set(xlabel="predicted GPU time per step (ms)", title=f"{self.gpu.name}: time per op group")
+        ax.legend(fontsize=8, loc="lower right")
+        ax.figure.tight_layout()
+        return ax
+
     def speedup(self, precision: str, over: str = "fp32") -> float:
         """Predicted step-time ratio ``over / precision`` (> 1: precision is faster)."""
         return self.step_seconds[over] / self.step_seconds[precision]
@@ -205,7 +247,11 @@ def plan(model: nn.Module, inputs, gpu: str | GPU = "a100-sxm4-80gb", precisions
             counts[recipe] = capture_step(model, inputs, precision=recipe, loss_fn=loss_fn, targets=targets,
                                           optimizer=optimizer, accum_steps=accum)
         counts[p] = counts[recipe]
-    elapsed = time.perf_counter() - start
+    return _timed(target, precisions, {p: counts[p] for p in precisions}, time.perf_counter() - start)
+
+
+def _timed(target: GPU, precisions: tuple[str, ...], counts: dict[str, StepCounts], elapsed: float) -> PlanReport:
+    """A report: each recipe's counted step timed on target."""
     step, gpu_s, host_s, ops, peak = {}, {}, {}, {}, {}
     for p in precisions:
         device, host, times = step_time(counts[p].ops, target, p)
@@ -219,8 +265,7 @@ def plan(model: nn.Module, inputs, gpu: str | GPU = "a100-sxm4-80gb", precisions
     if target.matmul_efficiency is None:
         notes.append(f"{target.name}: no published matmul measurement, the datasheet peak is the ceiling (optimistic)")
     policy = next((counts[p].policy for p in precisions if p in ("bf16", "fp16")), "none (fp32 recipes only)")
-    return PlanReport(target, precisions, {p: counts[p] for p in precisions}, step, gpu_s, host_s, peak, ops, policy,
-                      elapsed, notes)
+    return PlanReport(target, precisions, counts, step, gpu_s, host_s, peak, ops, policy, elapsed, notes)
 
 
 
