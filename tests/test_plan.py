@@ -350,13 +350,13 @@ def test_on_another_gpu_retimes_the_same_counts():
         a100.on("h200x")
 
 
-def test_plot_draws_one_bar_pair_per_recipe_and_group():
+def test_plot_draws_one_bar_per_recipe_and_group():
     import matplotlib
     matplotlib.use("Agg")
     task = models.make_task("mlp", n=64)
     x, y = task.data.tensors
     r = plan(task.model, x, loss_fn=task.loss_fn, targets=y, precisions=("fp32", "bf16"))
     ax = r.plot(top=4)
-    assert len(ax.get_yticklabels()) == 5 and len(ax.patches) == 2 * 2 * 5
-    total = sum(p.get_width() for p in ax.patches[:10])
-    assert total == pytest.approx(r.gpu_seconds["fp32"] * 1e3)
+    assert len(ax.get_yticklabels()) == 5 and len(ax.patches) == 2 * 5
+    assert sum(p.get_width() for p in ax.patches[:5]) == pytest.approx(r.gpu_seconds["fp32"] * 1e3)
+    assert ax.get_xscale() == "log"

@@ -66,7 +66,7 @@ class PlanReport:
         return _timed(target, self.precisions, self.counts, self.plan_seconds)
 
     def plot(self, precisions: Sequence[str] | None = None, top: int = 8, ax=None):
-        """Bars of GPU time per op group and recipe, split into compute-bound (solid) and memory-bound (hatched).
+        """Bars of GPU time per op group and recipe (log scale); hatched where the group is memory-bound.
 
         Args:
             precisions: the recipes to show (default: all).
@@ -75,25 +75,35 @@ class PlanReport:
         """
         import matplotlib.pyplot as plt
         precisions = tuple(precisions or self.precisions)
-        first = self.rows(precisions[0])
-        names = list(dict.fromkeys(f"{g['phase'][:3]} {g['op'].removeprefix('aten.')}" for g in first))[:top]
+        totals: dict[str, dict[str, dict[str, float]]] = {}
+        for p in precisions:
+            per: dict[str, dict[str, float]] = defaultdict(lambda: {"compute": 0.0, "memory": 0.0})
+            for t in self.ops[p]:
+                per[_group(t.record)][t.bound] += t.seconds * 1e3
+            totals[p] = per
+        first = totals[precisions[0]]
+        names = sorted(first, key=lambda n: -sum(first[n].values()))[:top]
         if ax is None:
-            _, ax = plt.subplots(figsize=(9, 0.45 * (len(names) + 1) + 1.2), dpi=80)
+            _, ax = plt.subplots(figsize=(9, 0.5 * (len(names) + 1) + 1.4), dpi=80)
         height = 0.8 / len(precisions)
         for i, p in enumerate(precisions):
-            per = {n: {"compute": 0.0, "memory": 0.0} for n in [*names, "other ops"]}
-            for t in self.ops[p]:
-                key = f"{t.record.phase[:3]} {t.record.op.removeprefix('aten.')}"
-                per[key if key in per else "other ops"][t.bound] += t.seconds * 1e3
-            ys = [j + i * height for j in range(len(per))]
-            compute = [v["compute"] for v in per.values()]
-            memory = [v["memory"] for v in per.values()]
-            bars = ax.barh(ys, compute, height=height, label=f"{p} compute-bound")
-            ax.barh(ys, memory, left=compute, height=height, hatch="//", alpha=0.55, color=bars.patches[0].get_facecolor(),
-                    label=f"{p} memory-bound")
+            rest = {"compute": 0.0, "memory": 0.0}
+            for n, v in totals[p].items():
+                if n not in names:
+                    rest["compute"] += v["compute"]
+                    rest["memory"] += v["memory"]
+            groups = [totals[p].get(n, {"compute": 0.0, "memory": 0.0}) for n in names] + [rest]
+            ys = [j + i * height for j in range(len(groups))]
+            widths = [g["compute"] + g["memory"] for g in groups]
+            bars = ax.barh(ys, widths, height=height, label=p)
+            for bar, g in zip(bars, groups):
+                if g["memory"] > g["compute"]:
+                    bar.set_hatch("//")
         ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names) + 1)], [*names, "other ops"])
         ax.invert_yaxis()
-        ax.set(xlabel="predicted GPU time per step (ms)", title=f"{self.gpu.name}: time per op group")
+        ax.set_xscale("log")
+        ax.set(xlabel="predicted GPU time per step (ms, log scale); hatched: memory-bound",
+               title=f"{self.gpu.name}: time per op group")
         ax.legend(fontsize=8, loc="lower right")
         ax.figure.tight_layout()
         return ax
@@ -157,7 +167,7 @@ class PlanReport:
             compute = sum(v for k, v in split.items() if k.endswith("compute-bound")) / self.gpu_seconds[p]
             bound = "host (launch)-bound" if self.host_seconds[p] > self.gpu_seconds[p] else f"{compute:.0%} compute-bound"
             lines.append(f"  {p:5} step {self.step_seconds[p] * 1e3:9.2f} ms  x{self.speedup(p, base):5.2f} vs {base}  "
-                         f"{bound:22} peak {self.peak_memory_bytes[p] / 2**30:7.2f} GiB")
+                         f"{bound:22} peak {_size(self.peak_memory_bytes[p])}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -176,6 +186,22 @@ class PlanReport:
         """Write :meth:`to_dict` to path."""
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.to_dict(), fh, indent=1)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes as GiB, MiB or KiB, whichever reads best."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:7.2f} {unit}"
+    return f"{nbytes / 2**10:7.2f} KiB"
+
+
+def _group(record) -> str:
+    """An op's group for the plot: phase and op, with the attention kernels (flash, memory-efficient) as one."""
+    op = record.op.removeprefix("aten.").lstrip("_")
+    if "attention" in op:
+        op = "attention" + ("_backward" if op.endswith("backward") else "")
+    return f"{record.phase[:3]} {op.removesuffix('_backward')}" if record.phase != "forward" else f"fwd {op}"
 
 
 def _check(model, inputs, gpu, precisions, loss_fn, optimizer, accum_steps) -> tuple[GPU, tuple[str, ...], int]:
