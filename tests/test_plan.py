@@ -360,3 +360,25 @@ def test_plot_draws_one_bar_per_recipe_and_group():
     assert len(ax.get_yticklabels()) == 5 and len(ax.patches) == 2 * 5
     assert sum(p.get_width() for p in ax.patches[:5]) == pytest.approx(r.gpu_seconds["fp32"] * 1e3)
     assert ax.get_xscale() == "log"
+
+
+def test_a_hugging_face_model_with_labels_returns_its_own_loss():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                                  vocab_size=1000, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.BertForMaskedLM(cfg)
+    ids = torch.zeros(4, 32, dtype=torch.long)
+    r = plan(model, {"input_ids": ids, "labels": ids}, gpu="a100-sxm4-80gb", precisions=("fp32", "bf16"))
+    n = sum(p.numel() for p in model.parameters())
+    assert r.memory("fp32")["weights"] == 4 * n  # the tied decoder weight counted once
+    fwd = [t.record for t in r.ops["bf16"] if t.record.phase == "forward" and t.record.matmul]
+    assert fwd and all(rec.dtype == "bfloat16" for rec in fwd)
+    assert any("attention" in rec.op for rec in fwd)  # the fused kernel a GPU runs, not a T x T matmul
+
+
+def test_inputs_must_hold_a_tensor():
+    with pytest.raises(ValueError, match="inputs must be"):
+        plan(nn.Linear(4, 4), [1, 2], loss_fn=_sum_loss)
+    with pytest.raises(ValueError, match="model must be"):
+        plan(lambda x: x, torch.empty(2, 4), loss_fn=_sum_loss)

@@ -12,7 +12,11 @@ interception, outermost first:
    runs, flash attention for bf16/fp16 inputs without a mask, memory-efficient attention otherwise, so the
    counted bytes and saved tensors are a GPU's (no T x T matrix), whatever this CPU would have chosen;
 2. the autocast policy of the target (:func:`autocast_policy`: CUDA's, casting each op's inputs as
-   ``torch.autocast("cuda", dtype)`` would), above autograd so that the casts are part of the graph;
+   ``torch.autocast("cuda", dtype)`` would), above autograd so that the casts are part of the graph and backward
+   runs in the dtypes CUDA's would: ``ampcourse.emulate.autocast(device_type="cuda")`` (at the dispatcher's
+   autocast key, the policy probed from this torch build's CUDA kernels) when the course has it, else this
+   module's fallback, a ``TorchFunctionMode`` over CUDA's documented op lists (it agrees with the emulation op for
+   op on a GPT-2 block; it cannot see the inner ops of Python-level composites);
 3. a ``TorchDispatchMode`` below autograd that sees every aten op of forward, backward and the optimizer step
    and records its dtype, FLOPs (``torch.utils.flop_counter``'s formulas), bytes read and written, and the
    storages it allocates; a weak reference on each new storage tells when it is freed, so the live bytes and
