@@ -382,3 +382,21 @@ def test_inputs_must_hold_a_tensor():
         plan(nn.Linear(4, 4), [1, 2], loss_fn=_sum_loss)
     with pytest.raises(ValueError, match="model must be"):
         plan(lambda x: x, torch.empty(2, 4), loss_fn=_sum_loss)
+
+
+def test_cli_plans_a_factory_of_yours(tmp_path, monkeypatch, capsys):
+    from ampcourse.plan.cli import main
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))\n"
+        "    return net, torch.empty(128, 32), torch.nn.functional.cross_entropy, torch.zeros(128, dtype=torch.long)\n"
+        "def broken():\n"
+        "    raise RuntimeError('no data here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["--model", "my_models:make", "--gpu", "l4", "--precisions", "fp32,bf16", "--top", "3"]) == 0
+    assert "L4" in capsys.readouterr().out
+    assert main(["--model", "my_models:broken"]) == 2
+    assert "the factory raised RuntimeError: no data here" in capsys.readouterr().err
+    assert main(["--model", "my_models.py:make"]) == 2
+    assert "not a file path" in capsys.readouterr().err
