@@ -127,7 +127,12 @@ class PlanReport:
         return mm(over) / mm(precision)
 
     def memory(self, precision: str) -> dict[str, int]:
-        """Bytes of the recipe's step: weights, gradients, optimizer state, activations saved, peak."""
+        """Bytes of the recipe's step: weights, gradients, optimizer state, activations saved, peak.
+
+        Under torch.amp the parameters themselves are the fp32 master weights (autocast's low-precision copies are
+        transient and counted in the activations, as "of which weight copies"); a model whose parameters are bf16
+        with an optimizer that keeps fp32 masters shows those masters in "optimizer state".
+        """
         c = self.counts[precision]
         return {"weights": c.weights_bytes, "gradients": c.gradients_bytes,
                 "optimizer state": c.optimizer_state_bytes, "activations saved": c.saved_bytes,
