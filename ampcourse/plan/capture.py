@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -462,6 +462,52 @@ def _storages_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def _is_cast_of_param(t: torch.Tensor) -> bool:
+    """t is autocast's cast of a parameter, or a view of one (addmm saves weight.t())."""
+    node, cast = _through_views(t.grad_fn), False
+    if node is not None and node.name() == "ToCopyBackward0":
+        node, cast = _through_views(node.next_functions[0][0]), True
+    return cast and node is not None and "AccumulateGrad" in node.name()
+
+
+class _SavedTensors:
+    """The storages autograd saves for backward (a saved-tensor pack hook), each once, parameters excluded."""
+
+    def __init__(self, param_keys: set[int]):
+        self.param_keys = param_keys
+        self.active = True
+        self.storages: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, is a weight copy)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = _storage(t)
+        if self.active and st is not None and st._cdata not in self.param_keys:
+            self.storages.setdefault(st._cdata, (st.nbytes(), _is_cast_of_param(t)))
+        return t
+
+
+_READS_VALUES = ("item", "data-dependent", "is_nonzero", "Cannot copy out of meta", "value of")
+
+
+def _forward_loss(model: nn.Module, params: dict, inputs, loss_fn: Callable | None, targets) -> torch.Tensor:
+    """The loss of one forward on meta tensors; NeedsRealValues when the forward reads a value."""
+    try:
+        out = _call(model, params, inputs)
+        loss = _loss_of(out)
+        if loss is None:
+            loss = loss_fn(out, targets) if loss_fn is not None else out
+    except NeedsRealValues:
+        raise
+    except (RuntimeError, NotImplementedError) as err:
+        text = str(err)
+        if "meta" in text and any(w in text for w in _READS_VALUES):
+            raise NeedsRealValues(f"the forward reads a tensor's value ({text.splitlines()[0]})") from err
+        raise
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+        raise ValueError("the step needs a scalar loss with a gradient: pass loss_fn=, or inputs with "
+                         "labels for a model that returns its own loss")
+    return loss
+
+
 def default_optimizer(params) -> torch.optim.Optimizer:
     """AdamW with fp32 state and foreach kernels, as torch picks on a CUDA device."""
     return torch.optim.AdamW(params, lr=1e-3, foreach=True)
@@ -524,24 +570,7 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
     baseline = weights + _storages_bytes(list(buffers.values())) + _storages_bytes(state)
     inputs_bytes = _storages_bytes([t for t in tree_flatten((meta_inputs, meta_targets))[0]
                                     if isinstance(t, torch.Tensor)])
-    param_keys = {_storage(p)._cdata for p in params.values()}
-    saved: dict[int, tuple[int, bool]] = {}
-
-    def pack(t: torch.Tensor):
-        st = _storage(t)
-        if st is not None and st._cdata not in param_keys and counting_saved[0]:
-            saved.setdefault(st._cdata, (st.nbytes(), _is_cast_of_param(t)))
-        return t
-
-    def _is_cast_of_param(t: torch.Tensor) -> bool:
-        """t is autocast's cast of a parameter, or a view of one (addmm saves weight.t())."""
-        node, cast = _through_views(t.grad_fn), False
-        if node is not None and node.name() == "ToCopyBackward0":
-            node, cast = _through_views(node.next_functions[0][0]), True
-        return cast and node is not None and "AccumulateGrad" in node.name()
-
-
-    counting_saved = [True]
+    saved = _SavedTensors({_storage(p)._cdata for p in params.values()})
     scale = torch.empty((), device="meta") if precision == "fp16" else None
     notes: list[str] = []
     passes = 2 if accum_steps > 1 else 1
@@ -550,26 +579,10 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
         for micro in range(passes):
             counter.phase = "forward"
             n_before = len(counter.ops)
-            counting_saved[0] = micro == 0
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _module_names(model, stack), \
+            saved.active = micro == 0  # what backward keeps: the first micro-step's (the others are alike)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _module_names(model, stack), \
                     _GpuAttention(), autocast_policy(precision):
-                try:
-                    out = _call(model, {**params, **buffers}, meta_inputs)
-                    loss = _loss_of(out)
-                    if loss is None:
-                        loss = loss_fn(out, meta_targets) if loss_fn is not None else out
-                except NeedsRealValues:
-                    raise
-                except (RuntimeError, NotImplementedError) as err:
-                    text = str(err)
-                    if "meta" in text and any(w in text for w in ("item", "data-dependent", "is_nonzero",
-                                                                     "Cannot copy out of meta", "value of")):
-                        raise NeedsRealValues(f"the forward reads a tensor's value ({text.splitlines()[0]})") from err
-                    raise
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
-                raise ValueError("the step needs a scalar loss with a gradient: pass loss_fn=, or inputs with "
-                                 "labels for a model that returns its own loss")
-            del out
+                loss = _forward_loss(model, {**params, **buffers}, meta_inputs, loss_fn, meta_targets)
             counter.phase = "backward"
             if accum_steps > 1:
                 loss = loss / accum_steps
@@ -589,12 +602,13 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
         del grads
         opt.step()
         opt.zero_grad(set_to_none=True)
-    saved_bytes = sum(n for n, _ in saved.values())
-    weight_copies = sum(n for n, is_copy in saved.values() if is_copy)
+    saved_bytes = sum(n for n, _ in saved.storages.values())
+    weight_copies = sum(n for n, is_copy in saved.storages.values() if is_copy)
     if accum_steps > 1:
         notes.append(f"micro-steps 3..{accum_steps} counted as copies of micro-step 2")
     return StepCounts(precision=precision, ops=counter.ops, weights_bytes=weights, gradients_bytes=gradients,
                       optimizer_state_bytes=_storages_bytes(state), inputs_bytes=inputs_bytes,
                       saved_bytes=saved_bytes, weight_copy_bytes=weight_copies,
-                      peak_bytes=baseline + inputs_bytes + counter.peak, step_peak_bytes=counter.peak, peak_phase=counter.peak_phase,
+                      peak_bytes=baseline + inputs_bytes + counter.peak, step_peak_bytes=counter.peak,
+                      peak_phase=counter.peak_phase,
                       policy=policy_name() if precision in _LOW else "none (fp32)", notes=notes)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .. import _args
-from .capture import NeedsRealValues, StepCounts, capture_step
+from .capture import StepCounts, capture_step
 from .gpus import GPU, GPUS
 from .roofline import OpTime, step_time
 
