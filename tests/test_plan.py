@@ -67,6 +67,10 @@ def test_autocast_weight_copies_are_saved_where_an_input_gradient_is_needed():
     # layer 1 keeps its bf16 input; layer 2 its bf16 input and autocast's bf16 copy of its weight
     assert c.saved_bytes == 2 * 16 * 64 + 2 * 16 * 32 + 2 * 8 * 32
     assert c.weight_copy_bytes == 2 * 8 * 32
+    # per op: what each op's output costs backward (every saved storage here was made by an op: the casts, addmm 1)
+    first, second = _ops(c, "forward", "aten.addmm")
+    assert first.saved_bytes == 2 * 16 * 32 and second.saved_bytes == 0
+    assert sum(r.saved_bytes for r in c.ops) == c.saved_bytes
 
 
 def test_saved_bytes_match_cpu_autocast_where_the_policies_agree():

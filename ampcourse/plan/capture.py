@@ -63,6 +63,7 @@ class OpRecord:
         kernels: kernel launches (1; foreach ops over many tensors: one per tensor list).
         module: the innermost module running it (forward only; "" elsewhere).
         shape: the shape of its first output.
+        saved_bytes: bytes of its outputs that autograd keeps for backward (each storage once).
     """
 
     phase: str
@@ -74,6 +75,7 @@ class OpRecord:
     kernels: int = 1
     module: str = ""
     shape: tuple = ()
+    saved_bytes: int = 0
 
     @property
     def matmul(self) -> bool:
@@ -318,14 +320,15 @@ class _Counter(TorchDispatchMode):
         self.peak_phase = "forward"
         self._known: set[int] = set()
         self._finalizers: list[weakref.finalize] = []
+        self.owner: dict[int, int] = {}  # storage -> index in ops of the op that allocated it
 
     def _free(self, key: int, nbytes: int) -> None:
         """A storage allocated during the step died."""
         self.live -= nbytes
         self._known.discard(key)
 
-    def track(self, out) -> None:
-        """Count the new storages among out's tensors as allocated now."""
+    def track(self, out, owner: int | None = None) -> None:
+        """Count the new storages among out's tensors as allocated now (by the op at index owner of ops)."""
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type != "meta":
                 continue
@@ -336,6 +339,8 @@ class _Counter(TorchDispatchMode):
             if key in self._known:
                 continue
             self._known.add(key)
+            if owner is not None:
+                self.owner[key] = owner
             nbytes = st.nbytes()
             self.live += nbytes
             self._finalizers.append(weakref.finalize(st, self._free, key, nbytes))
@@ -359,19 +364,25 @@ class _Counter(TorchDispatchMode):
                                    or "Cannot copy out of meta" in text or "is_nonzero" in text):
                 raise NeedsRealValues(f"the forward reads a tensor's value ({func}: {text.splitlines()[0]})") from err
             raise
-        self._record(func, args, kwargs, out)
-        self.track(out)
+        recorded = self._record(func, args, kwargs, out)
+        self.track(out, len(self.ops) - 1 if recorded else None)
         return out
 
-    def _record(self, func, args, kwargs, out) -> None:
-        """Append the op's OpRecord (ops on host tensors, views and bare allocations launch no kernel)."""
+    def saved(self, key: int, nbytes: int) -> None:
+        """Autograd keeps the storage key: charge it to the op that allocated it."""
+        index = self.owner.get(key)
+        if index is not None:
+            self.ops[index].saved_bytes += nbytes
+
+    def _record(self, func, args, kwargs, out) -> bool:
+        """Append the op's OpRecord (ops on host tensors, views and bare allocations launch no kernel): True if so."""
         name = str(func.overloadpacket)
         if func.is_view or name in _NO_KERNEL:
-            return
+            return False
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not any(t.device.type == "meta" for t in ins + outs):
-            return  # host-side bookkeeping (Adam's step counter on the CPU): no GPU kernel
+            return False  # host-side bookkeeping (Adam's step counter on the CPU): no GPU kernel
         mutated = [a for a, arg in zip(args, func._schema.arguments) if arg.alias_info is not None
                    and arg.alias_info.is_write and isinstance(a, torch.Tensor)]
         if name.startswith("aten._foreach") or func.overloadpacket.__name__.startswith("_amp_foreach"):
@@ -394,6 +405,7 @@ class _Counter(TorchDispatchMode):
             bytes_written=sum(t.numel() * t.element_size() for t in written if t.device.type == "meta"),
             module=self.module_stack[-1] if self.module_stack and
             self.phase == "forward" else "", shape=tuple(outs[0].shape) if outs else ()))
+        return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -473,15 +485,17 @@ def _is_cast_of_param(t: torch.Tensor) -> bool:
 class _SavedTensors:
     """The storages autograd saves for backward (a saved-tensor pack hook), each once, parameters excluded."""
 
-    def __init__(self, param_keys: set[int]):
+    def __init__(self, param_keys: set[int], counter: _Counter):
         self.param_keys = param_keys
+        self.counter = counter
         self.active = True
         self.storages: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, is a weight copy)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = _storage(t)
-        if self.active and st is not None and st._cdata not in self.param_keys:
-            self.storages.setdefault(st._cdata, (st.nbytes(), _is_cast_of_param(t)))
+        if self.active and st is not None and st._cdata not in self.param_keys and st._cdata not in self.storages:
+            self.storages[st._cdata] = (st.nbytes(), _is_cast_of_param(t))
+            self.counter.saved(st._cdata, st.nbytes())
         return t
 
 
@@ -570,7 +584,7 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
     baseline = weights + _storages_bytes(list(buffers.values())) + _storages_bytes(state)
     inputs_bytes = _storages_bytes([t for t in tree_flatten((meta_inputs, meta_targets))[0]
                                     if isinstance(t, torch.Tensor)])
-    saved = _SavedTensors({_storage(p)._cdata for p in params.values()})
+    saved = _SavedTensors({_storage(p)._cdata for p in params.values()}, counter)
     scale = torch.empty((), device="meta") if precision == "fp16" else None
     notes: list[str] = []
     passes = 2 if accum_steps > 1 else 1

@@ -145,8 +145,10 @@ class PlanReport:
             r = t.record
             key = (r.phase, r.op, r.dtype, t.bound)
             g = groups.setdefault(key, {"phase": r.phase, "op": r.op, "dtype": r.dtype, "bound": t.bound,
-                                        "math": t.math, "count": 0, "flops": 0, "bytes": 0, "seconds": 0.0})
+                                        "math": t.math, "count": 0, "flops": 0, "bytes": 0, "saved": 0,
+                                        "seconds": 0.0})
             g["count"] += 1
+            g["saved"] += r.saved_bytes
             g["flops"] += r.flops
             g["bytes"] += r.bytes_read + r.bytes_written
             g["seconds"] += t.seconds
@@ -157,10 +159,12 @@ class PlanReport:
         p = precision or self.precisions[-1]
         total = self.gpu_seconds[p]
         lines = [f"{self.gpu.name}, {p}: the {top} longest op groups of {total * 1e3:.2f} ms on the GPU",
-                 f"{'phase':9} {'op':52} {'dtype':9} {'n':>4} {'GFLOP':>9} {'MB':>9} {'ms':>8} {'share':>6}  bound"]
+                 f"{'phase':9} {'op':46} {'dtype':9} {'n':>4} {'GFLOP':>9} {'MB':>9} {'saved MB':>9} {'ms':>8} "
+                 f"{'share':>6}  bound"]
         for g in self.rows(p)[:top]:
-            lines.append(f"{g['phase']:9} {g['op'].removeprefix('aten.')[:52]:52} {g['dtype']:9} {g['count']:>4} {g['flops'] / 1e9:>9.1f} "
-                         f"{g['bytes'] / 1e6:>9.1f} {g['seconds'] * 1e3:>8.2f} {g['seconds'] / total:>6.1%}  {g['bound']}")
+            lines.append(f"{g['phase']:9} {g['op'].removeprefix('aten.')[:46]:46} {g['dtype']:9} {g['count']:>4} "
+                         f"{g['flops'] / 1e9:>9.1f} {g['bytes'] / 1e6:>9.1f} {g['saved'] / 1e6:>9.1f} "
+                         f"{g['seconds'] * 1e3:>8.2f} {g['seconds'] / total:>6.1%}  {g['bound']}")
         return "\n".join(lines)
 
     def summary(self) -> str:
