@@ -13,7 +13,8 @@ Modules, one idea each:
     distributed torchrun env, process groups, DDP/FSDP2 wrapping, launch(), SLURM scripts
     reduce_sim an N-rank all-reduce in bf16/fp16/fp32 (ring or tree), simulated addition by addition
     widgets    ipywidgets + matplotlib explorers used in the chapters
-    autocast_ops  the autocast op table, measured live per device and dtype
+    autocast_ops  the autocast op table, measured live per device and dtype (CUDA's too, without a GPU)
+    emulate    CUDA's autocast on CPU and meta tensors (emulate.autocast), from the probed policy
     memory     bytes saved for backward, weights, gradients, optimizer state
     fp8        below 16 bits: scaled quantization (tensor/row/MX/NVFP4/tiles), delayed vs current scaling
     bench      matmul/train-step/memory benchmark (python -m ampcourse.bench)
@@ -22,6 +23,7 @@ Modules, one idea each:
     doctor     examine(model, ...): measure fp16/bf16 on your own model and advise (python -m ampcourse.doctor)
     trial      fp32 and AMP side by side over N steps: drift per layer, logit growth, first departure (python -m ampcourse.trial)
     inputs     the front door: one reader of a model, data (DataLoaders too), precisions; InputError; the preflight
+    plan       what AMP buys on a GPU, predicted on a CPU: a step counted on meta tensors, a roofline per GPU (python -m ampcourse.plan)
 Private helpers: _args (one rule for arguments and CLI errors), _scaler (GradScaler's settings: one owner).
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
@@ -36,7 +38,7 @@ _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
     "fp8", "optim", "reduce_sim",
-    "doctor", "trial", "inputs",
+    "doctor", "trial", "inputs", "emulate", "plan",
 }
 
 

@@ -37,6 +37,7 @@ How to read a departure: ``series`` names what crossed the tolerance (``loss``, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -579,6 +580,22 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
     return run
 
 
+def _policy_session(policy: str | None, device_type: str) -> tuple[Any, str]:
+    """The context the training runs inside, and the policy's name for the report.
+
+    ``"cuda"`` on a CPU: one outer ``emulate.autocast(enabled=False)``, inside which each step's
+    ``torch.autocast("cpu", ...)`` region applies CUDA's policy (and the kernels stay registered across steps).
+    """
+    if policy is None or policy == device_type:
+        return contextlib.nullcontext(), device_type
+    if policy != "cuda" or device_type != "cpu":
+        raise ValueError(f"policy must be None (the device's own) or 'cuda' (emulated on a CPU device), got "
+                         f"{_args.shown(policy)} on {device_type}")
+    from . import emulate
+
+    return emulate.autocast("cuda", enabled=False), "cuda (emulated on cpu)"
+
+
 def _check_precisions(precisions) -> tuple[str, ...]:
     """Precision names, each once, from PRECISIONS, read by the front door as train() reads one (``ampcourse.inputs``)."""
     return _inputs.precision_names(precisions, "precisions", allowed=("fp32", "bf16", "fp16"), extra=("fp16-noscaler",))
@@ -589,6 +606,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
           seed: int = 0, monitors: Sequence[Monitor] | None = None, *, lr: float = 1e-3, batch_size: int | None = None,
           loss_fn: Callable | None = None, tolerance: float = 0.1, device: str | torch.device | None = None,
           scaler_kwargs: dict | None = None, size: str = "tiny", grad_clip: float | None = None,
+          policy: str | None = None,
           chunk: int | None = None) -> Trial:
     """Train the same initial model on the same batches in fp32 and in each precision; compare them step by step.
 
@@ -619,6 +637,9 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
             ``CHUNK_BYTES`` (64 MiB) of those copies, at least 1. Every value gives the same series bit for bit
             on a CPU (each run has its own random stream); longer chunks save the cost of switching models at
             every step (cache locality on a CPU: measured 2-10% of a tiny model's training, benchmarks/README.md).
+        policy: whose autocast lists the precisions' runs use: None (default) the device's own; ``"cuda"`` on a
+            CPU runs them under CUDA's (``ampcourse.emulate``: CUDA's casts, this CPU's arithmetic). The report's
+            ``config["policy"]`` names it.
 
     Returns:
         a :class:`Trial`. Raises ValueError (one line that says what to pass) on bad input, before any step.
@@ -671,6 +692,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     loss = loss_fn or models.loss_fn
 
     ref_amp = pick(device, "fp32")
+    session, policy = _policy_session(policy, ref_amp.device_type)
     labels, _ = _layers(model)
     if chunk is None:
         weights = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -689,7 +711,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     stream = iterable.stream() if iterable is not None else None  # one stream: every run gets the same batches
     train_seconds = 0.0
     try:
-        with torch.random.fork_rng(devices=[ref_amp.device] if ref_amp.device_type == "cuda" else []):
+        with torch.random.fork_rng(devices=[ref_amp.device] if ref_amp.device_type == "cuda" else []), session:
             for start in range(0, steps, chunk):
                 batches = []
                 for step in range(start, min(start + chunk, steps)):
@@ -713,6 +735,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     config = {"model": ref_name or type(model).__name__, "seed": seed, "lr": lr, "batch_size": batch_size,
               "optimizer": type(ref.optimizer).__name__, "grad_clip": grad_clip, "scaler": scaler_settings,
               "chunk": chunk, "torch": torch.__version__}
+    config["policy"] = policy  # whose autocast lists the runs used ('cuda (emulated on cpu)': ampcourse.emulate)
     return Trial(list(names), steps, tolerance, ref.amp.describe_device(), labels, [m.name for m in monitors],
                  {run.label: run.series for run in runs}, departures, softmax_monitors=sorted(softmax),
                  seconds=time.perf_counter() - t_start,
@@ -855,6 +878,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed for the model, the batches and dropout (default 0)")
     ap.add_argument("--size", default="tiny", help=f"reference model size: {', '.join(models.SIZES)} (default tiny)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    ap.add_argument("--policy", default=None, choices=["cuda"], help="cuda: CUDA's autocast lists on a CPU (emulated)")
     ap.add_argument("--out", default=None, help="write the trial as JSON here")
     ap.add_argument("--plot", default=None, help="save the plot (PNG) here")
     return ap
@@ -890,7 +914,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--model must be one of {', '.join(models.MODELS)}, got {args.model!r}")
         precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
         t = trial(args.model, precisions=precisions, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
-                  tolerance=args.tolerance, seed=args.seed, size=args.size, device=args.device)
+                  tolerance=args.tolerance, seed=args.seed, size=args.size, device=args.device,
+                  policy=args.policy)
         print(t.summary())
         if args.out:
             t.to_json(args.out)

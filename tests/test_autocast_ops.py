@@ -70,17 +70,103 @@ def test_format_table_and_differences(cpu_table):
 @pytest.mark.parametrize("device_type, dtype, match", [
     ("cpu", torch.float32, "float16 or torch.bfloat16"),
     ("tpu", torch.bfloat16, "unknown device_type 'tpu'"),
+    ("mps", torch.bfloat16, "not available here"),
 ])
 def test_bad_arguments(device_type, dtype, match):
     with pytest.raises(ValueError, match=match):
         op_table(device_type, dtype)
 
 
-def test_cuda_table_or_a_clear_error():
-    """On a GPU, CUDA autocast runs softmax and layer_norm in fp32; without one, a clear ValueError."""
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="not available here"):
-            op_table("cuda", torch.float16)
-        return
-    rows = {r.op: r.category for r in op_table("cuda", torch.float16)}
-    assert rows["linear"] == "lower" and rows["softmax"] == rows["layer_norm"] == rows["cross_entropy"] == "fp32"
+def test_cuda_table_without_a_gpu_is_cudas_policy():
+    """op_table('cuda') runs CUDA's own autocast kernels (fake CUDA tensors without a GPU): fp32 where CPU keeps low."""
+    rows = {r.op: r for r in op_table("cuda", torch.bfloat16)}
+    assert [r for r in rows] == [s.name for s in autocast_ops.OPS]
+    cats = {op: r.category for op, r in rows.items()}
+    assert cats["linear"] == cats["matmul (@)"] == cats["conv2d"] == cats["scaled_dot_product_attention"] == "lower"
+    for op in ("softmax", "layer_norm", "exp", "log", "sum", "cumsum", "cross_entropy", "mse_loss"):
+        assert cats[op] == "fp32", op
+    assert cats["add (a + b)"] == cats["cat"] == cats["addcmul"] == "promote"
+    assert cats["relu"] == cats["gelu"] == "unchanged"
+    assert rows["softmax"].kind == rows["sum"].kind == "fp32_set_opt_dtype"
+    assert rows["exp"].kind == rows["layer_norm"].kind == "fp32"
+    assert rows["softmax"].entered == "aten::softmax" and rows["cross_entropy"].entered == "aten::cross_entropy_loss"
+    assert {r.category for r in rows.values()} <= set(autocast_ops.CATEGORIES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cpu_and_cuda_differ_where_the_lists_differ(dtype):
+    diff = {op: (a, b) for op, a, b in autocast_ops.differences("cpu", "cuda", dtype)}
+    assert diff["softmax"] == ("unchanged", "fp32") and diff["layer_norm"] == ("unchanged", "fp32")
+    assert "linear" not in diff and "cross_entropy" not in diff  # both lists agree on these
+
+
+def test_callers_ops_direct_aten_calls_and_banned_ops():
+    specs = [OpSpec("aten.mm.default", ((4, 8), (8, 3)), torch.ops.aten.mm.default),
+             OpSpec("aten.softmax.int", ((4, 8),), lambda x: torch.ops.aten.softmax.int(x, -1)),
+             OpSpec("softmax, explicit dtype", ((4, 8),), lambda x: torch.softmax(x, -1, dtype=x.dtype)),
+             OpSpec("binary_cross_entropy", ((4,), (4,)), torch.nn.functional.binary_cross_entropy)]
+    rows = {r.op: r for r in op_table("cuda", torch.float16, ops=specs)}
+    assert rows["aten.mm.default"].category == "lower"
+    assert rows["aten.softmax.int"].category == "fp32"
+    assert rows["softmax, explicit dtype"].category == "unchanged"  # set_opt_dtype keeps a dtype the caller gave
+    bce = rows["binary_cross_entropy"]
+    assert bce.category == "unsupported" and "unsafe to autocast" in bce.reason
+
+
+def test_a_probe_that_aborts_is_a_row_not_a_crash():
+    """A fake CUDA tensor that requires grad aborts the process from C++: the child dies, the row says so."""
+    specs = [OpSpec("requires grad", ((4, 8),), lambda x: x.requires_grad_().exp()),
+             OpSpec("exp", ((4, 8),), torch.exp)]
+    rows = {r.op: r for r in op_table("cuda", torch.bfloat16, ops=specs)}
+    assert rows["requires grad"].category == "unsupported" and "died" in rows["requires grad"].reason
+    assert rows["exp"].category == "fp32"  # the other op is probed again in a process of its own
+
+
+def test_probe_leaves_this_process_autocast_state_alone():
+    before = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    op_table("cuda", torch.bfloat16, ops=[OpSpec("exp", ((2,),), torch.exp)])
+    with autocast_ops._cuda_autocast_state(torch.bfloat16):
+        assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    assert (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) == before
+
+
+def test_registered_ops_are_the_dispatchers():
+    cuda = autocast_ops.registered_ops("cuda")
+    assert "aten::mm" in cuda and "aten::softmax.int" in cuda and "aten::relu" not in cuda
+    for name in ("aten::mm", "aten::layer_norm"):
+        table = torch._C._dispatch_dump_table(name)
+        assert "AutocastCUDA: registered" in table and "[kernel]" in table
+    with pytest.raises(ValueError, match="'cuda' or 'cpu'"):
+        autocast_ops.registered_ops("tpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_policy_covers_every_registered_overload(dtype):
+    pol = autocast_ops.policy("cuda", dtype)
+    assert sorted(pol) == autocast_ops.registered_ops("cuda")
+    assert {p.category for p in pol.values()} <= set(autocast_ops.CATEGORIES)
+    assert pol["aten::mm"].category == pol["aten::linear"].category == "lower"
+    assert (pol["aten::softmax.int"].category, pol["aten::softmax.int"].kind) == ("fp32", "fp32_set_opt_dtype")
+    assert pol["aten::norm.Scalar"].kind == "fp32_append_dtype" and pol["aten::exp"].kind == "fp32"
+    assert pol["aten::addcmul"].category == "promote"
+    assert pol["aten::binary_cross_entropy"].reason.startswith("CUDA autocast raises: ")
+    unsupported = [p for p in pol.values() if p.category == "unsupported"]
+    assert all(p.reason for p in unsupported) and len(unsupported) <= 3  # bce, and what the probe says it can't tell
+
+
+def test_policy_is_cached_on_disk_per_torch_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMPCOURSE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autocast_ops, "_POLICIES", {})
+    first = autocast_ops.policy("cuda", torch.bfloat16)
+    (path,) = tmp_path.glob("autocast-policy-cuda-bfloat16-*.json")
+
+    def no_probe(*a):
+        raise AssertionError("probed again although the cache holds the policy")
+
+    monkeypatch.setattr(autocast_ops, "_POLICIES", {})
+    monkeypatch.setattr(autocast_ops, "_in_child", no_probe)
+    assert autocast_ops.policy("cuda", torch.bfloat16) == first
+    path.write_text("not json")  # a damaged cache is probed again, never trusted
+    monkeypatch.setattr(autocast_ops, "_POLICIES", {})
+    with pytest.raises(AssertionError, match="probed again"):
+        autocast_ops.policy("cuda", torch.bfloat16)

@@ -1,0 +1,222 @@
+"""emulate.autocast gives CPU and meta tensors CUDA's autocast: the casts, the level, the state it leaves."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ampcourse import autocast_ops, emulate
+
+LOW = [torch.float16, torch.bfloat16]
+IDS = ["fp16", "bf16"]
+
+
+def x_w(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 8, generator=g), torch.randn(3, 8, generator=g).requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_cuda_casts_on_cpu_tensors(low):
+    x, w = x_w()
+    with emulate.autocast("cuda", dtype=low):
+        y = F.linear(x, w)
+        assert y.dtype == low  # lower
+        assert torch.softmax(y, -1).dtype == torch.float32  # fp32 on CUDA (CPU autocast keeps it low)
+        assert F.layer_norm(y, (3,)).dtype == torch.float32
+        assert y.sum().dtype == y.exp().dtype == torch.float32
+        assert F.cross_entropy(y, torch.arange(4) % 3).dtype == torch.float32
+        assert torch.addcmul(y, x[:, :3], x[:, :3]).dtype == torch.float32  # promote to the widest
+        assert torch.relu(y).dtype == low  # not on CUDA's lists: follows its input
+        assert torch.softmax(y, -1, dtype=low).dtype == low  # set_opt_dtype keeps an explicit dtype
+        d = torch.randn(4, 8, dtype=torch.float64)
+        assert F.linear(d, w.double()).dtype == torch.float64  # fp64 is never cast
+        assert torch.ops.aten.mm.default(x, w.t()).dtype == low  # a direct aten call
+
+
+def test_the_policy_applies_before_decomposition():
+    """cross_entropy is not on CUDA's lists but its pieces are: log_softmax keeps the dtype it is given
+    (cross_entropy_loss passes the input's), nll_loss runs in fp32 -- as the replay on CUDA's kernels shows."""
+    x, _ = x_w()
+    with emulate.autocast(dtype=torch.bfloat16, trace=True) as emu:
+        F.cross_entropy(x.bfloat16(), torch.arange(4) % 8)
+    ops = [(c.op, c.output) for c in emu.calls]
+    assert ops == [("aten::log_softmax.int", "bfloat16"), ("aten::nll_loss", "float32")]
+    assert autocast_ops.replay(emu.calls) == ["bfloat16", "float32"]
+
+
+def test_meta_tensors_get_the_casts_too():
+    with emulate.autocast(dtype=torch.bfloat16):
+        y = F.linear(torch.empty(4, 8, device="meta"), torch.empty(3, 8, device="meta"))
+        p = torch.softmax(y, -1)
+    assert (y.device.type, y.dtype, p.dtype) == ("meta", torch.bfloat16, torch.float32)
+
+
+def test_banned_ops_raise_as_on_cuda():
+    with emulate.autocast(dtype=torch.float16), pytest.raises(RuntimeError, match="unsafe to autocast"):
+        F.binary_cross_entropy(torch.rand(3), torch.rand(3))
+    assert F.binary_cross_entropy(torch.rand(3), torch.rand(3)).dtype == torch.float32  # outside: fine
+
+
+def test_nesting_and_disabled_regions():
+    x, w = x_w()
+    with emulate.autocast(dtype=torch.float16):
+        with emulate.autocast(enabled=False):
+            assert F.linear(x, w).dtype == torch.float32
+        with emulate.autocast(dtype=torch.bfloat16):
+            assert F.linear(x, w).dtype == torch.bfloat16
+        assert F.linear(x, w).dtype == torch.float16
+        assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.float16
+
+
+def test_torch_autocast_regions_inside_the_model_are_honoured():
+    """HF models open torch.autocast("cuda", ...) (and torch.autocast(x.device.type, enabled=False)) regions."""
+    x, w = x_w()
+    with emulate.autocast(dtype=torch.float16):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert F.linear(x, w).dtype == torch.bfloat16
+        with torch.autocast("cuda", enabled=False):
+            assert F.linear(x, w).dtype == torch.float32
+        with torch.autocast(x.device.type, enabled=False):  # "cpu": device-derived, as HF's RoPE does
+            assert F.linear(x, w).dtype == torch.float32
+        assert F.linear(x, w).dtype == torch.float16
+
+
+def test_a_loop_written_for_cpu_autocast_gets_cudas_policy_inside_an_emulation():
+    x, w = x_w()
+    with emulate.autocast(enabled=False):
+        assert F.linear(x, w).dtype == torch.float32  # the outer region casts nothing
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU tensors stand for CUDA ones
+            y = F.linear(x, w)
+            assert y.dtype == torch.bfloat16 and torch.softmax(y, -1).dtype == torch.float32  # CUDA's lists
+            assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        assert not torch.is_autocast_enabled("cuda")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # outside: CPU autocast, CPU's lists
+        assert torch.softmax(F.linear(x, w), -1).dtype == torch.bfloat16
+
+
+class _UpcastMatmul(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        ctx.seen = (a.dtype, b.dtype, torch.is_autocast_enabled("cuda"))
+        return a @ b
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, g):
+        return g, g
+
+
+class _PlainMatmul(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ctx.bwd = (g @ b.t()).dtype  # custom_bwd: backward runs under forward's autocast state
+        return g @ b.t(), a.t() @ g
+
+
+def test_custom_fwd_and_custom_bwd_for_cuda():
+    a = torch.randn(4, 4, requires_grad=True)
+    b = torch.randn(4, 4, requires_grad=True)
+    with emulate.autocast(dtype=torch.float16):
+        up = _UpcastMatmul.apply(a.half(), b)
+        plain = _PlainMatmul.apply(a, b)
+    assert up.grad_fn.seen == (torch.float32, torch.float32, False) and up.dtype == torch.float32
+    assert plain.dtype == torch.float16
+    with emulate.autocast(enabled=False):  # backward inside an emulation: custom_bwd's region needs the kernels
+        plain.float().sum().backward()
+    assert plain.grad_fn.bwd == torch.float16 and a.grad.dtype == torch.float32
+
+
+def test_autograd_sees_the_casts():
+    """Backward runs in the dtypes the forward casts imply: a low-precision gradient into the matmul, fp32 on the weight."""
+    x, w = x_w(requires_grad=True)
+    seen = {}
+    with emulate.autocast(dtype=torch.bfloat16):
+        y = F.linear(x, w)
+        y.register_hook(lambda g: seen.update(y=g.dtype))
+        loss = torch.softmax(y, -1).sum()
+    loss.backward()
+    assert seen["y"] == torch.bfloat16 and w.grad.dtype == torch.float32
+
+
+def test_weights_are_cast_once_per_region():
+    x, w = x_w(requires_grad=True)
+    with emulate.autocast(dtype=torch.float16):
+        a, b = F.linear(x, w), F.linear(x, w)
+    cast_a, cast_b = (out.grad_fn.next_functions[1][0].next_functions[0][0] for out in (a, b))
+    assert cast_a is cast_b  # one ToCopyBackward: the cached cast of w
+    with emulate.autocast(dtype=torch.float16, cache_enabled=False):
+        c, d = F.linear(x, w), F.linear(x, w)
+    assert c.grad_fn.next_functions[1][0].next_functions[0][0] is not d.grad_fn.next_functions[1][0].next_functions[0][0]
+
+
+def test_exit_leaves_no_state_behind():
+    x, w = x_w()
+    before = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cpu"),
+              torch.is_autocast_cache_enabled(), torch._C._dispatch_tls_is_dispatch_key_included(
+                  torch._C.DispatchKey.AutocastCPU))
+    init = torch.amp.autocast_mode.autocast.__init__
+    with pytest.raises(ZeroDivisionError), emulate.autocast(dtype=torch.bfloat16):
+        F.linear(x, w)
+        1 / 0  # an error inside the region still restores everything
+    assert (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_cache_enabled(), torch._C._dispatch_tls_is_dispatch_key_included(
+                torch._C.DispatchKey.AutocastCPU)) == before
+    assert torch.amp.autocast_mode.autocast.__init__ is init and not emulate.is_active()
+    assert emulate._local.cache == {} and emulate._global["lib"] is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast's own kernels are back
+        y = F.linear(x, w)
+        assert y.dtype == torch.bfloat16 and torch.softmax(y, -1).dtype == torch.bfloat16
+    assert F.linear(x, w).dtype == torch.float32
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"device_type": "cpu"}, "device_type must be 'cuda'"),
+    ({"dtype": torch.float32}, "float16 or torch.bfloat16"),
+    ({"enabled": "yes"}, "must be bools"),
+])
+def test_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        emulate.autocast(**kw)
+
+
+def test_works_as_a_decorator():
+    x, w = x_w()
+
+    @emulate.autocast(dtype=torch.bfloat16)
+    def f():
+        return F.linear(x, w)
+
+    assert f().dtype == torch.bfloat16 and f().dtype == torch.bfloat16 and not emulate.is_active()
+
+
+def test_limits_are_stated():
+    text = " ".join(emulate.LIMITS)
+    for word in ("accumulation", "TF32", "softmax", "reduced-precision"):
+        assert word in text
+
+
+def test_an_nn_module_trains_under_the_emulator():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    losses = []
+    with emulate.autocast(enabled=False):  # one outer region: the kernels stay registered across steps
+        for _ in range(5):
+            with emulate.autocast(dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert losses[-1] < losses[0] and all(p.dtype == torch.float32 for p in model.parameters())
