@@ -21,6 +21,7 @@ Modules, one idea each:
     course     the course map: chapters, source-outline mapping, bilingual glossary (00_index)
     doctor     examine(model, ...): measure fp16/bf16 on your own model and advise (python -m ampcourse.doctor)
     trial      fp32 and AMP side by side over N steps: drift per layer, logit growth, first departure (python -m ampcourse.trial)
+    shipped    files beside the package in a checkout (examples/ddp_amp.py, the GPU report), found in a wheel too
 Private helpers: _args (one rule for arguments and CLI errors), _scaler (GradScaler's settings: one owner).
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
@@ -35,7 +36,7 @@ _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
     "fp8", "optim", "reduce_sim",
-    "doctor", "trial",
+    "doctor", "trial", "shipped",
 }
 
 
