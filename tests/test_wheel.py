@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a wheel build and fresh processes: ~80 s; `make test` runs them, `make unit` not
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = {"status": "passed", "started": "2026-12-02T01:00:00+00:00",
           "machine": {"device": "NVIDIA H200", "capability": "sm_90", "torch": "2.11.0", "cuda": "12.8"},
@@ -93,15 +94,14 @@ def test_chapter_2_finds_the_committed_report_in_the_wheel(installed, tmp_path):
     assert run.returncode == 0 and "recorded GPU run: NVIDIA H200" in run.stdout, run.stderr[-3000:]
 
 
-@pytest.mark.slow
 def test_chapter_7s_script_cells_run_from_the_wheel(installed, tmp_path):
-    """Cells 23 (print the script), 25 (run it under torchrun, 2 CPU processes) and 27 (one process: bit-identical to
-    ampcourse.train), as the chapter has them, after its setup cell."""
-    code = _cells("07_multi_gpu.ipynb", "NPROC = 2", 'shipped.path("examples/ddp_amp.py")', "SCRIPT_ARGS = [",
+    """After its setup cells (2, 7): cells 23 (print the script), 25 (run it under torchrun, 2 CPU processes) and 27 (one process: bit-identical to
+    ampcourse.train), as the chapter has them."""
+    code = _cells("07_multi_gpu.ipynb", "NPROC = 2", "SEED, N_SAMPLES, BATCH = 0, 1024, 64", 'shipped.path("examples/ddp_amp.py")', "SCRIPT_ARGS = [",
                   "one = subprocess.run(")
     run = _run_outside(installed, code, tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert "bit-identical weights: True" in run.stdout and "def main" in run.stdout
+    assert "bit-identical weights: True" in run.stdout and "def local_batch(step):" in run.stdout
 
 
 def test_a_checkout_reads_its_own_files(monkeypatch):
