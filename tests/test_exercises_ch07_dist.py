@@ -307,6 +307,8 @@ def test_an_interrupted_launch_stops_its_workers_with_a_short_error():
         signal.signal(signal.SIGALRM, previous)
     frames = traceback.extract_tb(err.value.__traceback__)
     assert not [f for f in frames if f.filename.endswith("subprocess.py")]
+    # a notebook prints one line, not the 21 of a traceback through the checker (IPython's _render_traceback_)
+    assert err.value._render_traceback_() == ["KeyboardInterrupt: torchrun was interrupted; it and its workers were stopped"]
     assert err.value.__context__ is None or err.value.__suppress_context__
     deadline = time.monotonic() + 10  # SIGKILL is delivered at once, the process table catches up
     while running_workers() - before and time.monotonic() < deadline:
@@ -343,7 +345,52 @@ def test_a_launch_in_a_notebook_shows_a_live_status_that_ends_as_it_began(monkey
         run = distributed.launch(["spec.json"], module="ampcourse.exercises._torchrun", nproc_per_node=2, cwd=tmp,
                                  timeout=120, progress=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert shown[0] == shown[-1] == "torchrun: 2 worker processes (live status here while it runs)"
+    assert shown[0] == shown[-1] == "torchrun: 2 worker processes"  # true before, while and after it runs
     live = shown[1:-1]
     assert live and all(s.startswith("torchrun running: ") for s in live)
     assert any("2 workers started" in s for s in live)
+
+
+def test_an_interrupted_launch_is_one_line_in_a_kernel(capsys):
+    """What a kernel's shell prints for the interrupt: one line (before: 21, a traceback through three modules)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from ampcourse import distributed
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("from ampcourse import distributed\n"
+                   "def launch():\n    raise distributed.LaunchInterrupted('torchrun was interrupted')\n"
+                   "def checker():\n    launch()\n"
+                   "checker()\n")
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert shown == ["KeyboardInterrupt: torchrun was interrupted"], shown
+    assert issubclass(distributed.LaunchInterrupted, KeyboardInterrupt)
+
+
+def test_a_rank_aborted_by_a_one_sided_collective_is_named_as_such(monkeypatch):
+    """Issue 28 item 14: when one rank alone calls all_reduce, gloo (or NCCL) aborts a rank and torchrun prints its
+    SIGABRT summary; the verdict says a collective was called on some ranks only, not 'a rank crashed outside your
+    function'. (Launch stubbed: rank 0 finished and wrote its result, rank 1 aborted.)"""
+    import torch
+
+    from ampcourse import distributed
+
+    def aborted_launch(args, *, cwd, **kw):
+        torch.save({"results": {"yours": {"ok": 1}}, "restarts": 0}, Path(cwd) / "rank-0.pt")
+        err = ("[rank1]: terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+               "  what():  [enforce fail at gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 96 vs 4\n"
+               "torch.distributed.elastic.multiprocessing.api: [ERROR] failed (exitcode: -6) local_rank: 1\n"
+               "  exitcode  : -6 (pid: 4242)\n  error_file: <N/A>\n  traceback : Signal 6 (SIGABRT) received by PID 4242\n")
+        return distributed.LaunchResult(["torchrun"], 1, "", err, 3.0)
+
+    monkeypatch.setattr(distributed, "launch", aborted_launch)
+    with pytest.raises(ExerciseError) as err:
+        run_on_ranks("Exercise 7.3", "json:dumps", {"yours": ("def f():\n    pass\n", "f")}, device="cpu")
+    text = str(err.value)
+    assert "rank 1 aborted (SIGABRT) while rank 0 finished: a collective was called on some ranks only" in text, text
+    assert "crashed outside your function" not in text and "same collectives in the same order" in text
+    # a crash that is not an abort with a finished peer keeps the old, general verdict
+    monkeypatch.setattr(distributed, "launch", lambda args, *, cwd, **kw: distributed.LaunchResult(
+        ["torchrun"], 1, "", "ModuleNotFoundError: No module named 'x'\n", 1.0))
+    with pytest.raises(ExerciseError, match="crashed outside your function"):
+        run_on_ranks("Exercise 7.3", "json:dumps", {"yours": ("def f():\n    pass\n", "f")}, device="cpu")

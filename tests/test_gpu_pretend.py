@@ -44,6 +44,21 @@ def test_two_gpus_run_one_nccl_rank_per_gpu(monkeypatch):
     assert _torchrun.default_nproc(None) == (2, "cuda") and _torchrun.default_nproc("cpu") == (2, "cpu")
 
 
+@pytest.mark.parametrize("gpus", [4, 8])
+def test_a_big_node_still_checks_on_two_ranks(monkeypatch, gpus):
+    """Issue 29 item 10: on an 8-GPU node the checkers started 8 NCCL ranks (twice for 7.6's restart) within their
+    120 s limit; two ranks show a collective's effect. More only when asked, up to the GPUs there are."""
+    fake_gpus(monkeypatch, gpus)
+    assert _torchrun.default_nproc(None) == (2, "cuda") == _torchrun.default_nproc("cuda")
+    launched = []
+    from ampcourse import distributed
+    monkeypatch.setattr(distributed, "launch", lambda args, **kw: launched.append(kw["nproc_per_node"]) or (_ for _ in ()).throw(RuntimeError("stop")))
+    for nproc in (None, gpus):
+        with pytest.raises(RuntimeError, match="stop"):
+            _torchrun.run_on_ranks("7.3", "json:dumps", {"y": ("def f():\n    pass\n", "f")}, nproc=nproc)
+    assert launched == [2, gpus]
+
+
 def test_a_worker_waits_for_every_rank_before_it_destroys_the_group(monkeypatch, tmp_path):
     """Item 14: `_torchrun.main` writes its result, then barrier + destroy (NCCL must not lose a peer mid-collective);
     a barrier that fails (a peer gone) still leaves the written result and exit code 0."""
