@@ -259,3 +259,68 @@ def test_the_gpu_branch_runner_takes_the_branches_it_says(tmp_path):
     path.write_text(json.dumps(nb))
     script, forced = gpu_branch_script(path)
     assert forced == 1 and script.startswith('SIZE = "small" if True else "tiny"') and 'on_gpu = amp.device_type' in script
+
+
+# --- tools/gpu_test.py's torch side (moved from tests/test_gpu_tool.py, which checks a stdlib tool and runs on the
+# lock's torch only; these run on every torch leg: the GPU image has torch 2.11) -------------------------------------
+
+def _gpu_test():
+    """tools/gpu_test.py as a module."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_test
+    return gpu_test
+
+
+def test_fraction_of_peak_on_cpu_rows():
+    """The function the GPU benchmark uses, on real (CPU) matmul rows."""
+    from ampcourse import bench
+
+    rows = bench.matmul_tflops("cpu", dtypes=["fp32"], sizes=[64, 128], min_run_time=0.01, repeats=1)
+    result = bench.fraction_of_peak(rows, "fp32", 64)
+    assert result["peak_n"] == 128 and result["peak_sizes"] == [128]  # the peak is measured apart from n=64
+    assert result["fraction_of_peak"] == pytest.approx(result["reference_tflops"] / result["peak_tflops"])
+    assert result["datasheet_tflops"] is None
+    with pytest.raises(ValueError, match="no fp32 row for n=4096; measured sizes: \\[64, 128\\]"):
+        bench.fraction_of_peak(rows, "fp32", 4096)
+
+
+def test_the_goals_come_from_ampcourse_bench_without_importing_it():
+    from ampcourse import bench
+
+    targets = _gpu_test().bench_targets()
+    assert targets == {"BF16_PEAK_TARGET": bench.BF16_PEAK_TARGET, "GPU_STEP_SPEEDUP_TARGET": bench.GPU_STEP_SPEEDUP_TARGET,
+                       "TRAINER_OVERHEAD_TARGET": bench.TRAINER_OVERHEAD_TARGET}
+
+
+def test_the_smoke_step_records_each_probe_on_a_cpu_too(tmp_path):
+    """Without CUDA the smoke step exits 1 (the run becomes a dry run before it) but still says what it found."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, str(ROOT / "tools/gpu_test.py"), "--smoke", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert run.returncode == 1, run.stderr
+    found = json.loads((tmp_path / "s.json").read_text())
+    assert found["machine"]["cuda_available"] is False and found["imports"]["nbval"]["version"]
+    cast = found["fp8_cast_cpu"]
+    assert cast["inputs"] == [300.0, 500.0, 1e5, float("inf")] and len(cast["float8_e4m3fn"]) == 4
+
+
+def test_the_doctor_cost_tests_helpers_measure_on_a_cpu_too():
+    """tests/gpu/test_cuda_doctor.py gates its goal on the op watch's host round trips: the helpers that count them
+    run on any device (here the CPU), so they are checked before a GPU run needs them."""
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import doctor_cost
+    import test_cuda_doctor
+
+    ops = test_cuda_doctor.ops_per_step(*doctor_cost.setup("transformer", __import__("torch").device("cpu")))
+    assert 30 < ops < 5000, ops
+    assert 0 < test_cuda_doctor.sync_seconds("cpu", n=20) < 0.01
+
+
+def test_gpu_test_selects_every_test_under_tests_gpu():
+    """`-m gpu` (what make gpu-test passes) collects tests/gpu: every test there carries the marker."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "--collect-only",
+                          "-q", "-m", "gpu", "tests/gpu"], capture_output=True, text=True, cwd=ROOT, timeout=120).stdout
+    selected = [ln for ln in out.splitlines() if "::test_" in ln]
+    assert len(selected) >= 5 and "deselected" not in out, out
+    assert any("test_bench" in ln for ln in selected) and any("gradscaler" in ln.lower() for ln in selected)
