@@ -643,3 +643,25 @@ def test_this_file_tests_a_stdlib_tool_so_the_torch_legs_skip_it():
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"torch", "ampcourse", "torchao"}, imported
     assert "--ignore tests/test_gpu_tool.py" in (ROOT / "tools/torch_leg.sh").read_text()
+
+
+def test_the_report_says_what_each_gpu_path_ran():
+    """Issue 29 item 7: 'DDP/FSDP2 on NCCL' or 'torchao float8 on CUDA' reads as what ran: one process, two ranks,
+    skipped on this GPU (and why), not run."""
+    tests = [{"name": "tests.gpu.test_cuda_bench::test_torchrun_one_process_nccl[ddp]", "outcome": "passed", "seconds": 9, "message": ""},
+             {"name": "tests.gpu.test_cuda_bench::test_torchrun_two_ranks_nccl[ddp]", "outcome": "skipped", "seconds": 0,
+              "message": "needs 2 GPUs for 2 NCCL ranks (this machine: 1)"},
+             {"name": "tests.gpu.test_cuda_lowbit::test_float8_training_on_float8_tensor_cores", "outcome": "failed", "seconds": 3, "message": "x"}]
+    got = {c["claim"].split(" (")[0].split(",")[0]: c for c in gpu_test.coverage([{"tests": tests}])}
+    assert got["DDP and FSDP2 under torchrun on NCCL"]["state"] == "passed"
+    two = got["DDP and FSDP2 on NCCL with two ranks on two GPUs"]
+    assert two["state"] == "skipped" and "needs 2 GPUs" in two["reason"]
+    assert got["torchao float8 training with float8 matmuls"]["state"] == "failed"
+    assert got["torchao MXFP8 training"]["state"] == "not run"
+    names = {fragment for fragment, _ in gpu_test.COVERAGE}
+    text = "".join(p.read_text() for p in (ROOT / "tests/gpu").glob("test_*.py"))
+    assert all(f"def {n}(" in text for n in names), "every claim names a test that exists"
+    report = {"status": "failed", "command": "c", "commit": "x", "started": "s", "machine": {}, "budget_seconds": 1,
+              "seconds": 1, "steps": [], "coverage": gpu_test.coverage([{"tests": tests}])}
+    md = gpu_test.markdown(report)
+    assert "## What the GPU paths ran" in md and "| skipped: needs 2 GPUs for 2 NCCL ranks (this machine: 1) |" in md

@@ -635,6 +635,29 @@ def smoke(path: Path) -> int:
 # ------------------------------------------------------------------------------------------------
 
 TARGET_NAMES = ("BF16_PEAK_TARGET", "GPU_STEP_SPEEDUP_TARGET", "TRAINER_OVERHEAD_TARGET")
+#: The course's GPU claims and the tests/gpu tests that back each (a part of the test name): the report says for
+#: each whether it ran, was skipped (and why) or failed, so "DDP on NCCL" never reads as more than what ran.
+COVERAGE = (
+    ("test_torchrun_one_process_nccl", "DDP and FSDP2 under torchrun on NCCL, one process (no cross-rank collective)"),
+    ("test_torchrun_two_ranks_nccl", "DDP and FSDP2 on NCCL with two ranks on two GPUs (all-reduce, sharding)"),
+    ("test_float8_training_on_float8_tensor_cores", "torchao float8 training with float8 matmuls (sm_89+)"),
+    ("test_mxfp8_training_emulated_on_cuda_tensors", "torchao MXFP8 training, emulated kernel, on CUDA tensors"),
+    ("test_mxfp8_training_on_mx_tensor_cores", "torchao MXFP8 training with MX matmuls (sm_100+)"),
+)
+
+
+def coverage(steps: list[dict]) -> list[dict]:
+    """Each COVERAGE claim with what this run did for it: passed / failed / skipped (with the reason) / not run."""
+    tests = [t for s in steps for t in s.get("tests", [])]
+    out = []
+    for fragment, claim in COVERAGE:
+        mine = [t for t in tests if fragment in t["name"]]
+        outcomes = {t["outcome"] for t in mine}
+        state = ("not run" if not mine else "failed" if outcomes & {"failed", "error"} else
+                 "passed" if outcomes == {"passed"} else "skipped" if outcomes == {"skipped"} else "partly skipped")
+        why = next((t["message"] for t in mine if t["outcome"] == "skipped"), "")
+        out.append({"claim": claim, "state": state, "tests": len(mine), "reason": why})
+    return out
 
 
 def bench_targets(source: Path = ROOT / "ampcourse" / "bench.py") -> dict[str, float]:
@@ -753,7 +776,7 @@ def build_report(evidence: Path, targets: dict[str, float] | None = None) -> dic
             "budget_seconds": run.get("budget_seconds", BUDGET_S), "seconds": elapsed, "not_run": not_run,
             "smoke": {k: v for k, v in smoke_data.items() if k != "machine"},
             "steps": [r.to_json() for r in results], "bench": bench, "goals": the_goals,
-            "ampcourse_bench": ampbench}
+            "coverage": coverage([r.to_json() for r in results]), "ampcourse_bench": ampbench}
 
 
 def _smoke_lines(smoke_data: dict) -> list[str]:
@@ -805,6 +828,10 @@ def markdown(report: dict) -> str:
         for t in s["tests"]:
             note = f" ({t['message']})" if t["message"] else ""
             lines.append(f"| `{t['name']}` | {t['outcome']}{note} | {t['seconds']} |")
+    if report.get("coverage"):
+        lines += ["", "## What the GPU paths ran", "", "| claim | this run |", "|---|---|"]
+        lines += [f"| {c['claim']} | {c['state']}" + (f": {c['reason']}" if c["reason"] else "") + " |"
+                  for c in report["coverage"]]
     if report.get("goals"):
         lines += ["", "## Goals (benchmarks/README.md)", "", "| figure | measured | goal | met |", "|---|---|---|---|"]
         for g in report["goals"]:
