@@ -340,9 +340,10 @@ def test_step_budgets_come_from_measured_times_and_each_limit_sits_below_its_ste
     for s in steps:
         if s.name.startswith("notebook "):
             cpu = measured[Path(s.argv[-1]).name[:2]]
-            assert s.budget_s == round(gpu_test.NOTEBOOK_START_S + gpu_test.NOTEBOOK_FACTOR * cpu)
+            assert s.budget_s == max(gpu_test.NOTEBOOK_MIN_S, round(gpu_test.NOTEBOOK_START_S + gpu_test.NOTEBOOK_FACTOR * cpu))
             (limit,) = [int(a.split("=")[1]) for a in s.argv if a.startswith("--nbval-cell-timeout=")]
-            assert 5 <= limit < s.budget_s - gpu_test.CUT_GRACE_S / 2, (s.name, limit, s.budget_s)
+            # room for a first cell that imports torch and starts CUDA; below the cut (SIGINT a grace before the end)
+            assert 15 <= limit < s.budget_s - gpu_test.CUT_GRACE_S, (s.name, limit, s.budget_s)
     gpu = steps[1]
     assert f"--timeout={gpu_test.GPU_TEST_TIMEOUT_S}" in gpu.argv
     assert gpu_test.GPU_TEST_TIMEOUT_S < gpu.budget_s - gpu_test.CUT_GRACE_S

@@ -101,6 +101,9 @@ NOTEBOOK_CPU_S = {"00": 3.3, "01": 5.5, "02": 12.4, "03": 4.2, "04": 7.1, "05": 
                   "08": 7.0, "09": 6.9, "10": 27.7}
 NOTEBOOK_START_S = 10.0
 NOTEBOOK_FACTOR = 1.5
+#: No chapter gets less: its first cell imports torch and starts CUDA, and nbval's cell timeout must leave room
+#: for that below the step's budget.
+NOTEBOOK_MIN_S = 30.0
 NOTEBOOK_UNMEASURED_S = 45.0
 #: The benchmarks (the payoff) come last and get what is left, but never less than this: each earlier step's budget
 #: is cut to leave it (ampcourse.bench --quick on CUDA: the large transformer, a few repeats).
@@ -113,7 +116,8 @@ CHECKERS_RAISE_ENV = "AMPCOURSE_CHECKERS_RAISE"
 #: Skips that say the hardware lacks a feature: listed in the report, never a failure.
 #: Steps that run pytest (name prefixes): one that collected nothing failed. ("notebooks" is the old plan's name.)
 PYTEST_STEPS = ("gpu tests", "notebook")
-CAPABILITY_SKIP = re.compile(r"compute capability|sm_\d\d|tensor cores|needs (an? )?(Ampere|Hopper|Ada|GPUs?)", re.I)
+CAPABILITY_SKIP = re.compile(r"compute capability|sm_\d\d|tensor cores|needs (an? |\d+ )?(Ampere|Hopper|Ada|Blackwell|GPUs?)",
+                             re.I)
 
 
 @dataclass
@@ -252,11 +256,12 @@ def ordered_notebooks() -> list[str]:
 def notebook_budget(nb: str) -> float:
     """A chapter's step budget: NOTEBOOK_START_S plus NOTEBOOK_FACTOR times its measured CPU time (NOTEBOOK_CPU_S).
 
-    A chapter without a measured time gets NOTEBOOK_UNMEASURED_S (and tests/test_gpu_tool.py asks for a figure)."""
+    At least NOTEBOOK_MIN_S; a chapter without a measured time gets NOTEBOOK_UNMEASURED_S (and tests/test_gpu_tool.py
+    asks for a figure)."""
     measured = NOTEBOOK_CPU_S.get(Path(nb).name[:2])
     if measured is None:
         return NOTEBOOK_UNMEASURED_S
-    return round(NOTEBOOK_START_S + NOTEBOOK_FACTOR * measured)
+    return max(NOTEBOOK_MIN_S, round(NOTEBOOK_START_S + NOTEBOOK_FACTOR * measured))
 
 
 def notebook_step(nb: str, out: Path, python: str | None = None) -> Step:
@@ -272,7 +277,7 @@ def notebook_step(nb: str, out: Path, python: str | None = None) -> Step:
 def cell_timeout(budget_s: float) -> int:
     """nbval's per-cell limit for a step of budget_s: below it, so a hung cell fails as a test (recorded in the JUnit
     file) before the step is cut, and at most CELL_TIMEOUT_S."""
-    return int(max(5, min(CELL_TIMEOUT_S, budget_s - CUT_GRACE_S - NOTEBOOK_START_S / 2)))
+    return int(max(5, min(CELL_TIMEOUT_S, budget_s - CUT_GRACE_S - 2)))
 
 
 def gpu_tests_step(out: Path, python: str | None = None, targets: tuple[str, ...] = ("tests/gpu",),
