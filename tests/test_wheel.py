@@ -112,3 +112,12 @@ def test_a_checkout_reads_its_own_files(monkeypatch):
     assert shipped.path("examples/ddp_amp.py") == ROOT / "examples" / "ddp_amp.py"
     with pytest.raises(ValueError, match="one of examples/ddp_amp.py"):
         shipped.path("setup.py")
+
+
+def test_an_sdist_carries_what_the_wheel_ships():
+    """A wheel built from an sdist (python -m build) would miss the files unless MANIFEST.in includes each one."""
+    from ampcourse import shipped
+
+    included = {line.split()[1] for line in (ROOT / "MANIFEST.in").read_text().splitlines()
+                if line.startswith("include ")}
+    assert included == set(shipped.SHIPPED)

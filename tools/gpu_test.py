@@ -20,7 +20,9 @@ ends, so a run cut short still leaves the steps before the cut):
 session carries `.whl` along and brings back only a few files from $OUT, hence one archive, refreshed after every
 step, with report.json and report.md beside it.) A second try for what failed, within the same device time: the
 same command with `--only` and what to rerun, e.g. `--only chapters/04_amp_training_loop.ipynb` or
-`--only tests/gpu/test_cuda_doctor.py` (the smoke step always comes first: 10 s of machine facts).
+`--only tests/gpu/test_cuda_doctor.py` (the smoke step always comes first: 10 s of machine facts), and its own
+folder and archive (`--out /tmp/gpu-evidence-2 --archive $OUT/gpu-evidence-2.tar.gz`): its report covers what it
+reran, the first run's report the rest.
 Afterwards, on a CPU, with that archive fetched:
 
     python tools/gpu_test.py --report-from gpu-evidence.tar.gz --out benchmarks/gpu   # evidence + report
