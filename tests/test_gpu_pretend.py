@@ -249,8 +249,8 @@ def test_chapter_4_holds_its_claims_with_its_gpu_branches_taken_on_a_cpu(tmp_pat
 
 
 def test_the_gpu_branch_runner_takes_the_branches_it_says(tmp_path):
-    """gpu_branch_script reads each GPU condition as True, leaves a timing-only cell alone; the old chapter 4 (its
-    size chosen by device) fails under it as it would have on the first GPU, the assert naming the cell's claim."""
+    """gpu_branch_script reads each GPU condition as True (the old chapter 4's size line becomes the GPU's size, which
+    failed cells 30 and 32 when run so on a CPU) and leaves a timing-only cell alone."""
     nb = {"cells": [
         {"cell_type": "code", "source": ['SIZE = "small" if amp.device_type == "cuda" else "tiny"\n']},
         {"cell_type": "code", "source": ['on_gpu = amp.device_type == "cuda"\n', "t = Timer('x')\n"]},
