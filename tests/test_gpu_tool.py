@@ -666,3 +666,12 @@ def test_the_report_says_what_each_gpu_path_ran():
               "seconds": 1, "steps": [], "coverage": gpu_test.coverage([{"tests": tests}])}
     md = gpu_test.markdown(report)
     assert "## What the GPU paths ran" in md and "| skipped: needs 2 GPUs for 2 NCCL ranks (this machine: 1) |" in md
+
+
+def test_the_gpu_tests_run_quick_and_uncovered_first_and_every_file_is_listed():
+    """A cut gpu tests step keeps what ran before it: the long doctor cost test comes last, and no file is left out."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests/gpu").glob("test_*.py"))
+    assert sorted(gpu_test.GPU_TEST_FILES) == files
+    assert gpu_test.GPU_TEST_FILES[-1] == "tests/gpu/test_cuda_doctor.py"
+    step = gpu_test.plan(Path("/tmp/x"))[1]
+    assert step.name == "gpu tests" and step.argv[-len(files):] == list(gpu_test.GPU_TEST_FILES)

@@ -35,7 +35,8 @@ started (notebook kernels, torchrun workers in their own sessions included), and
   1. smoke (30 s; about 10 s on an idle machine): versions, GPU and compute capability, TF32 defaults, what an
      fp32 -> fp8 cast does on CPU and GPU, fused vs foreach AdamW (the same steps: equal?), imports of nbval and
      torchao -> smoke.json;
-  2. gpu tests (140 s; each test at most GPU_TEST_TIMEOUT_S): tests/gpu (marker `gpu`): speedup, matmul fraction
+  2. gpu tests (140 s; each test at most GPU_TEST_TIMEOUT_S, or its own timeout mark: the doctor's cost test,
+     100 s): tests/gpu (marker `gpu`): speedup, matmul fraction
      of peak, trainer overhead, host syncs per step, `ampcourse.train --strategy ddp|fsdp` under torchrun on NCCL
      with one process (and with two where 2 GPUs exist), CUDA autocast and GradScaler, the doctor on CUDA, torchao
      float8 training (sm_89+), MXFP8 (emulated kernel on CUDA tensors where this torchao runs it; MX kernels on
@@ -282,11 +283,17 @@ def cell_timeout(budget_s: float) -> int:
     return int(max(5, min(CELL_TIMEOUT_S, budget_s - CUT_GRACE_S - 2)))
 
 
-def gpu_tests_step(out: Path, python: str | None = None, targets: tuple[str, ...] = ("tests/gpu",),
+#: tests/gpu's files in the order they run: the quick ones and the paths nothing else covers first, the long doctor
+#: cost test (its own 100 s limit) last, so a step cut at its budget loses the least (every file must be listed).
+GPU_TEST_FILES = ("tests/gpu/test_cuda_amp.py", "tests/gpu/test_cuda_scaling.py", "tests/gpu/test_cuda_lowbit.py",
+                  "tests/gpu/test_cuda_bench.py", "tests/gpu/test_cuda_doctor.py")
+
+
+def gpu_tests_step(out: Path, python: str | None = None, targets: tuple[str, ...] = GPU_TEST_FILES,
                    timeouts: bool = True) -> Step:
     """tests/gpu (or some of its files or test ids) in one pytest run, each test limited to GPU_TEST_TIMEOUT_S
     (timeouts: whether the step's Python has pytest-timeout; without it a hung test is stopped by the step's cut)."""
-    name = "gpu tests" if targets == ("tests/gpu",) else "gpu tests (" + ", ".join(targets) + ")"
+    name = "gpu tests" if targets == GPU_TEST_FILES else "gpu tests (" + ", ".join(targets) + ")"
     limit = (f"--timeout={GPU_TEST_TIMEOUT_S}",) if timeouts else ()
     return Step(name, pytest_argv("-m", "gpu", *limit, *targets, junit=out / "gpu-tests.xml",
                                   python=python), GPU_TESTS_BUDGET_S, "gpu-tests.xml",
