@@ -96,7 +96,8 @@ GPU_TESTS_BUDGET_S = 140
 #: its step's budget, and the tests after it still run. The slowest (the doctor's cost, two torchrun runs) fit in it.
 GPU_TEST_TIMEOUT_S = 60
 #: Strict nbval seconds of each chapter on the 2-core CPU machine, one torch thread, idle (benchmarks/README.md,
-#: "Notebook suite wall time", 2026-11-30; 10 measured 2026-12-02 alone, 04 and 07 re-measured 2026-12-02). On the
+#: "Notebook suite wall time", 2026-11-30; 10 measured 2026-12-02 alone at load ~1.5. The same day at load ~9, 4 took
+#: 40 s and 7 took 190 s: these are idle figures, as the GPU machine is idle). On the
 #: GPU machine (16 cores, idle) the CPU side runs no slower; each chapter also starts pytest, a kernel, torch and CUDA
 #: (NOTEBOOK_START_S). Budget: NOTEBOOK_START_S + NOTEBOOK_FACTOR x the CPU time (chapter 4 and 10 run larger sizes on
 #: CUDA, the GPU itself runs them faster than the CPU their small ones).
