@@ -69,8 +69,9 @@ student: setup  ## learner copies in workspace/ (solutions stubbed, outputs clea
 
 # GPU_PYTHON=python3: use a Python that already has torch (CUDA) instead of building .venv; GPU_WHEELS=.whl: first
 # install those wheels (tools/gpu_wheels.sh) into GPU_SITE and put it on PYTHONPATH: for GPU machines without
-# network. The one prepared command of a device session (tools/gpu_test.py's docstring; under 8 minutes):
-#   make gpu-test GPU_PYTHON=python3 GPU_WHEELS=.whl GPU_TEST_ARGS="--require-cuda --out /tmp/gpu-evidence --archive $OUT/gpu-evidence.tar.gz"
+# network. A wrapper: the device session's prepared command needs no make (tools/gpu_test.py's docstring):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+#   PYTHONPATH=/tmp/site python3 tools/gpu_test.py --require-cuda --out /tmp/gpu-evidence --archive $OUT/gpu-evidence.tar.gz
 GPU_PYTHON ?=
 GPU_WHEELS ?=
 GPU_SITE   ?= /tmp/ampcourse-gpu-site

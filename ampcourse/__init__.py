@@ -24,6 +24,7 @@ Modules, one idea each:
     trial      fp32 and AMP side by side over N steps: drift per layer, logit growth, first departure (python -m ampcourse.trial)
     inputs     the front door: one reader of a model, data (DataLoaders too), precisions; InputError; the preflight
     plan       what AMP buys on a GPU, predicted on a CPU: a step counted on meta tensors, a roofline per GPU (python -m ampcourse.plan)
+    shipped    files beside the package in a checkout (examples/ddp_amp.py, the GPU report), found in a wheel too
 Private helpers: _args (one rule for arguments and CLI errors), _scaler (GradScaler's settings: one owner).
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
@@ -38,7 +39,7 @@ _SUBMODULES = {
     "device", "formats", "scaling", "models", "train", "checkpoint", "distributed",
     "bench", "plots", "widgets", "exercises", "autocast_ops", "memory", "course", "policy",
     "fp8", "optim", "reduce_sim",
-    "doctor", "trial", "inputs", "emulate", "plan",
+    "doctor", "trial", "inputs", "emulate", "plan", "shipped",
 }
 
 

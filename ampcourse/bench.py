@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from . import _args, memory, models
+from . import _args, memory, models, shipped
 from .device import AmpSetup, cpu_flags, native_bf16, pick
 
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
@@ -653,9 +653,21 @@ GPU_REPORT = Path("benchmarks") / "gpu" / "report.json"
 
 
 def load_gpu_report(path: str | Path | None = None) -> dict | None:
-    """The recorded `make gpu-test` report (default: the repository's benchmarks/gpu/report.json), or None."""
+    """The recorded `make gpu-test` report, or None when none was recorded.
+
+    Args:
+        path: a report.json; None: the repository's benchmarks/gpu/report.json, from the checkout this package runs
+            from or, for an installed wheel (Colab's `pip install "git+..."`), the copy built into it
+            (ampcourse.shipped).
+
+    Example::
+
+        >>> report = load_gpu_report()  # None until `make gpu-test` has recorded one
+    """
     if path is None:
-        path = Path(__file__).resolve().parents[1] / GPU_REPORT  # the checkout this package was installed from
+        path = shipped.path(GPU_REPORT.as_posix())
+        if path is None:
+            return None
     if isinstance(path, bool) or not isinstance(path, (str, Path)):
         raise ValueError(f"path must be a file path (str or pathlib.Path) or None, got {_args.shown(path)}")
     path = Path(path)

@@ -59,7 +59,7 @@ from .device import AmpSetup
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
            "worker_device", "shared_store_warning", "init", "teardown", "exit_worker", "single_process_group", "wrap_model",
            "mixed_precision_policy", "fsdp_problem", "ShardedCheckpointer", "gather", "local_state_bytes",
-           "memory_per_gpu", "torchrun_command", "as_shell", "launch", "launch_env", "LaunchResult", "LaunchTimeout",
+           "memory_per_gpu", "torchrun_command", "as_shell", "launch", "launch_env", "LaunchResult", "LaunchTimeout", "LaunchInterrupted",
            "render_slurm", "free_port"]
 
 #: The environment variable that makes every torchrun restart round use a fresh TCPStore.
@@ -459,6 +459,23 @@ class LaunchTimeout(TimeoutError):
     """torchrun did not finish in time; its whole process group was killed."""
 
 
+class LaunchInterrupted(KeyboardInterrupt):
+    """A launch stopped by Ctrl-C or a notebook's stop button; torchrun and every worker were stopped.
+
+    Still a KeyboardInterrupt (a stop stays a stop). A Jupyter kernel shows it as one line instead of a traceback
+    through the checker, run_on_ranks and launch (21 lines in chapter 7): IPython calls an exception's
+    `_render_traceback_` for the lines it prints.
+
+    Example::
+
+        >>> LaunchInterrupted("torchrun was interrupted")._render_traceback_()
+        ['KeyboardInterrupt: torchrun was interrupted']
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
+
+
 def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for torchrun: ours, plus the restart fix and one OpenMP thread per worker."""
     env = dict(os.environ)
@@ -505,7 +522,7 @@ def launch(args: Sequence[str] = (), *, timeout: float = 120.0, cwd: str | os.Pa
                                         f"--- stdout (tail) ---\n{out[-2000:]}\n--- stderr (tail) ---\n{err[-2000:]}")
         except KeyboardInterrupt:
             _kill_group(proc)  # an interrupted notebook cell must not leave workers behind
-            raise KeyboardInterrupt("torchrun was interrupted; it and its workers were stopped") from None
+            raise LaunchInterrupted("torchrun was interrupted; it and its workers were stopped") from None
         except BaseException:
             _kill_group(proc)
             raise
@@ -573,12 +590,13 @@ class _LaunchStatus:
     """A one-line live status of a launch in a Jupyter output (a display that is updated in place).
 
     The line shown at the start and left at the end is the same, so a stored notebook's output does not
-    depend on timing (nbval compares the first display; nbclient stores the last).
+    depend on timing (nbval compares the first display; nbclient stores the last); so it says only what is true
+    before, while and after the job runs (a "live status here" note stayed in every stored output).
     """
 
     def __init__(self, nproc: int, enabled: bool | None):
         self.handle = None
-        self.resting = f"torchrun: {nproc} worker process{'es' if nproc != 1 else ''} (live status here while it runs)"
+        self.resting = f"torchrun: {nproc} worker process{'es' if nproc != 1 else ''}"
         ipython = sys.modules.get("IPython")
         shell = ipython.get_ipython() if ipython is not None else None
         if enabled is False or (enabled is None and getattr(shell, "kernel", None) is None):

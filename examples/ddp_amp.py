@@ -67,6 +67,10 @@ if args.device == "cuda" and not torch.cuda.is_available():
     fail("--device cuda, but this torch sees no CUDA GPU; use --device cpu or auto")
 if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
     fail(f"--out {args.out!r} is a folder or its folder does not exist; pass a file path such as weights.pt")
+# The save below writes a temp file and renames it over --out: over a device (/dev/null), a pipe or a socket that
+# would put a regular file where the node was (as root, /dev/null itself); refused here. A link is followed.
+if args.out and os.path.exists(args.out) and not os.path.isfile(args.out):
+    fail(f"--out {args.out!r} exists and is not a regular file (a device, a pipe); pass a file path such as weights.pt")
 device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else "cpu")
 if ddp:
@@ -148,10 +152,11 @@ for step in range(args.steps):
 if rank == 0 and args.out:
     # the module's keys, without DDP's "module." prefix; written to a temp file and renamed over --out, so an
     # interrupted save (Ctrl-C, a full disk) never leaves a truncated file where a good one was
-    tmp = f"{args.out}.tmp{os.getpid()}"
+    out = os.path.realpath(args.out)  # through a link to its file: the link stays
+    tmp = f"{out}.tmp{os.getpid()}"
     try:
         torch.save(model.state_dict(), tmp)
-        os.replace(tmp, args.out)
+        os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

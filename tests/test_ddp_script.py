@@ -2,6 +2,7 @@
 `python -m ampcourse.train` on the same config (final weights within the project's DDP tolerance, 4 ulps)."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,7 @@ def test_ddp_fp16_under_torchrun_matches_ampcourse_train(tmp_path):
     (["--samples", "10"], "--global-batch-size 64 is larger than --samples 10"),  # ZeroDivisionError
     (["--lr", "nan"], "--lr must be a finite number > 0"),  # torch.optim's ValueError traceback
     (["--out", "."], "--out '.' is a folder"),  # RuntimeError from torch.save AFTER the whole run
+    (["--out", "/dev/null"], "--out '/dev/null' exists and is not a regular file"),  # as root: /dev/null replaced
 ])
 def test_bad_arguments_are_one_line_before_any_work(argv, says, tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), "--steps", "2", "--precision", "fp32", *argv],
@@ -76,3 +78,22 @@ def test_out_is_replaced_whole_and_no_temp_file_is_left(tmp_path):
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.pt"]
     assert "net.0.weight" in torch.load(tmp_path / "w.pt", weights_only=True)
+
+
+def test_out_through_a_link_writes_its_file_and_keeps_the_link(tmp_path):
+    (tmp_path / "real.pt").write_bytes(b"old")
+    (tmp_path / "link.pt").symlink_to(tmp_path / "real.pt")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--steps", "1", "--precision", "fp32", "--out", "link.pt"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "link.pt").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link.pt", "real.pt"]
+    assert "net.0.weight" in torch.load(tmp_path / "real.pt", weights_only=True)
+
+
+def test_a_pipe_as_out_is_refused_before_any_work(tmp_path):
+    """Issue 30 item 8: a temp file renamed over a node that is not a regular file would replace it."""
+    os.mkfifo(tmp_path / "fifo")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--steps", "1", "--precision", "fp32", "--out", "fifo"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "is not a regular file" in run.stderr and run.stdout == ""
+    assert (tmp_path / "fifo").is_fifo()

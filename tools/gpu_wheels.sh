@@ -7,27 +7,33 @@
 # x86-64.
 #
 #   tools/gpu_wheels.sh .whl                         # here, with network: ~40 wheels, ~15 MB
-#   GPU_WHEELS_TORCH=2.13 tools/gpu_wheels.sh .whl   # for an image with another torch (see TORCHAO_FOR below)
-#   # there, in the repository root (the .whl folder carried along):
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-#   make gpu-test GPU_PYTHON=python3 GPU_TEST_ARGS="--require-cuda --out $OUT"
+#   GPU_WHEELS_TORCH=2.13 tools/gpu_wheels.sh .whl   # for an image with another torch (pyproject's table, below)
+#   # there, in the repository root (the .whl folder carried along; no make needed):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   PYTHONPATH=/tmp/site python3 tools/gpu_test.py --require-cuda --out /tmp/gpu-evidence --archive $OUT/gpu-evidence.tar.gz
 # The smoke step of `make gpu-test` (its first 30 s) imports torchao (and nbval, ipykernel, ipywidgets) in a
 # child process and records the version or the error in smoke.json before any notebook needs it.
 set -euo pipefail
 out="${1:?usage: tools/gpu_wheels.sh DIR}"
 pyver="${GPU_WHEELS_PYTHON:-3.12}"
 torch_minor="${GPU_WHEELS_TORCH:-2.11}"
-# torchao release per torch minor (torchao/__init__.py says which torch a release was built against):
-# 0.17.0 is the torch 2.11 build (0.18.0 asserts a newer torch in its MXFP8 training); 0.18.0 the torch 2.13 one.
-declare -A TORCHAO_FOR=([2.11]=0.17.0 [2.13]=0.18.0)
-torchao="${TORCHAO_FOR[$torch_minor]:-}"
+cd "$(dirname "$0")/.."
+# The torchao release for the image's torch: pyproject.toml's [tool.ampcourse] torchao-for-torch, the one home of
+# that table (tools/torch_leg.sh reads it too), looked up by the torch minor (2.11 -> the "2.11.x" entry).
+torchao="$(python3 -c '
+import sys, tomllib
+table = tomllib.load(open("pyproject.toml", "rb"))["tool"]["ampcourse"]["torchao-for-torch"]
+minor = sys.argv[1]
+found = [ao for torch, ao in table.items() if torch == minor or torch.startswith(minor + ".")]
+print(found[0] if found else "")
+' "$torch_minor")"
 if [[ -z "$torchao" ]]; then
-    echo "gpu_wheels.sh: no torchao pin for torch $torch_minor; add one to TORCHAO_FOR after checking which torch" \
-         "that torchao release was built against" >&2
+    echo "gpu_wheels.sh: no torchao pin for torch $torch_minor in pyproject.toml's [tool.ampcourse] torchao-for-torch;" \
+         "add one after checking which torch that torchao release was built against" >&2
     exit 2
 fi
-cd "$(dirname "$0")/.."
-names=(nbval nbformat nbclient fastjsonschema jsonschema jsonschema-specifications referencing rpds-py
+# pytest-timeout: tools/gpu_test.py limits each GPU test with --timeout (the image has pytest, not the plugin)
+names=(pytest-timeout nbval nbformat nbclient fastjsonschema jsonschema jsonschema-specifications referencing rpds-py
        ipykernel ipython ipython_pygments_lexers jupyter_client jupyter_core traitlets pyzmq tornado comm debugpy
        matplotlib-inline nest-asyncio2 platformdirs jedi parso pexpect ptyprocess prompt_toolkit wcwidth
        stack-data asttokens executing pure_eval ipywidgets widgetsnbextension jupyterlab_widgets)

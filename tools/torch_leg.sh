@@ -102,11 +102,14 @@ for m in mods:
 print(f"torch {torch.__version__}, torchao {torchao.__version__}: {len(mods)} ampcourse modules import from {ampcourse.__path__[0]}")
 '
 # Not torch-dependent, or re-running chapters that the lax nbval step runs: test_environments (files only),
-# test_browser, test_student (learner copies), test_make_lab; and the slow marker (multi-process runs).
+# test_gpu_tool (tools/gpu_test.py is stdlib-only; its torch-side tests live in test_gpu_pretend, which a leg runs:
+# ~100 s per leg under load, telling nothing about torch), test_browser, test_student (learner copies),
+# test_make_lab; and the slow marker (multi-process runs, the wheel build). Only what a leg can tell that
+# `make test` cannot: what depends on the torch version.
 step "unit tests (torch-dependent; not slow, browser, learner-copy, make-lab)" \
     "$PY" -m pytest tests -p no:cacheprovider -q -m "not slow and not gpu" \
     --ignore tests/test_browser.py --ignore tests/test_student.py --ignore tests/test_make_lab.py \
-    --ignore tests/test_environments.py --ignore tests/gpu
+    --ignore tests/test_environments.py --ignore tests/test_gpu_tool.py --ignore tests/gpu
 # AMPCOURSE_CHECKERS_RAISE=1: a checker that rejects a chapter's own solution fails its cell (lax mode compares no
 # outputs, and in a kernel a checker only prints its verdict)
 step "every chapter, nbval lax" env AMPCOURSE_CHECKERS_RAISE=1 \

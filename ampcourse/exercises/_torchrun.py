@@ -68,13 +68,28 @@ def learner_source(title: str, fn: Callable) -> str:
     return source
 
 
+#: Ranks a checker starts by default: two are enough to show a collective's effect ("inf on the last rank", "kill
+#: the last rank", "ranks identical"), and on an 8-GPU node one rank per GPU meant 8 processes importing torch and
+#: starting NCCL within the checker's 120 s limit, twice for 7.6's restart. More only when asked (nproc=).
+CHECKER_NPROC = 2
+
+
 def default_nproc(device: str | None) -> tuple[int, str]:
-    """(processes, device): one rank per GPU on a node with two or more GPUs (NCCL), else 2 CPU ranks over gloo.
+    """(processes, device): CHECKER_NPROC NCCL ranks, one per GPU, on a node with two or more GPUs; else 2 CPU ranks
+    over gloo.
 
     The exercises judge what happens *between* ranks ("inf on the last rank", "kill the last rank", "ranks
     identical"): on one rank those test nothing and wrong solutions pass. So below two GPUs (an H200 box,
     Colab) the checkers use two gloo ranks on the CPU, as chapter 7 says, and an explicit device='cuda'
-    there is refused.
+    there is refused. Above two GPUs the checkers still start two ranks (CHECKER_NPROC), not one per GPU.
+
+    Args:
+        device: 'cuda', 'cpu', or None/'auto' (CUDA where two or more GPUs exist).
+
+    Example::
+
+        >>> default_nproc("cpu")
+        (2, 'cpu')
     """
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
@@ -83,9 +98,9 @@ def default_nproc(device: str | None) -> tuple[int, str]:
         if gpus < 2:
             raise ValueError(f"device='cuda' needs two or more GPUs for two ranks, this node has {gpus}; "
                              "use device=None or 'cpu' (two gloo ranks on the CPU)")
-        return gpus, "cuda"
+        return min(gpus, CHECKER_NPROC), "cuda"
     if device == "cpu":
-        return 2, "cpu"
+        return CHECKER_NPROC, "cpu"
     raise ValueError(f"device must be 'cpu', 'cuda' or None (auto), got {device!r}")
 
 
@@ -160,6 +175,14 @@ def run_on_ranks(title: str, runner: str, solutions: Mapping[str, tuple[str, str
             if re.search(r"timed? ?out|watchdog", run.stderr, re.IGNORECASE):  # NCCL's watchdog aborts the waiting rank
                 failed(title, f"all {procs} ranks to finish", f"a hang: a collective timed out after {dist_timeout:g} s "
                        f"and torchrun stopped the job (ranks {missing} wrote no result)", _hang_hint(title))
+            finished = [r for r in range(procs) if r not in missing]
+            if finished and re.search(r"SIGABRT|Signal 6\b|exitcode\s*:\s*-6\b", run.stderr):
+                # a rank aborted (gloo or NCCL on mismatched collectives) while others finished their work: the
+                # usual cause is a collective called on some ranks only, not a crash outside the learner's code
+                failed(title, "every rank to call the same collectives",
+                       f"rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} aborted (SIGABRT) "
+                       f"while rank{'s' if len(finished) != 1 else ''} {', '.join(map(str, finished))} finished: a "
+                       "collective was called on some ranks only", _hang_hint(title))
             failed(title, f"all {procs} ranks to finish", f"torchrun exited {run.returncode}; ranks {missing} wrote "
                    f"no result. Last lines:\n{textwrap.indent(tail, '             ')}",
                    "a rank crashed outside your function (or torchrun could not restart it): read the lines above")

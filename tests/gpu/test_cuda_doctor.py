@@ -72,22 +72,80 @@ def test_inline_code_and_a_custom_backward_on_cuda(amp):
     assert r.find("nonfinite", "fp16")[0].module == "attn", r.summary()
 
 
+def sync_seconds(device, n: int = 200) -> float:
+    """Median time of one host round trip on this GPU: a tiny kernel, then `.item()` (what examine's op watch does
+    once per op, to read each output's range on the host)."""
+    import statistics
+    import time
+    x = torch.zeros(1, device=device)
+    x.add_(1).item()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        x.add_(1).item()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ops_per_step(model, x, y, loss_fn) -> int:
+    """aten ops in one fp32 forward + backward: the number of outputs examine's op watch reads per pass."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        loss = model(**x).loss if isinstance(x, dict) else loss_fn(model(x), y)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return Count.n
+
+
+@pytest.mark.timeout(100)  # its own limit (not GPU_TEST_TIMEOUT_S): four fresh processes measure the memory peaks
 def test_doctor_cost_on_cuda(amp):
-    """Record the cost figures on this GPU (benchmarks/doctor_cost.py with --device cuda)."""
+    """Record the cost figures on this GPU (benchmarks/doctor_cost.py with --device cuda), with the host round trip
+    they pay once per watched op; the goal (examine <= 10x one fp32 forward + backward) is checked only where the
+    step is compute-bound, i.e. where those round trips alone cannot spend the goal (issue 29 item 11).
+
+    On a tiny model a GPU step is launch-bound (a few ms of kernel launches), and examine reads every op's output on
+    the host: n_ops x passes x one round trip is a floor that no doctor can go below. That floor is measured and
+    recorded (doctor_cost_syncs.json), and said, not hidden in a failure."""
     import subprocess
-    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import doctor_cost
+
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / "doctor_cost.json"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "doctor_cost.py"
-    # within tests/gpu's step budget (tools/gpu_test.py): three repeats of three small models
+    models = ("transformer", "gpt2")
+    # within this test's limit (its mark, below the gpu tests step's budget): three repeats of two small models, and
+    # per model two fresh processes (torch, transformers, CUDA: ~7 s each) for the memory peaks
     run = subprocess.run([sys.executable, str(script), "--device", "cuda", "--repeats", "3",
-                          "--models", "transformer,gpt2,bert", "--out", str(out)], capture_output=True, text=True, timeout=150)
+                          "--models", ",".join(models), "--out", str(out)], capture_output=True, text=True, timeout=90)
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert data["device"].startswith("cuda") and {"transformer", "gpt2", "bert"} <= set(data["models"])
+    assert data["device"].startswith("cuda") and set(models) <= set(data["models"])
     # Issue 19 item 10: the cuBLAS workspaces (tens of MiB on Hopper) are allocated during the warm-up, before the
     # peak is reset; the tiny transformer's own step (28k parameters, batch 16) needs a few MiB at most.
     assert data["models"]["transformer"]["memory"]["step"] < 8 * 2**20, data["models"]["transformer"]["memory"]
-    for name, m in data["models"].items():  # the goal holds where a step is long enough for it to mean anything
-        if m["seconds"]["fp32 fwd+bwd"] >= 0.005:
-            assert m["ratio"] <= 10, (name, m)
+    sync = sync_seconds(amp.device)
+    passes = 2 * 2  # forward and backward, under each of fp16 and bf16
+    figures = {"sync_seconds": sync, "passes": passes, "models": {}}
+    for name in models:
+        m = data["models"][name]
+        ops = ops_per_step(*doctor_cost.setup(name, amp.device))
+        step = m["seconds"]["fp32 fwd+bwd"]
+        floor = ops * passes * sync  # what the op watch's host reads cost, whatever the doctor does
+        gated = step >= 0.005 and floor <= doctor_cost.GOAL * step / 2
+        figures["models"][name] = {"ops_per_fwd_bwd": ops, "sync_floor_seconds": floor, "fp32_step_seconds": step,
+                                   "ratio": m["ratio"], "compute_bound": gated}
+        print(f"{name}: {ops} ops per fp32 fwd+bwd, one host round trip {sync * 1e6:.0f} us: the op watch's floor "
+              f"{floor * 1e3:.1f} ms = {floor / step:.1f}x the {step * 1e3:.2f} ms step; examine {m['ratio']:.1f}x"
+              + ("" if gated else " (launch-bound: the goal is not checked here)"))
+        if gated:
+            assert m["ratio"] <= doctor_cost.GOAL, (name, m, figures["models"][name])
+    (OUT / "doctor_cost_syncs.json").write_text(json.dumps(figures, indent=2) + "\n")
