@@ -419,7 +419,9 @@ class Trial:
         gap_ax.set_ylabel("loss gap to fp32")
         axes[0].set(xlabel="step", ylabel="fp32 loss", title="loss and its gap to fp32")
         handles = [h for ax in (axes[0], gap_ax) for h in ax.get_legend_handles_labels()[0]]
-        axes[0].legend(handles=handles, fontsize=8, loc="upper right")
+        # below the axes (constrained layout makes room): inside, the gaps of every step would run under it
+        axes[0].legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+                       frameon=False)
         for run, style in ((REFERENCE, dict(lw=2.5, alpha=0.5)), (p, dict(lw=1.0, ls="--"))):
             for i, (layer, values) in enumerate({**self.layer_series(run, "attention_logit_max"),
                                                  **self.layer_series(run, "output_logit_max")}.items()):
