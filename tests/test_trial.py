@@ -372,3 +372,10 @@ def test_progress_bar_on_request(capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(ValueError, match="progress must be True or False"):
         trial("mlp", steps=1, progress="yes")
+
+
+def test_cli_shows_progress_unless_told_not_to(capsys):
+    assert main(["--model", "mlp", "--steps", "2"]) == 0
+    assert "4/4" in capsys.readouterr().err  # the reference's 2 steps and bf16's
+    assert main(["--model", "mlp", "--steps", "2", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
