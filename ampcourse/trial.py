@@ -641,18 +641,6 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
     return run
 
 
-def _updated(optimizer: torch.optim.Optimizer, called: bool, skipped: bool) -> bool:
-    """Whether this step's optimizer.step() updated the weights.
-
-    GradScaler skips a plain optimizer's step() on a found inf: no call. An optimizer that handles the scaling
-    itself (``_step_supports_amp_scaling``: fused Adam/AdamW/SGD) is always called, with the scaler's
-    ``found_inf``, and its kernel leaves the weights alone (torch.amp.GradScaler.step): a call, no update.
-    The scaler's record (its scale went down) says which.
-    """
-    if not called:
-        return False
-    return not (skipped and getattr(optimizer, "_step_supports_amp_scaling", False))
-
 
 def _check_precisions(precisions) -> tuple[str, ...]:
     """Precision names, each once, from PRECISIONS, read as train() reads them ('FP16 ', 'bfloat16', torch.float16).
@@ -702,13 +690,13 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
         scaler_kwargs: GradScaler settings for fp16 runs (init_scale, growth_factor, backoff_factor,
             growth_interval), checked as ``ampcourse.train`` checks them; its defaults otherwise.
         grad_clip: clip the true (unscaled) gradient norm, as in ``ampcourse.train``.
+        progress: show a ``tqdm.auto`` progress bar (a widget in Jupyter) over every run's steps, as ``train`` does.
         chunk: how many steps one run takes before the next run takes the same steps (the fp32 reference first;
             drift compares each step with the reference's weights after that step, kept as one fp32 copy per
             step of a chunk). 1 is strict lockstep; None (default): as many steps as fit in
             ``CHUNK_BYTES`` (64 MiB) of those copies, at least 1. Every value gives the same series bit for bit
             on a CPU (each run has its own random stream); longer chunks save the cost of switching models at
             every step (cache locality on a CPU: measured 2-10% of a tiny model's training, benchmarks/README.md).
-        progress: show a ``tqdm.auto`` progress bar (a widget in Jupyter) over every run's steps, as ``train`` does.
 
     Returns:
         a :class:`Trial`. Raises ValueError (one line that says what to pass) on bad input, before any step.
@@ -877,6 +865,19 @@ def _ratio(num: float, den: float) -> float:
     if den == 0:
         return 0.0 if num == 0 else math.inf
     return num / den
+
+
+def _updated(optimizer: torch.optim.Optimizer, called: bool, skipped: bool) -> bool:
+    """Whether this step's optimizer.step() updated the weights.
+
+    GradScaler skips a plain optimizer's step() on a found inf: no call. An optimizer that handles the scaling
+    itself (``_step_supports_amp_scaling``: fused Adam/AdamW/SGD) is always called, with the scaler's
+    ``found_inf``, and its kernel leaves the weights alone (torch.amp.GradScaler.step): a call, no update.
+    The scaler's record (its scale went down) says which.
+    """
+    if not called:
+        return False
+    return not (skipped and getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def unit_roundoff(precision: str) -> float:
