@@ -5,12 +5,13 @@ batches once in fp32 (the reference) and once in each precision asked for, in lo
 reference first: see ``chunk``), and records per step:
 
 - the loss and its gap to fp32, the gradient-norm ratio, the loss scale and skipped steps (fp16 runs use a real
-  ``torch.amp.GradScaler`` with the settings ``ampcourse.train`` uses), and the optimizer's own step counter
-  (a step the scaler skipped never reaches ``optimizer.step()``: the two counts differ by the skips);
+  ``torch.amp.GradScaler`` with the settings ``ampcourse.train`` uses), and how many optimizer steps updated the
+  weights (``optimizer.step()`` calls, less those a fused optimizer's kernel skipped on the scaler's found-inf);
 - per layer (a module that owns parameters): the relative parameter drift from the fp32 run and the
   update-to-weight ratio of the step;
 - through monitors (forward hooks; add your own): the largest pre-softmax attention logit per block, the largest
-  output logit, and the largest activation per block.
+  output logit, and the largest activation per block; and ``recompute_gap``, how far a module recomputed during
+  backward (activation checkpointing) strayed from what its forward recorded.
 
 It reports the first step where a precision departs from fp32 by more than ``tolerance`` (relative) and the layer
 that departs first. Only Python floats are kept (series, not tensors), so memory grows with steps x layers, not
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
+from tqdm.auto import tqdm
 
 from . import _args, _scaler, formats, models
 from . import inputs as _inputs
@@ -60,6 +62,8 @@ from .device import AmpSetup, parse_precision, pick
 __all__ = ["Monitor", "Departure", "Trial", "trial", "attention_logit_max", "output_logit_max", "activation_max",
            "default_monitors", "unit_roundoff", "REFERENCE", "PRECISIONS", "CHUNK_BYTES", "main"]
 
+#: Trial.plot names this many layers (those that drift most); the others are drawn grey, as one legend entry.
+DRIFT_LINES = 5
 #: The key of the fp32 reference run in Trial.series.
 REFERENCE = "reference"
 #: Precision names a trial compares against the fp32 reference.
@@ -84,14 +88,16 @@ class Monitor:
         name: the series name (``"attention_logit_max"``); its values are ``Trial.series[run][f"{name}/{layer}"]``.
         where: ``where(model)`` returns ``[(layer label, module to hook, measure), ...]``; the measure runs in a
             forward hook of that module, gets ``(module, inputs, output.detach())`` and returns a 0-d tensor.
-            When a module runs more than once in a step (activation checkpointing recomputes it), the step keeps
-            the largest value.
-        softmax_input: the values feed a softmax (attention scores, output logits). Softmax is shift-invariant, so
-            what matters is the *absolute* error of its inputs: rounding a logit of size L to a format with unit
-            roundoff u (2**-8 for bf16, 2**-11 for fp16) moves it by up to L*u, which changes the probabilities by
-            a factor up to exp(L*u). Such a monitor departs when L*u passes the tolerance (bf16 at L > 25.6 for
-            tolerance 0.1), not when its relative gap to fp32 does: logits that grow are caught before the loss
-            shows it. Other monitors depart on their relative gap to the fp32 run.
+            When a module runs more than once in a step's forward pass (a shared module), the step keeps the
+            largest value; calls during backward (activation checkpointing recomputing it) are not recorded here
+            but compared with it: see ``Trial`` (``recompute_gap``).
+        by_magnitude: judge the run's own values by their size, not by their gap to fp32: the monitor departs when
+            |L| * u passes the tolerance, with L the value and u the unit roundoff of the run's format (2**-8
+            for bf16, 2**-11 for fp16; bf16 at |L| > 25.6 for tolerance 0.1). It is a threshold on a magnitude,
+            not a measured error: it says how large a rounding error *could* be, for values that feed a softmax
+            (attention scores, output logits). Softmax is shift-invariant, so what matters there is the absolute
+            error of its inputs: logits each moved by at most delta = |L| * u change a probability by a factor
+            within exp(+-2 * delta). Other monitors (the default) depart on their relative gap to the fp32 run.
 
     Example::
 
@@ -102,17 +108,19 @@ class Monitor:
 
     name: str
     where: Callable[[nn.Module], list[tuple[str, nn.Module, Measure]]]
-    softmax_input: bool = False
+    by_magnitude: bool = False
 
 
 def _scores_max(block: nn.Module) -> Measure:
     """The largest |q.k|/sqrt(d_head) from a block's fused qkv projection output (B, T, 3*D): the pre-softmax logits.
 
     A block with ``q_norm`` and ``k_norm`` modules (QK-norm) has them applied first, so the monitor reads the
-    logits softmax sees.
+    logits softmax sees. The scores are masked as the attention masks them: causally (a query sees the keys up
+    to its own position, as the reference ``Block`` does), unless the block has ``causal = False``.
     """
     heads = block.heads
     q_norm, k_norm = getattr(block, "q_norm", None), getattr(block, "k_norm", None)
+    causal = bool(getattr(block, "causal", True))
 
     def measure(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         # The hook runs inside the step's autocast region, where `@` would cast q and k back to bf16/fp16: the
@@ -130,8 +138,10 @@ def _scores_max(block: nn.Module) -> Measure:
         if q_norm is not None and k_norm is not None:
             with torch.no_grad():  # their weights require grad: without this they would build a graph
                 q, k = q_norm(q), k_norm(k)
-        # The causal mask is left out: it hides scores, it never makes the largest one larger than this.
-        return _abs_amax(q @ k.transpose(-2, -1)) / math.sqrt(d // heads)
+        scores = q @ k.transpose(-2, -1)  # (B, heads, query, key)
+        if causal:  # a future key's score never reaches softmax: unmasked, the largest |score| can be one of those
+            scores = torch.tril(scores)  # zeros above the diagonal; the diagonal itself is always seen
+        return _abs_amax(scores) / math.sqrt(d // heads)
     return measure
 
 
@@ -147,7 +157,7 @@ def _attention_blocks(model: nn.Module) -> list[tuple[str, nn.Module, Measure]]:
 
 def attention_logit_max() -> Monitor:
     """The largest pre-softmax attention logit |q.k|/sqrt(d) per block (modules with ``qkv`` and ``heads``)."""
-    return Monitor("attention_logit_max", _attention_blocks, softmax_input=True)
+    return Monitor("attention_logit_max", _attention_blocks, by_magnitude=True)
 
 
 def _abs_amax(x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +182,7 @@ def _abs_max(module: nn.Module, args: tuple, out: Any) -> torch.Tensor:
 
 def output_logit_max() -> Monitor:
     """The largest |output| of the whole model: the output (vocabulary) logits of a language model."""
-    return Monitor("output_logit_max", lambda model: [("output", model, _abs_max)], softmax_input=True)
+    return Monitor("output_logit_max", lambda model: [("output", model, _abs_max)], by_magnitude=True)
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module, Measure]]:
@@ -217,9 +227,11 @@ class _Hooks:
 
     def __init__(self, model: nn.Module, monitors: Sequence[Monitor]):
         self.labels: list[str] = []
-        self.values: dict[str, torch.Tensor] = {}
-        # made once, on the model's device: it is stacked with the other values in the step's one read-back
-        self.nan = torch.tensor(math.nan, device=next(model.parameters()).device)
+        self.values: dict[str, torch.Tensor] = {}  # this step's forward calls
+        self.reruns: dict[str, torch.Tensor] = {}  # this step's calls during backward (a recompute)
+        # made once, on the model's device: they are stacked with the other values in the step's one read-back
+        device = next(model.parameters()).device
+        self.nan, self.zero = torch.tensor(math.nan, device=device), torch.tensor(0.0, device=device)
         self.handles = []
         for monitor in monitors:
             for layer, module, measure in _where(monitor, model):
@@ -237,15 +249,26 @@ class _Hooks:
                                          "returns a 0-d tensor (one number, e.g. out.abs().amax())")
             if value.dtype != torch.float32 or value.dim():  # the built-in measures return 0-d fp32 already
                 value = value.detach().float().reshape(())
-            old = self.values.get(label)
-            self.values[label] = value if old is None else torch.maximum(old, value)
+            # Inside the autograd engine (a graph task is running) this call is a recompute for backward
+            # (torch.utils.checkpoint, a hand-written recompute): kept apart, compared with the forward's in take().
+            store = self.reruns if torch._C._current_graph_task_id() != -1 else self.values
+            old = store.get(label)
+            store[label] = value if old is None else torch.maximum(old, value)
         return hook
 
     def take(self) -> list[torch.Tensor]:
-        """This step's values in label order (nan for a layer that did not run), and a fresh start."""
+        """This step's values in label order (nan for a layer that did not run), then the recompute gap; reset.
+
+        The recompute gap is the largest |recomputed - forward| / |forward| over the labels that ran again
+        during backward (0 when none did): a faithful recompute gives exactly the forward's values, so
+        exactly 0 (on a deterministic device), whichever way a wrong one strays.
+        """
         nan = self.nan
         out = [self.values.get(label, nan) for label in self.labels]
-        self.values = {}
+        gaps = [(again - self.values[label]).abs() / self.values[label].abs().clamp_min(1e-30)
+                for label, again in self.reruns.items() if label in self.values]
+        out.append(torch.stack(gaps).amax() if gaps else self.zero)
+        self.values, self.reruns = {}, {}
         return out
 
     def remove(self) -> None:
@@ -265,11 +288,16 @@ class Departure:
     step: int  # 0-based optimizer step
     series: str  # "loss", a monitor name, or "drift"
     layer: str  # the layer label ("blocks.1", "blocks.0.qkv", "output"; "model" for the loss)
-    gap: float  # relative gap |run - fp32| / |fp32| (inf when only one is finite); for a softmax-input monitor
-    #             the rounding error of its largest value, L * u (see Monitor)
+    gap: float  # relative gap |run - fp32| / |fp32| (inf when only one is finite); for a by-magnitude monitor
+    #             |L| * u of its value: a bound on its rounding, not a measured difference (see Monitor)
     tolerance: float
+    by_magnitude: bool = False  # gap is |L| * u (Monitor.by_magnitude), not a gap to fp32
 
     def __str__(self) -> str:
+        if self.by_magnitude:
+            return (f"{self.precision} departs at step {self.step}: {self.series} of {self.layer} is large enough "
+                    f"that its rounding could reach |L|*u = {self.gap:.3g} (tolerance {self.tolerance:g}; a "
+                    "threshold on the value, not a measured gap to fp32)")
         return (f"{self.precision} departs from fp32 at step {self.step}: {self.series} of {self.layer} "
                 f"is {self.gap:.3g} apart (relative; tolerance {self.tolerance:g})")
 
@@ -289,8 +317,11 @@ class Trial:
 
     ``series[run][name]`` is a list with one value per step; ``run`` is ``"reference"`` or a precision name.
     Names: ``loss``, ``loss_gap`` (run - fp32), ``grad_norm``, ``grad_norm_ratio`` (run / fp32), ``scale``,
-    ``skipped`` (1.0 when the GradScaler skipped the step), ``optimizer_steps`` (how many times
-    ``optimizer.step()`` has run, cumulative), ``drift/<layer>`` (||W_run - W_fp32|| / ||W_fp32|| after the
+    ``skipped`` (1.0 when the GradScaler skipped the step), ``optimizer_steps`` (how many optimizer steps
+    updated the weights, cumulative: ``optimizer.step()`` calls, less those where GradScaler handed a fused
+    optimizer its found-inf and the kernel skipped the update), ``recompute_gap`` (the largest relative
+    difference between a monitor's value recomputed during backward and its forward value; 0 when nothing was
+    recomputed or the recompute was faithful), ``drift/<layer>`` (||W_run - W_fp32|| / ||W_fp32|| after the
     step), ``update/<layer>`` (||W_after - W_before|| / ||W_before||), and ``<monitor>/<layer>``.
     """
 
@@ -302,7 +333,7 @@ class Trial:
     monitors: list[str]
     series: dict[str, dict[str, list[float]]]
     departures: dict[str, Departure | None]
-    softmax_monitors: list[str] = field(default_factory=list)  # judged by rounding error (Monitor.softmax_input)
+    magnitude_monitors: list[str] = field(default_factory=list)  # judged by |L| * u (Monitor.by_magnitude)
     seconds: float = 0.0  # wall time of the whole trial
     train_seconds: float = 0.0  # of which inside train_step (the trainings themselves)
     config: dict[str, Any] = field(default_factory=dict)
@@ -333,7 +364,7 @@ class Trial:
             return self.departures[precision]
         tol = self.tolerance if tolerance is None else _args.real(tolerance, "tolerance", positive=True)
         return _first_departure(precision, self.series[precision], self.series[REFERENCE], tol,
-                                self.softmax_monitors, only=series)
+                                self.magnitude_monitors, only=series)
 
     def get(self, run: str, name: str) -> list[float]:
         """One series (``t.get("bf16", "drift/blocks.0.qkv")``); ValueError naming what exists otherwise."""
@@ -362,11 +393,15 @@ class Trial:
             worst = max(drift, key=lambda k: drift[k] if math.isfinite(drift[k]) else math.inf) if drift else "-"
             skipped = int(sum(s["skipped"]))
             dep = self.departures[p]
+            what = "|L|*u" if dep is not None and dep.by_magnitude else "gap"
+            rerun = max(s.get(RECOMPUTE_GAP, [0.0]))
             lines.append(f"  {p:14} final loss {s['loss'][-1]:.5g} (gap {s['loss_gap'][-1]:+.3g}), "
                          f"worst drift {drift.get(worst, math.nan):.3g} in {worst}, skipped {skipped}, "
                          f"optimizer steps {int(s['optimizer_steps'][-1])}; "
-                         + (f"departs at step {dep.step} ({dep.series} of {dep.layer}, gap {dep.gap:.3g})"
-                            if dep else "stays within the tolerance"))
+                         + (f"departs at step {dep.step} ({dep.series} of {dep.layer}, {what} {dep.gap:.3g})"
+                            if dep else "stays within the tolerance")
+                         + (f"; a recompute in backward differed from its forward by up to {rerun:.2g}"
+                            if rerun > 0 else ""))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -384,7 +419,7 @@ class Trial:
             return v
         return clean({"precisions": self.precisions, "steps": self.steps, "tolerance": self.tolerance,
                       "device": self.device, "layers": self.layers, "monitors": self.monitors,
-                      "softmax_monitors": self.softmax_monitors, "seconds": self.seconds,
+                      "magnitude_monitors": self.magnitude_monitors, "seconds": self.seconds,
                       "train_seconds": self.train_seconds, "config": self.config,
                       "departures": {p: (None if d is None else d.__dict__) for p, d in self.departures.items()},
                       "series": self.series})
@@ -404,14 +439,19 @@ class Trial:
         p = precision or self.precisions[0]
         self.departure(p)  # names the precisions if p is not one of them
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), dpi=80, layout="constrained")
-        for run in [REFERENCE, *self.precisions]:
-            axes[0].plot(self.series[run]["loss"], label=run, lw=3 if run == REFERENCE else 1.2,
-                         alpha=0.5 if run == REFERENCE else 1.0)
+        # The runs' losses usually lie within a line width of fp32's: drawn together they look like one curve.
+        # So the fp32 loss on the left axis, and each precision's gap to it on the right.
+        axes[0].plot(self.series[REFERENCE]["loss"], color="k", lw=2.5, alpha=0.4, label="fp32 loss (left)")
         gap_ax = axes[0].twinx()
-        gap_ax.plot(self.series[p]["loss_gap"], color="k", lw=0.8, ls=":", label=f"{p} - fp32")
-        gap_ax.set_ylabel(f"loss gap ({p} - fp32)")
-        axes[0].set(xlabel="step", ylabel="loss", title="loss and its gap to fp32")
-        axes[0].legend(fontsize=8, loc="upper right")
+        for i, run in enumerate(self.precisions):
+            gap_ax.plot(self.series[run]["loss_gap"], color=f"C{i}", lw=1.0, label=f"{run} - fp32 (right)")
+        gap_ax.axhline(0.0, color="k", lw=0.5, ls=":")
+        gap_ax.set_ylabel("loss gap to fp32")
+        axes[0].set(xlabel="step", ylabel="fp32 loss", title="loss and its gap to fp32")
+        handles = [h for ax in (axes[0], gap_ax) for h in ax.get_legend_handles_labels()[0]]
+        # below the axes (constrained layout makes room): inside, the gaps of every step would run under it
+        axes[0].legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+                       frameon=False)
         for run, style in ((REFERENCE, dict(lw=2.5, alpha=0.5)), (p, dict(lw=1.0, ls="--"))):
             for i, (layer, values) in enumerate({**self.layer_series(run, "attention_logit_max"),
                                                  **self.layer_series(run, "output_logit_max")}.items()):
@@ -420,13 +460,19 @@ class Trial:
         axes[1].set_yscale("log")
         legend_outside(axes[1])
         drift = self.layer_series(p, "drift")
-        for layer, values in drift.items():
-            axes[2].plot([v if v > 0 else math.nan for v in values], label=layer, lw=1.0)
-        axes[2].axhline(self.tolerance, color="k", lw=0.8, ls=":")
+        # The layers that drift most at the end, named; the others thin and grey, under one legend entry.
+        final = {layer: values[-1] if math.isfinite(values[-1]) else math.inf for layer, values in drift.items()}
+        named = sorted(final, key=final.get, reverse=True)[:DRIFT_LINES]
+        others = [layer for layer in drift if layer not in named]
+        for j, layer in enumerate(others):
+            axes[2].plot([v if v > 0 else math.nan for v in drift[layer]], color="0.7", lw=0.7,
+                         label=f"the other {len(others)} layers" if j == 0 else None)
+        for i, layer in enumerate(named):
+            axes[2].plot([v if v > 0 else math.nan for v in drift[layer]], color=f"C{i}", lw=1.2, label=layer)
+        axes[2].axhline(self.tolerance, color="k", lw=0.8, ls=":", label=f"tolerance {self.tolerance:g}")
         axes[2].set(xlabel="step", ylabel="||W - W_fp32|| / ||W_fp32||", title=f"{p}: parameter drift per layer")
         axes[2].set_yscale("log")
-        if len(drift) <= 12:
-            legend_outside(axes[2])
+        legend_outside(axes[2])
         return fig
 
 
@@ -457,9 +503,12 @@ class _Run:
     layer_norms: list[float] = field(default_factory=list)  # ||W|| per layer after the latest step
     series: dict[str, list[float]] = field(default_factory=dict)
     rows: _Rows | None = None  # the lists of `series`, bound once
-    optimizer_steps: int = 0
+    optimizer_steps: int = 0  # steps that updated the weights (see _updated)
+    step_calls: int = 0  # optimizer.step() calls (a step post-hook)
 
 
+#: The series of a step's recompute gap (see _Hooks.take), one value per step.
+RECOMPUTE_GAP = "recompute_gap"
 #: The per-step scalars of every run, in the order _step appends them.
 _SCALARS = ("loss", "grad_norm", "scale", "skipped", "optimizer_steps", "loss_gap", "grad_norm_ratio")
 
@@ -479,7 +528,8 @@ class _Rows:
 def _make_rows(series: dict[str, list[float]], monitor_labels: list[str], layers: list[str]) -> _Rows:
     """Create the (empty) series of a run in their lasting order; return their lists, bound for _step."""
     scalars = [series.setdefault(name, []) for name in _SCALARS]
-    monitors = [series.setdefault(label, []) for label in monitor_labels]
+    # the monitors' values, then the step's recompute gap: the order of _Hooks.take()
+    monitors = [series.setdefault(label, []) for label in [*monitor_labels, RECOMPUTE_GAP]]
     update, drift = [], []
     for layer in layers:
         update.append(series.setdefault(f"update/{layer}", []))
@@ -574,8 +624,8 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
     run.scratch, run.spare = torch.empty_like(run.flat), torch.empty_like(run.flat)
     run.layer_norms = torch.stack(_layer_norms(run.flat, run.lengths)).tolist()
 
-    def count(optimizer, args, kwargs):  # runs only when optimizer.step() really ran (a skip never calls it)
-        run.optimizer_steps += 1
+    def count(optimizer, args, kwargs):  # every optimizer.step() call; _step decides whether it updated
+        run.step_calls += 1
     opt.register_step_post_hook(count)
     return run
 
@@ -607,7 +657,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
           loss_fn: Callable | None = None, tolerance: float = 0.1, device: str | torch.device | None = None,
           scaler_kwargs: dict | None = None, size: str = "tiny", grad_clip: float | None = None,
           policy: str | None = None,
-          chunk: int | None = None) -> Trial:
+          chunk: int | None = None, progress: bool = False) -> Trial:
     """Train the same initial model on the same batches in fp32 and in each precision; compare them step by step.
 
     Args:
@@ -631,6 +681,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
         scaler_kwargs: GradScaler settings for fp16 runs (init_scale, growth_factor, backoff_factor,
             growth_interval), checked as ``ampcourse.train`` checks them; its defaults otherwise.
         grad_clip: clip the true (unscaled) gradient norm, as in ``ampcourse.train``.
+        progress: show a ``tqdm.auto`` progress bar (a widget in Jupyter) over every run's steps, as ``train`` does.
         chunk: how many steps one run takes before the next run takes the same steps (the fp32 reference first;
             drift compares each step with the reference's weights after that step, kept as one fp32 copy per
             step of a chunk). 1 is strict lockstep; None (default): as many steps as fit in
@@ -659,6 +710,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     tolerance = _args.real(tolerance, "tolerance", positive=True)
     grad_clip = None if grad_clip is None else _args.real(grad_clip, "grad_clip", positive=True)
     chunk = None if chunk is None else _args.integer(chunk, "chunk", low=1)
+    progress = _args.flag(progress, "progress")
     if not isinstance(size, str) or size not in models.SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
     if loss_fn is not None and not callable(loss_fn):
@@ -710,6 +762,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     xs, ys = sample.tensors
     stream = iterable.stream() if iterable is not None else None  # one stream: every run gets the same batches
     train_seconds = 0.0
+    bar = tqdm(total=steps * len(runs), desc=f"trial {', '.join(names)} vs fp32", unit="step", disable=not progress)
     try:
         with torch.random.fork_rng(devices=[ref_amp.device] if ref_amp.device_type == "cuda" else []), session:
             for start in range(0, steps, chunk):
@@ -726,18 +779,20 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
                 ref_after: list[tuple[torch.Tensor, list[float]]] = []  # the reference's weights after each step
                 for run in runs:  # the reference first: drift compares against its weights after the same step
                     train_seconds += _steps(run, ref, batches, ref_after, loss, grad_clip, len(labels))
+                    bar.update(len(batches))
     finally:
+        bar.close()
         for run in runs:
             run.hooks.remove()
-    softmax = {m.name for m in monitors if m.softmax_input}
-    departures = {run.label: _first_departure(run.label, run.series, ref.series, tolerance, softmax)
+    by_size = {m.name for m in monitors if m.by_magnitude}
+    departures = {run.label: _first_departure(run.label, run.series, ref.series, tolerance, by_size)
                   for run in runs[1:]}
     config = {"model": ref_name or type(model).__name__, "seed": seed, "lr": lr, "batch_size": batch_size,
               "optimizer": type(ref.optimizer).__name__, "grad_clip": grad_clip, "scaler": scaler_settings,
               "chunk": chunk, "torch": torch.__version__}
     config["policy"] = policy  # whose autocast lists the runs used ('cuda (emulated on cpu)': ampcourse.emulate)
     return Trial(list(names), steps, tolerance, ref.amp.describe_device(), labels, [m.name for m in monitors],
-                 {run.label: run.series for run in runs}, departures, softmax_monitors=sorted(softmax),
+                 {run.label: run.series for run in runs}, departures, magnitude_monitors=sorted(by_size),
                  seconds=time.perf_counter() - t_start,
                  train_seconds=train_seconds, config=config)
 
@@ -764,8 +819,10 @@ def _step(run: _Run, ref: _Run, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
     weights after the step with entry `j` there.
     """
     t0 = time.perf_counter()
+    calls = run.step_calls
     stats = _train.train_step(run.model, [(x, y)], loss_fn, run.optimizer, run.scaler, run.amp, grad_clip=grad_clip)
     seconds = time.perf_counter() - t0
+    run.optimizer_steps += _updated(run.optimizer, run.step_calls > calls, stats.skipped)
     with torch.no_grad():
         # buffers reused every step; the reference's weights go to a row of its history for the other runs
         new = _flatten_into(run.views, ref.history[j] if run is ref else run.spare)
@@ -819,16 +876,29 @@ def _ratio(num: float, den: float) -> float:
     return num / den
 
 
+def _updated(optimizer: torch.optim.Optimizer, called: bool, skipped: bool) -> bool:
+    """Whether this step's optimizer.step() updated the weights.
+
+    GradScaler skips a plain optimizer's step() on a found inf: no call. An optimizer that handles the scaling
+    itself (``_step_supports_amp_scaling``: fused Adam/AdamW/SGD) is always called, with the scaler's
+    ``found_inf``, and its kernel leaves the weights alone (torch.amp.GradScaler.step): a call, no update.
+    The scaler's record (its scale went down) says which.
+    """
+    if not called:
+        return False
+    return not (skipped and getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
 def unit_roundoff(precision: str) -> float:
     """Half the gap between 1 and the next number of the autocast format of a precision (bf16 2**-8, fp32 2**-24)."""
     return formats.spec(_precision(precision)[0]).eps / 2
 
 
 def _first_departure(label: str, series: dict[str, list[float]], ref: dict[str, list[float]], tolerance: float,
-                     softmax: set[str] | list[str], only: str | None = None) -> Departure | None:
+                     by_size: set[str] | list[str], only: str | None = None) -> Departure | None:
     """The first step where loss, a monitor or a layer's drift is more than `tolerance` apart from fp32.
 
-    Softmax-input monitors count their rounding error L * u instead (Monitor.softmax_input). Within the
+    By-magnitude monitors count |L| * u of their own value instead (Monitor.by_magnitude). Within the
     first step that departs, the series furthest past the tolerance names the layer. `only`: look at one
     series name ("loss", "drift" or a monitor's name).
     """
@@ -839,7 +909,7 @@ def _first_departure(label: str, series: dict[str, list[float]], ref: dict[str, 
             compared.append(("drift", key[6:], values, None))
         elif "/" in key and not key.startswith("update/"):
             name, layer = key.split("/", 1)
-            compared.append((name, layer, values, "rounding" if name in softmax else ref[key]))
+            compared.append((name, layer, values, "magnitude" if name in by_size else ref[key]))
     if only is not None:
         compared = [c for c in compared if c[0] == only]
     for k in range(len(series["loss"])):
@@ -847,7 +917,7 @@ def _first_departure(label: str, series: dict[str, list[float]], ref: dict[str, 
         for name, layer, values, ref_values in compared:
             if ref_values is None:
                 gap = values[k]
-            elif ref_values == "rounding":
+            elif ref_values == "magnitude":
                 gap = abs(values[k]) * u
             else:
                 gap = _relative_gap(values[k], ref_values[k])
@@ -856,7 +926,7 @@ def _first_departure(label: str, series: dict[str, list[float]], ref: dict[str, 
             if gap > tolerance and (worst is None or gap > worst[0]):
                 worst = (gap, name, layer)
         if worst is not None:
-            return Departure(label, k, worst[1], worst[2], worst[0], tolerance)
+            return Departure(label, k, worst[1], worst[2], worst[0], tolerance, by_magnitude=worst[1] in by_size)
     return None
 
 
@@ -881,6 +951,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--policy", default=None, choices=["cuda"], help="cuda: CUDA's autocast lists on a CPU (emulated)")
     ap.add_argument("--out", default=None, help="write the trial as JSON here")
     ap.add_argument("--plot", default=None, help="save the plot (PNG) here")
+    ap.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar on stderr (shown by default)")
     return ap
 
 
@@ -915,7 +987,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
         t = trial(args.model, precisions=precisions, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                   tolerance=args.tolerance, seed=args.seed, size=args.size, device=args.device,
-                  policy=args.policy)
+                  policy=args.policy, progress=args.progress)
         print(t.summary())
         if args.out:
             t.to_json(args.out)

@@ -99,3 +99,19 @@ def test_exercise_7_4_tolerance_counts_one_rounding_per_ring_addition():
 def test_edge_inputs_are_refused_naming_the_argument(call, says):
     with pytest.raises(ValueError, match=says):
         call()
+
+
+def test_the_ring_error_depends_on_the_gradient_model_as_the_docstring_says():
+    """Identical gradients (spread 0) stall a bf16 ring's partial sum; noise of both signs keeps it smaller."""
+    ring = {s: reduction_error(1024, spread=s, numel=1024) for s in (0.0, 1.0, 10.0)}
+    assert ring[0.0] > ring[1.0] > ring[10.0]
+    assert ring[0.0] > 0.5 and 0.2 < ring[1.0] < 0.5 and ring[10.0] < 0.05  # ~64%, ~35%, ~3.1%
+    tree = [reduction_error(1024, spread=s, numel=1024, algorithm="tree") for s in (0.0, 1.0, 10.0)]
+    assert max(tree) < 0.005
+
+
+def test_identical_shares_stall_after_about_two_to_the_eight_of_them():
+    """spread=0: the same share added again and again; past 2**8 shares each one is below half the spacing."""
+    share = torch.full((1024, 1), 1.0)
+    summed = simulate_reduction(share, dtype=torch.bfloat16, average=False)
+    assert summed.item() == 256.0  # 256 + 1 is a tie that rounds to even (256); every later 1 rounds away too

@@ -84,7 +84,10 @@ def test_planted_logit_growth_is_caught_at_its_layer_and_step(layer, start):
     assert (fp16.step, fp16.series, fp16.layer) == (start + 1, "attention_logit_max", f"blocks.{layer}")
     before = t.series[REFERENCE][f"attention_logit_max/blocks.{layer}"][:start]
     assert max(before) < 10 < t.series[REFERENCE][f"attention_logit_max/blocks.{layer}"][start]
-    assert "departs at step" in t.summary() and str(bf16).startswith(f"bf16 departs from fp32 at step {start}")
+    assert "departs at step" in t.summary() and str(bf16).startswith(f"bf16 departs at step {start}")
+    # the attention flag is a threshold on the logit's size (|L| * u), not a measured gap to fp32: it says so
+    assert bf16.by_magnitude and "|L|*u" in str(bf16) and "not a measured gap" in str(bf16)
+    assert bf16.gap == pytest.approx(t.series["bf16"][f"attention_logit_max/blocks.{layer}"][start] * 2.0**-8)
 
 
 def test_a_healthy_model_is_not_flagged():
@@ -249,3 +252,130 @@ def test_chunks_give_the_same_series_as_strict_lockstep(precisions):
         assert t.series == strict.series and t.departures == strict.departures
     assert t.config["chunk"] == 7  # the default: every step at once for a model this small (CHUNK_BYTES)
     assert trial_mod.CHUNK_BYTES == 64 * 2**20
+
+
+# --- issue 28 (the flag, the causal mask, recompute) and issue 30 item 7 (fused optimizers' step count) -----------
+
+def test_attention_monitor_applies_the_causal_mask():
+    """A future key's score never reaches softmax: it must not be the monitor's largest logit."""
+    model = TinyTransformer()
+    (_, module, measure), *_ = trial_mod.attention_logit_max().where(model)
+    out = torch.zeros(1, 16, 96)
+    out[0, 0, 0:8] = 1.0  # the query of position 0, head 0
+    out[0, 5, 32:40] = 10.0  # the key of position 5, head 0: only queries 5.. see it
+    out[0, 0, 32:40] = 0.5  # the key of position 0
+    # visible: q0.k0 = 8 * 0.5 = 4; hidden (future): q0.k5 = 8 * 10 = 80
+    assert float(measure(module, (), out)) == pytest.approx(4 / math.sqrt(8))
+    model.blocks[0].causal = False  # a block that says it is not causal is read unmasked
+    (_, _, measure), *_ = trial_mod.attention_logit_max().where(model)
+    assert float(measure(module, (), out)) == pytest.approx(80 / math.sqrt(8))
+
+
+def test_the_flag_is_named_for_what_it_measures():
+    assert trial_mod.attention_logit_max().by_magnitude and trial_mod.output_logit_max().by_magnitude
+    assert not trial_mod.activation_max().by_magnitude
+    t = trial("transformer", DATA, precisions=("bf16",), steps=2)
+    assert t.magnitude_monitors == ["attention_logit_max", "output_logit_max"]
+    assert json.loads(t.to_json())["magnitude_monitors"] == t.magnitude_monitors
+
+
+class _ForgetfulRecompute(torch.autograd.Function):
+    """Chapter 10's bug: recompute fn(x) in backward, outside the forward's autocast state."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.fn(x)  # fp32 here: the forward ran in bf16
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+class Checkpointed(TinyTransformer):
+    """The reference transformer, its blocks recomputed in backward: by torch.utils.checkpoint or by the bug."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, idx):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            if self.how == "torch" and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            elif self.how == "forgetful" and self.training:
+                x = _ForgetfulRecompute.apply(block, x)
+            else:
+                x = block(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+@pytest.mark.parametrize("how", ["none", "torch", "forgetful"])
+def test_recompute_gap_sees_a_recompute_that_strays_either_way(how):
+    t = trial(lambda: Checkpointed(how), DATA, precisions=("bf16",), steps=3)
+    gap = t.series["bf16"][trial_mod.RECOMPUTE_GAP]
+    assert len(gap) == 3 and set(t.series[REFERENCE][trial_mod.RECOMPUTE_GAP]) == {0.0}  # fp32: nothing differs
+    if how == "forgetful":
+        assert min(gap) > 1e-4 and "a recompute in backward differed" in t.summary()
+    else:  # no recompute, or a faithful one: exactly the forward's values
+        assert set(gap) == {0.0} and "recompute" not in t.summary()
+    # the forward's values are what the monitors keep, with or without a recompute
+    plain = trial(lambda: Checkpointed("none"), DATA, precisions=("bf16",), steps=1)
+    first = {k: v[0] for k, v in t.series["bf16"].items() if k.startswith("activation_max/")}
+    assert first == {k: v[0] for k, v in plain.series["bf16"].items() if k.startswith("activation_max/")}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_optimizer_steps_count_updates_with_fused_optimizers_too(fused):
+    """GradScaler always calls a fused optimizer's step() (the kernel skips on found_inf): 22 skipped, 30 counted
+    before; the count must be the updates."""
+    t = trial("mlp", precisions=("fp16",), steps=30, scaler_kwargs={"init_scale": 2.0**40},
+              optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-3, fused=fused))
+    s = t.series["fp16"]
+    skipped = int(sum(s["skipped"]))
+    assert skipped >= 10
+    assert s["optimizer_steps"][-1] == 30 - skipped
+    assert s["optimizer_steps"] == [k + 1 - sum(s["skipped"][:k + 1]) for k in range(30)]
+    assert all(u == 0.0 for u, sk in zip(s["update/net.0"], s["skipped"]) if sk)  # and those steps changed nothing
+    assert f"optimizer steps {30 - skipped};" in t.summary()
+
+
+def test_plot_names_the_runs_and_the_layers_that_drift_most():
+    import matplotlib.pyplot as plt
+
+    t = trial("transformer", DATA, precisions=("bf16", "fp16", "fp16-noscaler"), steps=3)
+    fig = t.plot("bf16")
+    loss_ax, drift_ax = fig.axes[0], fig.axes[2]
+    labels = [text.get_text() for text in loss_ax.get_legend().get_texts()]
+    assert labels == ["fp32 loss (left)", "bf16 - fp32 (right)", "fp16 - fp32 (right)", "fp16-noscaler - fp32 (right)"]
+    drift_labels = [text.get_text() for text in drift_ax.get_legend().get_texts()]
+    final = {k: v[-1] for k, v in t.layer_series("bf16", "drift").items()}
+    top = sorted(final, key=final.get, reverse=True)[:trial_mod.DRIFT_LINES]
+    assert drift_labels == [f"the other {len(final) - len(top)} layers", *top, "tolerance 0.1"]
+    plt.close(fig)
+
+
+def test_progress_bar_on_request(capsys):
+    trial("mlp", precisions=("bf16",), steps=3, progress=True)
+    assert "6/6" in capsys.readouterr().err  # 3 steps of the reference and of bf16
+    trial("mlp", precisions=("bf16",), steps=3)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="progress must be True or False"):
+        trial("mlp", steps=1, progress="yes")
+
+
+def test_cli_shows_progress_unless_told_not_to(capsys):
+    assert main(["--model", "mlp", "--steps", "2"]) == 0
+    assert "4/4" in capsys.readouterr().err  # the reference's 2 steps and bf16's
+    assert main(["--model", "mlp", "--steps", "2", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""

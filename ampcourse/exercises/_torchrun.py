@@ -50,12 +50,15 @@ def learner_source(title: str, fn: Callable) -> str:
     """The source of the learner's function, dedented; feedback if it is no function or still the stub."""
     if not callable(fn) or not inspect.isfunction(fn):
         failed(title, "a function", f"{type(fn).__name__} {fn!r}", "pass the function itself, without calling it")
+    if fn.__name__ == "<lambda>":  # its source is the lines around it, which may not parse alone (a lambda in brackets)
+        failed(title, "a function defined with `def` in a cell or a file", "a lambda",
+               "define it with `def name(...):` (its source travels to the ranks; a lambda's does not) and pass that")
     try:
         source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError) as err:
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError) as err:
         failed(title, "a function defined with `def` in a cell or a file", f"no source for it ({err})",
                "define it with `def name(...):` (not a lambda, not built with exec) and run that cell again")
-    tree = ast.parse(source)
     node = tree.body[0]
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name != fn.__name__:
         failed(title, "a function defined with `def` at the top of a cell", source.splitlines()[0],
