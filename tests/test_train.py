@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ampcourse import checkpoint, models
+from ampcourse.device import pick
 from ampcourse import train as train_mod
 from ampcourse.train import History, Parallel, batch_indices, local_indices, state_checksum, train
 
@@ -642,3 +643,23 @@ def test_bench_times_the_trainer_through_the_hook_alone():
     trainer_ms, bare_ms = bench.paired_step_times(SimpleNamespace(train=fake_train), "mlp", data, amp, steps=4,
                                                   warmup=1, batch=32)
     assert calls == [0, 1, 2, 3] and trainer_ms >= 0 and bare_ms > 0
+
+
+def test_train_step_inside_an_enclosing_autocast_trains_on_the_new_weights():
+    """An enclosing autocast context (even enabled=False) keeps autocast's weight-cast cache alive across steps:
+    without clearing it after the optimizer step, every forward after the first ran on the first step's bf16 copies."""
+    def losses(outer) -> list[float]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        amp = pick("cpu", "bf16")
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        with outer:
+            return [train_mod.train_step(model, [(x, y)], torch.nn.functional.cross_entropy, opt, scaler, amp).loss
+                    for _ in range(4)]
+
+    plain = losses(contextlib.nullcontext())
+    enclosed = losses(torch.autocast("cpu", enabled=False))
+    assert len(set(plain)) == 4  # the loss moves every step
+    assert enclosed == plain

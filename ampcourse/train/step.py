@@ -252,6 +252,10 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
     # reads found_inf with .item()); a fused one (make_optimizer's default on CUDA) gets found_inf as a tensor.
     scaler.step(optimizer)
     scaler.update()
+    # The step changed the weights in place: autocast's cached low-precision copies of them are stale now. Autocast
+    # clears that cache only when its outermost context exits, and an enclosing one (even enabled=False: the doctor,
+    # a learner's own wrapper) keeps it alive across steps, so the next forward would run on the old weights.
+    torch.clear_autocast_cache()
     scales = [before, _scale_tensor(scaler)] if before is not None else []
     # Losses, norms and the scale before and after reach the host together: on a GPU one sync per step.
     values = _read_back([*losses, *norm_parts, *scales])
