@@ -109,3 +109,13 @@ def test_glossary_says_when_ddp_all_reduces_as_chapter_7_does():
     chapter7 = "\n".join(c.source for c in nbformat.read(CHAPTERS / "07_multi_gpu.ipynb", as_version=4).cells)
     assert "overlapping with the rest of backward" in chapter7
     assert "during backward" in ddp.meaning and "bucket" in ddp.meaning and "after backward" not in ddp.meaning
+
+
+def test_outline_maps_the_seeds_training_sections_to_what_they_teach():
+    """The seed's 2.3.1 initialises the AMP environment and 2.3.2 writes the loop (issue 28, item 11)."""
+    by_number = {s.number: s for s in course.OUTLINE}
+    init, loop = by_number["2.3.1"], by_number["2.3.2"]
+    assert "initialis" in init.topic and "GradScaler" in init.topic
+    assert {"4.0", "4.3"} <= set(init.sections)  # pick() chooses device and dtype; 4.3 creates the GradScaler
+    assert "loop" in loop.topic and "scaler" not in loop.topic
+    assert {"4.1", "4.2", "4.4"} <= set(loop.sections) and not set(init.sections) & set(loop.sections)

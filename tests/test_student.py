@@ -10,6 +10,7 @@ chapter's own solutions is what nbval proves on the chapters (their stored check
 import importlib
 import os
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -374,3 +375,40 @@ def test_binder_opens_the_same_workspace():
     assert "tools/make_student.py -o workspace" in post_build
     assert "labpath=workspace" in (ROOT / "README.md").read_text()
     assert "--name python3" in post_build and "--env OMP_NUM_THREADS 1" in post_build
+
+
+def _placeholder_call(fn):
+    """Call a checker as a learner copy's stub does: `...` for every answer it needs (raising: ExerciseError)."""
+    import inspect
+    n = sum(1 for p in inspect.signature(fn.__wrapped__).parameters.values() if p.default is p.empty)
+    with pytest.raises(Exception) as err:
+        fn(*[...] * n)
+    return str(err.value)
+
+
+def test_a_stub_verdict_names_the_exercise_as_its_answered_verdict_does(monkeypatch):
+    """Issue 28 item 14: `N = ...` got "❌ Exercise 1.2: not yet", the docstring's label, not the checker's title."""
+    from ampcourse import exercises
+    from ampcourse.exercises import _core
+    for verdicts in ("_results", "_titles"):
+        monkeypatch.setattr(_core, verdicts, {})
+    for name in [n for n in exercises.__all__ if n.startswith("check_")]:
+        message = _placeholder_call(getattr(exercises, name))
+        first = message.splitlines()[0]
+        assert "not answered yet" in message and re.match(r"❌ Exercise \d+\.\d+ \(.+\): not yet\.$", first), (name, first)
+    # an f-string title takes the call's own arguments, and summary() shows the same title
+    with pytest.raises(exercises.ExerciseError, match=r"Exercise 1\.2 \(largest exact integer in fp16\): not yet"):
+        exercises.check_largest_exact_integer(..., "fp16")
+    assert _core._titles["check_largest_exact_integer"] == "Exercise 1.2 (largest exact integer in fp16)"
+
+
+def test_working_out_a_title_never_calls_the_learners_function():
+    from ampcourse.exercises import _core
+    calls = []
+
+    def check_demo(fn, n=3):
+        """Exercise 9.9: a title that would call the learner's function."""
+        title = f"Exercise 9.9 ({fn(n)})"
+        return title
+
+    assert _core._declared_title(check_demo, (lambda n: calls.append(n),), {}) is None and calls == []
