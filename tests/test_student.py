@@ -412,3 +412,110 @@ def test_working_out_a_title_never_calls_the_learners_function():
         return title
 
     assert _core._declared_title(check_demo, (lambda n: calls.append(n),), {}) is None and calls == []
+
+
+# --- markers as authors write them (issue 30, item 10): a learner copy never holds a solution --------
+
+SECRET = "N = 4242  # the answer"
+
+
+def _nb(*cells) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Chapter 9 · T"), *cells]
+    return nb
+
+
+def _solution(source: str, **metadata) -> nbformat.NotebookNode:
+    return nbformat.v4.new_code_cell(source, metadata={"tags": ["solution"], **metadata})
+
+
+@pytest.mark.parametrize("begin, end", [("#### BEGIN SOLUTION", "#### END SOLUTION"), ("# BEGIN SOLUTION", "# END SOLUTION"),
+                                        ("###BEGIN SOLUTION", "###END SOLUTION"), ("  ### BEGIN SOLUTION  ", "### END SOLUTION")])
+def test_the_marker_spellings_nbgrader_accepts_are_stubbed(begin, end):
+    src = f"x = 1\n### BEGIN SOLUTION\nM = 1\n### END SOLUTION\n{begin.strip()}\n{SECRET}\n{end}\n"
+    copy = learner_copy(_nb(_solution(src), nbformat.v4.new_code_cell("exercises.check_x(N, M)")))
+    stubbed = copy.cells[1].source
+    assert "4242" not in stubbed and "SOLUTION" not in stubbed
+    assert stubbed == "x = 1\nM = ...  # your code here\nN = ...  # your code here\n"
+
+
+@pytest.mark.parametrize("line", ["### BEGIN SOLUTION (part 2)", "### begin solution", "## BEGIN_SOLUTION",
+                                  "print('### BEGIN SOLUTION')", "### BEGIN SOLUTION: part 2"])
+def test_a_line_that_looks_like_a_marker_but_is_not_one_is_an_error(line):
+    src = f"### BEGIN SOLUTION\nM = 1\n### END SOLUTION\n{line}\n{SECRET}\n### END SOLUTION\n"
+    with pytest.raises(SolutionMarkerError, match="looks like a solution marker"):
+        learner_copy(_nb(_solution(src)))
+    with pytest.raises(SolutionMarkerError, match="not tagged"):  # untagged, it would have been copied as is
+        learner_copy(_nb(nbformat.v4.new_code_cell(f"{line}\n{SECRET}\n")))
+
+
+@pytest.mark.parametrize("eol", ["\r\n", "\r"])
+def test_crlf_and_cr_line_endings_are_understood(eol):
+    src = eol.join(["x = 1", "### BEGIN SOLUTION", SECRET, "### END SOLUTION", ""])
+    copy = learner_copy(_nb(_solution(src), nbformat.v4.new_code_cell("exercises.check_x(N)")))
+    assert copy.cells[1].source == "x = 1\nN = ...  # your code here\n"
+    with pytest.raises(SolutionMarkerError, match="not tagged"):
+        learner_copy(_nb(nbformat.v4.new_code_cell(src)))
+
+
+@pytest.mark.parametrize("kind", ["markdown", "raw"])
+def test_markers_in_a_markdown_or_raw_cell_are_an_error(kind):
+    make = nbformat.v4.new_markdown_cell if kind == "markdown" else nbformat.v4.new_raw_cell
+    cell = make(f"The answer:\n### BEGIN SOLUTION\n{SECRET}\n### END SOLUTION\n", metadata={"tags": ["solution"]})
+    with pytest.raises(SolutionMarkerError, match=f"cell 1: a solution marker in a {kind} cell"):
+        learner_copy(_nb(cell))
+
+
+def test_null_tags_are_no_tags_and_other_tags_are_an_error(tmp_path, capsys):
+    plain = nbformat.v4.new_code_cell("y = 2")
+    plain.metadata["tags"] = None  # as some editors write it
+    assert learner_copy(_nb(plain)).cells[1].source == "y = 2"
+    odd = _solution(f"### BEGIN SOLUTION\n{SECRET}\n### END SOLUTION")
+    odd.metadata["tags"] = "solution"  # a string, not a list: is it tagged? not understood
+    with pytest.raises(SolutionMarkerError, match="cell 1: cell tags must be a list of strings"):
+        learner_copy(_nb(odd))
+    nbformat.write(_nb(odd), tmp_path / "odd.ipynb")
+    assert make_student.main([str(tmp_path / "odd.ipynb"), "-o", str(tmp_path / "out")]) == 1
+    assert "Traceback" not in capsys.readouterr().err and not (tmp_path / "out" / "odd.ipynb").exists()
+
+
+@pytest.mark.parametrize("block", [
+    "for i in range(3):\n    N = i + 1",
+    "with contextlib.nullcontext() as ctx:\n    N = 3",
+    "if True:\n    N = 3\nelse:\n    N = 4",
+    "try:\n    N = 3\nexcept ValueError as err:\n    N = 4",
+    "while (N := 3) < 0:\n    pass",
+])
+def test_names_bound_inside_top_level_blocks_get_a_stub_and_the_checker_cell_runs(block):
+    full = _nb(_solution(f"import contextlib\n### BEGIN SOLUTION\n{block}\n### END SOLUTION"),
+               nbformat.v4.new_code_cell("exercises.check_x(N)"))
+    stubbed = learner_copy(full).cells[1].source
+    assert "N = ...  # your code here" in stubbed
+    namespace: dict = {}
+    exec(stubbed, namespace)  # the learner's Run All: the cell runs ...
+    assert namespace["N"] is ...  # ... and the checker gets the placeholder, not a NameError
+
+
+def test_a_region_in_a_top_level_block_is_not_a_raise():
+    """Indented but outside any def: a `raise` there would end the cell in error and stop Run All."""
+    src = "total = 0\nfor x in range(3):\n    ### BEGIN SOLUTION\n    total += x\n    ### END SOLUTION\n"
+    stubbed = stub_source(src, "exercises.check_x(total)")
+    assert "raise" not in stubbed and "    total = ...  # your code here" in stubbed
+    exec(stubbed, {})
+    assert stub_source("for x in range(3):\n    ### BEGIN SOLUTION\n    print(x)\n    ### END SOLUTION\n", "check()") == (
+        "for x in range(3):\n    pass  # your code here\n")  # nothing to bind: the block must not be empty
+    inside = stub_source("def f(x):\n    for y in x:\n        ### BEGIN SOLUTION\n        y += 1\n        ### END SOLUTION\n")
+    assert inside == f"def f(x):\n    for y in x:\n        {STUB}\n"
+
+
+def test_learner_copies_never_replace_the_chapters_they_are_made_from(tmp_path, capsys):
+    chapters = tmp_path / "chapters"
+    chapters.mkdir()
+    full = chapters / CHAPTERS[1].name
+    full.write_bytes(CHAPTERS[1].read_bytes())
+    for extra in (["--overwrite"], []):
+        assert make_student.main([*extra, "-o", str(chapters), str(full)]) == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "folder of the full chapters" in err
+        assert full.read_bytes() == CHAPTERS[1].read_bytes()
+    assert make_student.main(["-o", str(ROOT / "chapters"), str(full)]) == 1  # the repository's chapters/ too
