@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import make_student  # noqa: E402
 from make_student import (NEXT_TAG, NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerError, exercise_cells,  # noqa: E402
                           is_solution, learner_copy, stub_source)
+from nbtool import NAV_END  # noqa: E402
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 NUMBERED = [p for p in CHAPTERS if int(p.name[:2]) > 0]  # 00 is the index, not a chapter
@@ -168,7 +169,10 @@ def test_next_chapter_links_follow_the_chapter_order(student_dir):
     for path, nxt in zip(CHAPTERS, CHAPTERS[1:]):
         cell = read(student_dir / path.name).cells[-1]
         title = make_student.chapter_title(read(nxt))
-        assert title and cell.source == f"**Next:** [{title}]({nxt.name})"
+        if NAV_END in cell.metadata.get("tags", []):  # the chapter's own closing link (`nbtool.py nav`) stays last
+            assert f"[{title}]({nxt.name})" in cell.source, path.name
+        else:
+            assert title and cell.source == f"**Next:** [{title}]({nxt.name})"
 
 
 def test_cli_reports_a_broken_solution_cell(tmp_path):
@@ -200,8 +204,9 @@ def test_learner_copy_changes_only_solutions_and_outputs(path, student_dir):
     summaries = [i for i, c in enumerate(learner.cells) if SUMMARY_TAG in c.metadata.get("tags", [])]
     nexts = [i for i, c in enumerate(learner.cells) if NEXT_TAG in c.metadata.get("tags", [])]
     last = len(learner.cells) - 1
-    assert nexts == ([] if path == CHAPTERS[-1] else [last])  # every chapter but the last links to the next
-    assert summaries == ([last - len(nexts)] if exercise_cells(full) else [])
+    nav = NAV_END in learner.cells[-1].metadata.get("tags", [])  # the chapter's closing links, kept last
+    assert nexts == ([] if path == CHAPTERS[-1] or nav else [last])  # every chapter but the last links to the next
+    assert summaries == ([last - len(nexts) - nav] if exercise_cells(full) else [])
     kept = [c for c in learner.cells if not added(c)]
     assert len(kept) == len(full.cells)
     checker_of = dict(exercise_cells(full))

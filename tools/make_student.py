@@ -27,8 +27,9 @@ Every code cell loses its outputs and execution count, except in a notebook with
 index), which is for reading and keeps its stored tables; ``language_info`` becomes this interpreter's
 kernel's and the kernelspec the course's (``nbtool.KERNELSPEC``), so the copy opens unmodified in the learner's JupyterLab. Cells are added: a note at the top
 (whose copy it is, where the full chapter with solutions is, how to get a fresh copy), after the last
-cell ``exercises.summary([...])`` with the checkers the notebook calls, and at the very end a link to
-the next chapter. Nothing else changes: markdown, tags and the other metadata stay as they are, so a
+cell ``exercises.summary([...])`` with the checkers the notebook calls (before the chapter's closing
+navigation cell, ``nbtool.py nav``, if it has one), and at the very end a link to the next chapter unless
+that navigation cell already gives it. Nothing else changes: markdown, tags and the other metadata stay as they are, so a
 learner copy differs from its chapter only where a learner has work to do.
 
 A copy that exists but cannot be read (empty, corrupt JSON) is kept, as every existing copy is, and
@@ -47,7 +48,7 @@ from pathlib import Path
 import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nbtool import KERNELSPEC, kernel_language_info  # noqa: E402
+from nbtool import KERNELSPEC, NAV_END, kernel_language_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / "workspace"
@@ -383,13 +384,16 @@ def learner_copy(nb: nbformat.NotebookNode, name: str | None = None,
                 raise SolutionMarkerError(f"cell {i}: {err}") from None
         if i in checker_of.values():
             checkers += [c for c in checker_calls(cell) if c not in checkers]
+    # A chapter that ends with its navigation cell (`nbtool.py nav`: the next chapter and the index) keeps it last,
+    # after the summary, and needs no link of its own; one without gets the next-chapter link below.
+    nav_end = bool(copy.cells) and NAV_END in cell_tags(copy.cells[-1])
     if checkers:
-        copy.cells.append(summary_cell(checkers))
+        copy.cells.insert(len(copy.cells) - nav_end, summary_cell(checkers))
     # JupyterLab marks a notebook modified on open unless its language_info is exactly what the
     # kernel reports: this interpreter's, the one `make lab` (and Binder) run the kernel with.
     copy.metadata["language_info"] = kernel_language_info()
     copy.metadata["kernelspec"] = dict(KERNELSPEC)  # the course's kernel, as `make lab` installs it
-    if next_chapter is not None:
+    if next_chapter is not None and not nav_end:
         copy.cells.append(next_cell(*next_chapter))
     if name is not None:  # under the title, if the notebook starts with one
         title = bool(copy.cells) and copy.cells[0].cell_type == "markdown" and copy.cells[0].source.startswith("# ")
