@@ -259,7 +259,7 @@ def learner_copy_problems(full: nbformat.NotebookNode, learner: nbformat.Noteboo
             problems.append(f"cell {i}: checker did not reject the stub with a verdict: {cell.outputs}")
         elif "expected:" not in stdout(cell) or "hint:" not in stdout(cell):
             problems.append(f"cell {i}: verdict without expected/hint: {stdout(cell)!r}")
-    last = next((c for c in reversed(learner.cells) if NEXT_TAG not in c.metadata.get("tags", [])), None)
+    last = next((c for c in reversed(learner.cells) if not {NEXT_TAG, NAV_END} & set(c.metadata.get("tags", []))), None)
     if n_exercises and (last is None or SUMMARY_TAG not in last.metadata.get("tags", [])
                         or f"Exercises done: 0 of {n_exercises}" not in stdout(last)):
         problems.append(f"summary cell: {last.outputs}")
