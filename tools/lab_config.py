@@ -13,7 +13,7 @@
   ``!python -m ampcourse...`` in a cell and ``python -m ampcourse...`` in JupyterLab's Terminal run the course's
   Python; the Terminal is bash with ``tools/lab_terminal.bashrc`` (your ``~/.bashrc``, then that bin again).
 - A small front-end extension (``tools/labextension/ampcourse-lab``, plain JavaScript, no build step): a full
-  chapter's tab reads "NAME (full chapter)" (its learner copy has the same file name), and Save As from a full
+  chapter's tab reads "[full] NAME", in italics (its learner copy has the same file name), and Save As from a full
   chapter, also the "Save as" JupyterLab offers when an edited one is closed, proposes
   ``workspace/edited_NAME`` instead of the read-only ``chapters/NAME``, which the server refuses.
 
@@ -38,6 +38,7 @@ WIDGET_VIEW = nbtool.WIDGET_VIEW
 LABEXTENSIONS = TOOLS / "labextension"  # ampcourse-lab: the front-end rules (module docstring)
 TERMINAL_RC = TOOLS / "lab_terminal.bashrc"
 EDITED_PREFIX = "edited_"  # Save As from chapters/NAME proposes WORKSPACE/edited_NAME
+TAB_MARK = "[full] "  # a full chapter's tab reads "[full] NAME" (its learner copy's: "NAME")
 KERNEL = nbtool.KERNELSPEC["name"]  # the name every notebook asks for; `make lab` installs it as "ampcourse"
 
 
@@ -164,7 +165,7 @@ def configure(c, workspace: str | None = None, root: str = ".") -> None:
     settings = dict(c.ServerApp.get("tornado_settings") or {})
     settings["page_config_data"] = {**settings.get("page_config_data", {}), "ampcourse": {
         "readOnly": list(READ_ONLY_DIRS), "workspace": "" if rel.startswith("..") else PurePosixPath(*rel.split(os.sep)).as_posix(),
-        "label": " (full chapter)", "prefix": EDITED_PREFIX}}
+        "mark": TAB_MARK, "prefix": EDITED_PREFIX}}
     c.ServerApp.tornado_settings = settings
 
 

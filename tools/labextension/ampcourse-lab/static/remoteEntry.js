@@ -5,7 +5,7 @@
 //
 // Rules (tests/test_browser.py checks both in Chromium):
 // 1. A full chapter (chapters/, read-only) and the learner's copy (workspace/) have the same file name; the
-//    full chapter's tab reads "NAME (full chapter)" (a class on the tab and a CSS ::after: changing the
+//    full chapter's tab reads "[full] NAME" in italics (a class on the tab and a CSS ::before: changing the
 //    tab's label itself would make JupyterLab rename the file), so two tabs never look alike.
 // 2. Save As from a full chapter (File > Save As, or "Save as" when closing an edited one) proposes
 //    WORKSPACE/edited_NAME instead of the read-only chapters/NAME, which the server refuses: that proposal
@@ -14,8 +14,8 @@ var _JUPYTERLAB;
 (function () {
   "use strict";
   var NAME = "ampcourse-lab";
-  var CLASS = "ampcourse-full-chapter";  // on a full chapter's tab: the stylesheet below adds the label
-  var DEFAULTS = { readOnly: ["chapters"], workspace: "workspace", label: " (full chapter)", prefix: "edited_" };
+  var CLASS = "ampcourse-full-chapter";  // on a full chapter's tab: the stylesheet below adds the mark
+  var DEFAULTS = { readOnly: ["chapters"], workspace: "workspace", mark: "[full] ", prefix: "edited_" };
 
   function settings() {
     try {
@@ -69,8 +69,9 @@ var _JUPYTERLAB;
     }
     var style = document.createElement("style");
     style.id = NAME + "-style";
-    style.textContent = ".lm-TabBar-tab." + CLASS + " .lm-TabBar-tabLabel::after { content: " +
-      JSON.stringify(conf.label) + "; opacity: 0.75; }";
+    // before the name, so a tab too narrow for the whole name still shows it; italic, so it stands out
+    style.textContent = ".lm-TabBar-tab." + CLASS + " .lm-TabBar-tabLabel::before { content: " +
+      JSON.stringify(conf.mark) + "; font-weight: 600; } .lm-TabBar-tab." + CLASS + " { font-style: italic; }";
     document.head.appendChild(style);
   }
 
