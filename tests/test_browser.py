@@ -373,6 +373,15 @@ def drive_range_explorer(page, shoot: Shoot) -> None:
     assert natural >= 2 * shown - 2, f"the figure is upscaled: {natural} px drawn, {shown} px shown"
     out.scroll_into_view_if_needed()
 
+    # issue 28 item 16: the format dropdown shows "fp8_e4m3" whole; the scale slider has room per power of two
+    select = out.locator(".widget-dropdown select").first
+    room = select.evaluate("""s => { const c = document.createElement('canvas').getContext('2d');
+        const st = getComputedStyle(s); c.font = `${st.fontSize} ${st.fontFamily}`;
+        const text = Math.max(...[...s.options].map(o => c.measureText(o.text).width));
+        return s.clientWidth - parseFloat(st.paddingLeft) - parseFloat(st.paddingRight) - 16 - text; }""")
+    assert room >= 0, f"the format dropdown cuts its longest option ({room:.0f} px short)"
+    track = out.locator(".widget-slider .noUi-base").first.bounding_box()["width"]
+    assert track / 64 >= 5, f"the loss-scale slider gives {track / 64:.1f} px per power of two (65 values on {track:.0f} px)"
     drag_slider(page, out, label="scale")
     expect(counts).not_to_have_text(before_counts)
     deadline = time.monotonic() + 15
