@@ -237,3 +237,19 @@ def test_format_switches_after_prerender_and_revisited_states_are_moves_not_full
 def test_the_step_axis_ends_on_a_round_number_the_run_fills_mostly(steps, end):
     assert widgets._axis_end(steps) == end and 0.8 * end <= steps <= end
     assert all(0.8 * widgets._axis_end(n) <= n for n in range(10, 20001, 10))  # every value the slider can take
+
+
+def test_in_a_kernel_the_formats_are_prerendered_once_the_widgets_cell_is_done(tmp_path):
+    """_when_idle: the cell that makes the widget returns first; the next cell finds every format drawn."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    code = nbformat.v4.new_code_cell
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [code("import numpy as np\nfrom ampcourse.widgets import range_explorer\n"
+                     "r = range_explorer(np.geomspace(1e-8, 1e-2, 500))\nprint(sorted(r._figure._backgrounds))"),
+                code("print(sorted(r._figure._backgrounds))")]
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    first, second = ("".join(o.get("text", "") for o in c.outputs).strip() for c in nb.cells)
+    assert first == "['fp16']"  # the widget's own cell did not wait for the other formats
+    assert second == str(sorted(widgets.range_explorer(np.geomspace(1e-8, 1e-2, 50)).fmt_select.options))
