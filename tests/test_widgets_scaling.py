@@ -225,7 +225,7 @@ def test_format_switches_after_prerender_and_revisited_states_are_moves_not_full
     s = widgets.scaler_simulator(steps=6000)
     s.steps.value = 20000
     draws = s._figure.full_draws
-    for steps in (19000, 18010, 16000, 20000):  # one axis end (20000): moves
+    for steps in (19000, 18010, 17510, 20000):  # one axis end (20000): moves
         s.steps.value = steps
     s.steps.value = 6000
     s.steps.value = 20000  # both drawn before
