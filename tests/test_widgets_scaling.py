@@ -253,3 +253,26 @@ def test_in_a_kernel_the_formats_are_prerendered_once_the_widgets_cell_is_done(t
     first, second = ("".join(o.get("text", "") for o in c.outputs).strip() for c in nb.cells)
     assert first == "['fp16']"  # the widget's own cell did not wait for the other formats
     assert second == str(sorted(widgets.range_explorer(np.geomspace(1e-8, 1e-2, 50)).fmt_select.options))
+
+
+def _chapter6_cell(start: str) -> str:
+    import nbformat
+
+    path = __import__("pathlib").Path(__file__).resolve().parents[1] / "chapters" / "06_loss_scaling.ipynb"
+    return next(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code" and start in c.source)
+
+
+def test_chapter_6s_check_cells_leave_the_learners_widgets_as_they_were():
+    """Issue 28 item 16's "the check cell moves the learner's slider", in chapter 6: the cells that drive the widgets
+    from code put the learner's settings back."""
+    g = np.geomspace(1e-8, 1e-2, 500)
+    explorer = widgets.range_explorer(g)
+    explorer.slider.value, explorer.fmt_select.value = -3, "fp8_e5m2"  # where the learner left it
+    exec(_chapter6_cell("range_counts(grads, 2.0**best)"), {"explorer": explorer, "best": 10, "grads": g,
+                                                            "range_counts": range_counts})
+    assert (explorer.slider.value, explorer.fmt_select.value) == (-3, "fp8_e5m2")
+    simulator = widgets.scaler_simulator(steps=2000, burst="1000-1002")
+    simulator.growth_interval.value = 77
+    exec(_chapter6_cell("simulator.growth_interval.value = 500"), {"simulator": simulator, "simulate_scale": simulate_scale,
+                                                                   "print": lambda *a, **k: None})
+    assert simulator.growth_interval.value == 77
