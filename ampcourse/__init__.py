@@ -51,3 +51,16 @@ def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'ampcourse' has no attribute {name!r}")
+
+
+def _sharp_figures() -> None:
+    """In a Jupyter kernel with pyplot loaded, static figures at 2x pixels (``plots.hidpi_figures``, issue 28 item 17)."""
+    import sys
+
+    if "matplotlib.pyplot" in sys.modules and "ipykernel" in sys.modules:  # else: no figures yet, nothing to import
+        from .plots import hidpi_figures
+
+        hidpi_figures()
+
+
+_sharp_figures()

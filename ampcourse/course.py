@@ -59,8 +59,13 @@ OUTLINE: tuple[OutlineSection, ...] = (
     OutlineSection("2.1.2", "benefits of mixed precision: speed and memory", 2),
     OutlineSection("2.2.1", "autocast", 3, ("3.1", "3.2", "3.3", "3.4", "3.10")),
     OutlineSection("2.2.2", "GradScaler", 3, ("3.5", "3.6", "3.7", "3.8")),
-    OutlineSection("2.3.1", "training with AMP: the loop", 4, ("4.1", "4.2", "4.4")),
-    OutlineSection("2.3.2", "training with AMP: the scaler in the loop", 4, ("4.3", "4.5", "4.6", "4.11")),
+    # The outline's 2.3 is "training with AMP": 2.3.1 initialises the AMP environment (device, autocast dtype, a
+    # GradScaler: chapter 4's setup and 4.3), 2.3.2 writes the training loop (built up in 4.1-4.7 and 4.10-4.11),
+    # 2.3.3 adapts model and optimizer.
+    OutlineSection("2.3.1", "training with AMP: initialising the AMP environment (device, autocast dtype, GradScaler)",
+                   4, ("4.0", "4.3")),
+    OutlineSection("2.3.2", "training with AMP: writing the AMP training loop", 4,
+                   ("4.1", "4.2", "4.4", "4.5", "4.6", "4.7", "4.10", "4.11")),
     OutlineSection("2.3.3", "training with AMP: adapting model and optimizer", 4, ("4.8", "4.9")),
     # The outline's 3.1.1 is about custom GradScaler settings (init_scale, growth, backoff): chapter 6 teaches
     # them in 6.3. Chapter 5 (fp32 islands, per-module precision, fp8) goes beyond the outline.

@@ -7,10 +7,46 @@ import numpy as np
 
 from . import formats
 
-__all__ = ["bit_layouts", "ulp_staircase", "relative_error", "gradient_histogram", "scale_trajectories",
+__all__ = ["hidpi_figures", "FIGURE_FORMAT", "bit_layouts", "ulp_staircase", "relative_error", "gradient_histogram", "scale_trajectories",
            "loss_curves", "training_monitor", "legend_outside", "shade_zones", "format_zones", "log2_window"]
 
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
+
+#: How a Jupyter kernel shows static figures, course-wide: "retina" renders a figure at twice its dots per inch
+#: and shows it at its own size (width and height in the output's metadata), so it is sharp on a HiDPI screen;
+#: the inline backend's default, "png", is 1x and blurry there. The widgets draw at 2x themselves (widgets.py).
+FIGURE_FORMAT = "retina"
+
+
+def hidpi_figures(fmt: str = FIGURE_FORMAT) -> bool:
+    """Show static figures of this Jupyter kernel at 2x pixels; False (nothing changed) outside a kernel.
+
+    Run when ``ampcourse.plots`` is imported, and by ``import ampcourse`` in a kernel that has pyplot loaded,
+    so every chapter's figures are sharp without a line of its own. A notebook can still choose another
+    format with ``%config InlineBackend.figure_formats = ["png"]``.
+
+    Args:
+        fmt: an inline figure format ("retina", "png", "svg", ...).
+
+    Example:
+        >>> hidpi_figures()  # in a script: no kernel, nothing to do
+        False
+    """
+    import sys
+
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if getattr(shell, "kernel", None) is None:  # a script, pytest, a plain IPython terminal
+        return False
+    try:
+        from matplotlib_inline.backend_inline import set_matplotlib_formats
+    except ImportError:  # an old or other front end: leave it as it is
+        return False
+    set_matplotlib_formats(fmt)
+    return True
+
+
+hidpi_figures()
 
 
 def _sixteen_bit() -> tuple[str, ...]:

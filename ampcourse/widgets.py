@@ -372,6 +372,12 @@ class _FigureImage:
     changing anything static (limits, labels, zones). The PNG is encoded by ``_PngFrames``, which
     deflates again only the bands of rows that changed since the last frame (about half of them per
     move); the figure is drawn once and encoded once per update.
+
+    A widget whose static part takes a few states (a format, an axis range) names the current one in
+    ``key``: each key's bitmap is kept, so going back to a state seen before costs a move, not a full
+    redraw (chapter 6's format dropdown, the simulator's steps). And the constrained layout, about half of
+    a full redraw, runs on the first draw and after ``relayout()`` only: the axes keep their place (the
+    same figure size, labels of the same height), so a new key draws only the axes' contents.
     """
 
     def __init__(self, figsize: tuple[float, float], css_dpi: int = 96, pixel_ratio: int = 2, css_class: str = ""):
@@ -383,23 +389,46 @@ class _FigureImage:
         if css_class:
             self.image.add_class(css_class)
         self.dynamic: list = []
-        self._background = None
+        self.key = None  # the static state the next render shows (see the class docstring)
+        self.full_draws = 0  # how many renders drew the static part (for tests and the benchmark)
+        self._backgrounds: dict = {}
+        self._layout = self.fig.get_layout_engine()  # constrained: put back by relayout()
         self._png = _PngFrames()
 
     def invalidate(self) -> None:
-        """The static part changed: redraw it on the next render."""
-        self._background = None
+        """The static part changed for every key: redraw it on the next render."""
+        self._backgrounds.clear()
 
-    def render(self) -> None:
-        """Redraw (blitting when the static part is cached) and send the PNG to the browser."""
+    def forget(self, key=None) -> None:
+        """The static part of one key (default: the current one) changed: redraw it when that key is shown."""
+        self._backgrounds.pop(self.key if key is None else key, None)
+
+    def cached(self, key=None) -> bool:
+        """Whether a key's static part (default: the current key's) is drawn and kept."""
+        return (self.key if key is None else key) in self._backgrounds
+
+    def relayout(self) -> None:
+        """Run the constrained layout again on the next full draw (tick labels of another width), for every key."""
+        self.fig.set_layout_engine(self._layout)
+        self.invalidate()
+
+    def render(self, send: bool = True) -> None:
+        """Redraw (blitting when the static part is cached) and send the PNG to the browser (send=False: only
+        draw and keep the static part, to have a key ready before a learner asks for it)."""
         canvas = self.fig.canvas
-        if self._background is None:
+        background = self._backgrounds.get(self.key)
+        if background is None:
             for artist in self.dynamic:
                 artist.set_animated(True)  # left out of canvas.draw(): drawn on top below
             canvas.draw()
-            self._background = canvas.copy_from_bbox(self.fig.bbox)
+            self.full_draws += 1
+            if self.fig.get_layout_engine() is self._layout:
+                self.fig.set_layout_engine("none")  # the axes stay where the layout put them
+            self._backgrounds[self.key] = canvas.copy_from_bbox(self.fig.bbox)
         else:
-            canvas.restore_region(self._background)
+            canvas.restore_region(background)
+        if not send:
+            return
         for artist in self.dynamic:
             self.fig.draw_artist(artist)
         # at 2x pixels the PNG encoding is half of a move's time: deflate only the rows that changed
@@ -477,9 +506,11 @@ class RangeExplorer(_Guarded, W.VBox):
 
         # the registry's training formats narrower than fp32: the ones a loss scale is for
         names = list(dict.fromkeys([self.fmt, *(n for n in formats.names() if formats.spec(n).bits < 32)]))
-        self.fmt_select = W.Dropdown(options=names, value=self.fmt, description="format", layout={"width": "12em"})
+        # wide enough for the longest name ("fp8_e4m3" was cut to "fp8_e4" at 12em)
+        self.fmt_select = W.Dropdown(options=names, value=self.fmt, description="format", layout={"width": "17em"})
+        # 65 powers of two: about 7 px each on this track (24em held them in 100 px, 1.5 px each)
         self.slider = W.IntSlider(value=0, min=-24, max=40, description="log2 scale", continuous_update=True,
-                                  style=_LABEL, layout=_WIDE)
+                                  style=_LABEL, layout={"width": "46em"})
         self.text = W.Text(value="1", description="loss scale", continuous_update=False, layout={"width": "14em"})
         self.message = W.HTML()
         self.counts_html = W.HTML()
@@ -490,12 +521,35 @@ class RangeExplorer(_Guarded, W.VBox):
         self.scale = 1.0
         self.counts: dict[str, int] = {}
         self._syncing = False
+        self._built_fmt: str | None = None  # the format whose zones the axes hold now
         self._build_axes()
         self._watch(self.slider, self._on_slider)
         self._watch(self.text, self._on_text)
         self._watch(self.fmt_select, self._on_fmt)
-        super().__init__([W.HBox([self.slider, self.text, self.fmt_select]), self.message, self.image, self.counts_html])
+        super().__init__([self.slider, W.HBox([self.text, self.fmt_select]), self.message, self.image,
+                          self.counts_html])
         self._update()
+        _when_idle(self.prerender)
+
+    def prerender(self) -> int:
+        """Draw the zones of every format in the dropdown not drawn yet (without showing them); return how many.
+
+        A switch in the dropdown is then a cached bitmap and a move (about 40 ms), not a full redraw (110-250
+        ms: issue 28, item 16). In a kernel it runs once the cell that made the widget has finished
+        (``_when_idle``), so the cell does not wait for it; elsewhere (tests, scripts) call it yourself.
+        """
+        shown, drawn = self.fmt, 0
+        for name in self.fmt_select.options:
+            if not self._figure.cached(name):
+                self.fmt = name
+                self._build_axes()
+                self._figure.render(send=False)
+                drawn += 1
+        self.fmt = self._figure.key = shown
+        if drawn:  # the axes hold the last format drawn: the shown one's again, drawn as a full redraw would
+            self._build_axes()
+            self._update()
+        return drawn
 
     def __repr__(self) -> str:
         return f"RangeExplorer(fmt={self.fmt!r}, scale={self.scale!r}, values={self.values.size})"
@@ -512,7 +566,8 @@ class RangeExplorer(_Guarded, W.VBox):
         ax.set_ylabel("% of values")
         ax.set_title(" ", fontsize=9)
         self._figure.dynamic = [self._stairs, ax.title]
-        self._figure.invalidate()
+        self._figure.key, self._built_fmt = self.fmt, self.fmt
+        self._figure.forget(self.fmt)
 
     def _on_slider(self, change) -> None:
         """Slider moved: the scale is 2**value."""
@@ -534,7 +589,8 @@ class RangeExplorer(_Guarded, W.VBox):
         try:
             scale = parse_scale(change["new"])
         except ValueError as err:
-            self.message.value = _error_html(err)
+            # The plot and counts still show the last good scale: say which (the typed text stays, to be fixed).
+            self.message.value = _error_html(err, f" The plot and counts still show {html.escape(self._scale_text())}.")
             return
         self.message.value = ""
         self.scale = scale
@@ -545,14 +601,23 @@ class RangeExplorer(_Guarded, W.VBox):
             self._syncing = False
         self._update()
 
+    def _scale_text(self) -> str:
+        """The current scale as the learner would type it ('2**16', or '1000')."""
+        return f"2**{math.log2(self.scale):g}" if math.log2(self.scale).is_integer() else f"{self.scale:g}"
+
     def _on_fmt(self, change) -> None:
-        """Another format: new zones."""
+        """Another format: its zones (drawn once per format; a format seen before is a cached bitmap)."""
+        self.message.value = ""  # a refused scale's message would outlive what it was about
         self.fmt = change["new"]
-        self._build_axes()
+        self._figure.key = self.fmt
+        if self._figure.cached():
+            self.ax.set_xlim(*plots.log2_window(self.fmt))  # where the cached axes have it: the histogram lands right
         self._update()
 
     def _update(self) -> None:
         """Shift the histogram, recount, redraw."""
+        if not self._figure.cached() and self._built_fmt != self.fmt:  # no bitmap of these zones: draw them
+            self._build_axes()
         self.counts = self.counter.counts(self.scale, self.fmt)
         self._stairs.set_data(self._percent, self._edges + math.log2(self.scale))
         self.ax.title.set_text(f"loss scale {self.scale:.6g} = 2^{math.log2(self.scale):.4g} in {self.fmt}")
@@ -630,6 +695,46 @@ def _check_simulator_args(steps: int, probability: float, seed: int) -> None:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
 
 
+def _when_idle(callback) -> bool:
+    """Run callback after the current cell, when the kernel's event loop is free (False: not in a kernel, not run).
+
+    A Jupyter kernel runs cells inside its asyncio loop; ``call_soon`` runs the callback once the cell's code has
+    returned, so a widget's display is not delayed by work it can do afterwards. A failing callback is dropped.
+    """
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # a script or a test: nothing runs later
+        return False
+
+    def guarded() -> None:
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 (an optional speed-up must never raise into the kernel)
+            pass
+
+    loop.call_soon(guarded)
+    return True
+
+
+_AXIS_ENDS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)  # x-axis ends' mantissas: a run fills 80-100% of it
+
+
+def _axis_end(n_steps: int) -> int:
+    """The right end of the simulator's step axis: the smallest 'round' number >= n_steps (10, 12, 15, ..., 20000).
+
+    A drag of the steps slider then changes the axes only when it crosses one of these (13 per decade),
+    and each is drawn once (``_FigureImage.key``); the rest of the drag is a move. The run fills 80-100% of it.
+
+        >>> _axis_end(6000), _axis_end(6010), _axis_end(20000)
+        (6000, 7000, 20000)
+    """
+    n = max(int(n_steps), 1)
+    decade = 10 ** (len(str(n)) - 1)
+    return next(int(m * decade) for m in (*_AXIS_ENDS, 10) if m * decade >= n)
+
+
 class ScalerSimulator(_Guarded, W.VBox):
     """GradScaler's four settings and an overflow pattern in, the scale over steps (skipped steps marked) out."""
 
@@ -688,8 +793,9 @@ class ScalerSimulator(_Guarded, W.VBox):
         """Scripted overflow steps typed: show why they do not parse, or use them."""
         try:
             self._burst_steps = parse_steps(change["new"], self.steps.value)
-        except ValueError as err:
-            self.message.value = _error_html(err)
+        except ValueError as err:  # the plot still shows the last good burst: say which
+            shown = ", ".join(map(str, self._burst_steps[:6])) + (", ..." if len(self._burst_steps) > 6 else "")
+            self.message.value = _error_html(err, f" The plot still shows the burst at steps {html.escape(shown or 'none')}.")
             return
         self.message.value = ""
         self._update()
@@ -738,15 +844,21 @@ class ScalerSimulator(_Guarded, W.VBox):
         self._figure.render()
 
     def _set_limits(self, n_steps: int, y_min: float, y_max: float) -> None:
-        """Change the axes only when the data leaves them or fills less than half (cached axes = fast redraws)."""
+        """Change the axes only when the data leaves them or fills less than half (cached axes = fast redraws).
+
+        Each (x range, y range) keeps its bitmap (``_FigureImage.key``): a steps value or scale range seen
+        before is redrawn as a move. A new y range runs the layout again (its tick labels may be wider).
+        """
         lo, hi = 8 * math.floor((y_min - 1) / 8), 8 * math.ceil((y_max + 1) / 8)  # whole multiples of 8 octaves
         cur_lo, cur_hi = self.ax.get_ylim()
         if lo < cur_lo or hi > cur_hi or (hi - lo) < 0.5 * (cur_hi - cur_lo):
             self.ax.set_ylim(lo, hi)
-            self._figure.invalidate()
-        if self.ax.get_xlim() != (0, max(n_steps, 1)):
-            self.ax.set_xlim(0, max(n_steps, 1))
-            self._figure.invalidate()
+            if max(len(f"{lo:g}"), len(f"{hi:g}")) != max(len(f"{cur_lo:g}"), len(f"{cur_hi:g}")):
+                self._figure.relayout()  # tick labels of another width: the axes may need another place
+        right = _axis_end(n_steps)
+        if self.ax.get_xlim() != (0, right):
+            self.ax.set_xlim(0, right)
+        self._figure.key = (self.ax.get_xlim(), self.ax.get_ylim())
 
     def _summarize(self, skipped: np.ndarray) -> dict:
         """Skipped steps, final/min/max scale, and how long the scale took to recover after the first overflow."""
@@ -790,22 +902,36 @@ def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
              "scaler_simulator: growth_interval": (scaler_simulator(), "growth_interval", drag(1500, 2100, 10)),
              "scaler_simulator, 20k steps: growth_interval": (scaler_simulator(steps=20000), "growth_interval",
                                                               drag(100, 400, 5)),
-             "outlier_explorer: log2 outlier slider": (outlier_explorer(), "magnitude", drag(0, 16, 1))}
+             "outlier_explorer: log2 outlier slider": (outlier_explorer(), "magnitude", drag(0, 16, 1)),
+             # issue 28 item 16: a format switch (prerendered, as in a kernel) and a steps drag across axis ends
+             "range_explorer: format dropdown": (_prerendered(range_explorer()), "fmt_select",
+                                                 ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]),
+             "scaler_simulator: steps slider": (scaler_simulator(), "steps", drag(5000, 20000, 500))}
     out = {}
     for name, (w, attr, values) in cases.items():
         control, times = getattr(w, attr), {"cached": [], "full": []}
         path = values + values[-2:0:-1]  # drag right, then back left
         for i in range(repeats):
             for mode in ("cached", "full"):  # interleaved, so machine noise hits both alike
+                kept = None
                 if mode == "full" and hasattr(w, "_figure"):  # format_explorer is HTML only: nothing to redraw
-                    w._figure.invalidate()  # as if every move changed the axes
+                    # as if every move changed the axes: no bitmap for this move, the others kept for the next
+                    kept, w._figure._backgrounds = w._figure._backgrounds, {}
                 t = time.perf_counter()
                 control.value = path[(2 * i + (mode == "full")) % len(path)]
                 times[mode].append(1000 * (time.perf_counter() - t))
+                if kept is not None:
+                    w._figure._backgrounds = {**kept, **w._figure._backgrounds}
         med = {m: float(np.median(t)) for m, t in times.items()}
         out[name] = {"median_ms": med["cached"], "p90_ms": float(np.percentile(times["cached"], 90)),
                      "full_redraw_median_ms": med["full"], "speedup": med["full"] / med["cached"], "moves": repeats}
     return out
+
+
+def _prerendered(w: RangeExplorer) -> RangeExplorer:
+    """w with every format drawn ahead, as a kernel does once the widget's cell is done."""
+    w.prerender()
+    return w
 
 
 def simulation_benchmark(repeats: int = 20, steps: int = 20000) -> dict[str, float]:

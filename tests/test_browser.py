@@ -11,6 +11,10 @@ where a missing browser is a failure.
 To add a widget chapter: write a `drive_*` function and add a BrowserCase to ALL_CASES; a case runs
 as soon as its notebook exists in chapters/ (test_every_widget_chapter_has_a_browser_case insists).
 
+Closing an edited full chapter offers "Save as" with a file in workspace/ (tools/labextension), and it saves
+there; a learner copy links to the index at its top and the next chapter at its end, the full chapter's tab is
+marked "[full]", and `!python` in the course kernel is the course's Python (issue 28, items 13, 15, 18).
+
 One case runs a learner copy (`tools/make_student.py`, as `make lab` writes it to workspace/): it must
 open unmodified, and Run All must reach the summary cell with every checker's verdict and no traceback;
 saved and reopened without its kernel, its widget says "run this cell", not "model not found".
@@ -46,6 +50,8 @@ import nbtool  # noqa: E402
 
 STUDENT_CHAPTER = "01_precision_basics.ipynb"  # the learner copy run to the end: quick, with 3 exercises
 INDEX = "00_index.ipynb"
+NAV_CHAPTER = "06_loss_scaling.ipynb"  # a learner copy whose links to the index are followed (nbtool.py nav)
+PATH_CHECK = "path_check.ipynb"  # one cell: `!python` in the course kernel must be the course's Python
 ARTIFACTS = ROOT / "artifacts" / "browser"
 CHROMIUM = Path(os.environ.get("AMPCOURSE_CHROMIUM", "/usr/bin/chromium"))  # another Chromium/Chrome: set this
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
@@ -162,7 +168,11 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
     for case in CASES:  # the full chapters, as in the repository (read-only in this JupyterLab)
         copy_without_outputs(CHAPTERS / case.notebook, root / "chapters" / case.notebook)
     if (CHAPTERS / STUDENT_CHAPTER).exists():  # the learner copies, where `make lab` puts them
-        make_student.make_student([CHAPTERS / INDEX, CHAPTERS / STUDENT_CHAPTER], root / "workspace")
+        copies = [CHAPTERS / n for n in (INDEX, STUDENT_CHAPTER, NAV_CHAPTER) if (CHAPTERS / n).exists()]
+        make_student.make_student(copies, root / "workspace")
+        check = nbformat.v4.new_notebook(metadata={"kernelspec": KERNELSPEC})
+        check.cells = [nbformat.v4.new_code_cell("!python -c \"import ampcourse, sys; print('AMP' + 'OK', sys.executable)\"")]
+        nbformat.write(check, root / "workspace" / PATH_CHECK)
         # the chapter as stored in git after `nbtool.py clean`, outputs and all (never run in this test)
         stored = nbtool.clean(nbformat.read(CHAPTERS / STUDENT_CHAPTER, as_version=4))
         (root / "stored").mkdir()
@@ -363,6 +373,15 @@ def drive_range_explorer(page, shoot: Shoot) -> None:
     assert natural >= 2 * shown - 2, f"the figure is upscaled: {natural} px drawn, {shown} px shown"
     out.scroll_into_view_if_needed()
 
+    # issue 28 item 16: the format dropdown shows "fp8_e4m3" whole; the scale slider has room per power of two
+    select = out.locator(".widget-dropdown select").first
+    room = select.evaluate("""s => { const c = document.createElement('canvas').getContext('2d');
+        const st = getComputedStyle(s); c.font = `${st.fontSize} ${st.fontFamily}`;
+        const text = Math.max(...[...s.options].map(o => c.measureText(o.text).width));
+        return s.clientWidth - parseFloat(st.paddingLeft) - parseFloat(st.paddingRight) - 16 - text; }""")
+    assert room >= 0, f"the format dropdown cuts its longest option ({room:.0f} px short)"
+    track = out.locator(".widget-slider .noUi-base").first.bounding_box()["width"]
+    assert track / 64 >= 5, f"the loss-scale slider gives {track / 64:.1f} px per power of two (65 values on {track:.0f} px)"
     drag_slider(page, out, label="scale")
     expect(counts).not_to_have_text(before_counts)
     deadline = time.monotonic() + 15
@@ -423,13 +442,110 @@ def test_widget_works_in_a_real_browser(case, request):
 
     chapter = f"chapters/{case.notebook}"
     on_disk = (lab.root / chapter).read_bytes()
+    uncaught: list[str] = []
+    page.on("pageerror", lambda err: uncaught.append(str(err)))
     try:
         open_and_run_all(page, lab, chapter)
         case.drive(page, shoot)
         save_and_wait(page, read_only=True)  # what autosave would do ~2 min after a Run All: refused
         assert (lab.root / chapter).read_bytes() == on_disk, "a Run All in chapters/ was saved over the chapter"
+        close_offers_the_workspace(page, lab, case.notebook, shoot)
+        assert (lab.root / chapter).read_bytes() == on_disk
+        assert not uncaught, f"uncaught errors in the page: {uncaught}"
     except BaseException:
         page.screenshot(path=str(ARTIFACTS / f"{stem}-failure.png"))
+        raise
+    finally:
+        context.close()
+        shut_down_kernels(lab)
+
+
+def tab_mark(tab) -> str:
+    """What the course's extension shows before a tab's label ('' for none): CSS ::before content, not the label."""
+    content = tab.locator(".lm-TabBar-tabLabel").evaluate("l => getComputedStyle(l, '::before').content")
+    return "" if content in ("none", "normal", '""') else content.strip('"')
+
+
+def close_offers_the_workspace(page, lab: Lab, notebook: str, shoot: Shoot) -> None:
+    """Issue 28 item 15: closing an edited full chapter offers "Save as" with a file in workspace/, and it saves there.
+
+    Before, the proposal was chapters/NAME itself, refused with "... or File > Save As" (the action just taken),
+    an uncaught error in the console, and the tab stayed open: a loop.
+    """
+    from playwright.sync_api import expect
+
+    tab = page.locator(".lm-TabBar-tab.jp-mod-current")
+    expect(tab).to_have_class(re.compile("jp-mod-dirty"))  # the Run All changed it
+    assert tab_mark(tab) == "[full] "  # its learner copy has the same file name (issue 28, item 18)
+    page.get_by_role("menuitem", name="File", exact=True).click()
+    page.locator('.lm-Menu-item[data-command="application:close"]').click()
+    dialog = page.locator(".jp-Dialog")
+    expect(dialog).to_contain_text("Save changes")
+    dialog.get_by_role("button", name="Save as").click()
+    target = page.locator(".jp-Dialog input")
+    expect(target).to_have_value(f"workspace/edited_{notebook}")  # not chapters/NAME, which the server refuses
+    shoot("save-as-offers-the-workspace")
+    page.locator(".jp-Dialog").get_by_role("button", name="Save", exact=True).click()
+    saved = lab.root / "workspace" / f"edited_{notebook}"
+    deadline = time.monotonic() + 30
+    while not saved.exists() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert saved.exists(), "Save As from the full chapter did not write the workspace file"
+    assert nbformat.read(saved, as_version=4).cells, "the saved copy is empty"
+    expect(page.locator(".jp-Dialog")).to_have_count(0)  # no error dialog, no second round
+    expect(page.locator(f'.lm-TabBar-tab[title*="Path: chapters/{notebook}"]')).to_have_count(0)  # closed
+
+
+@pytest.mark.timeout(240)
+def test_links_to_the_index_tab_marks_and_the_kernels_python(request):
+    """Issue 28 items 13 and 18: `!python` in the course kernel is the course's Python; a learner copy links to the
+    index at its top (followed here) and the next chapter at its end; its full chapter's tab is marked."""
+    from playwright.sync_api import expect
+
+    require_browser()
+    lab, browser = request.getfixturevalue("lab"), request.getfixturevalue("browser")
+    if not (lab.root / "workspace" / NAV_CHAPTER).exists():
+        pytest.skip(f"{NAV_CHAPTER} is not in chapters/")
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        # the kernel's PATH: `!python -m ampcourse...` in a cell (exercise 10.4's command) runs the course's Python
+        open_and_run_all(page, lab, f"workspace/{PATH_CHECK}")
+        out = page.locator(".jp-OutputArea-output").filter(has_text="AMPOK")
+        expect(out).to_have_count(1, timeout=60_000)
+        assert out.inner_text().split()[-1] == str(Path(sys.executable).parent / "python"), out.inner_text()
+        assert "No module named" not in out.inner_text()
+
+        copy = f"workspace/{NAV_CHAPTER}"
+        page.goto(f"{lab.url}/lab/workspaces/links/tree/{copy}?token={TOKEN}")
+        expect(page.get_by_text("| Idle")).to_be_visible(timeout=60_000)
+        cells = page.locator(".jp-MarkdownCell")
+        index_link = 'a[href*="00_index.ipynb"]'  # JupyterLab resolves a relative link to the file's URL
+        top = cells.filter(has=page.locator(index_link)).first
+        expect(top).to_contain_text("course index")
+        assert top.evaluate("(c, last) => [...document.querySelectorAll('.jp-MarkdownCell')].indexOf(c) <= 2", None)
+        last = cells.last
+        last.scroll_into_view_if_needed()
+        expect(last.locator(index_link)).to_have_count(1)
+        expect(last.locator('a[href*="07_multi_gpu.ipynb"]')).to_have_count(1)  # and on to the next chapter
+        mine = page.locator(f'.lm-TabBar-tab[title*="Path: {copy}"]')
+        assert tab_mark(mine) == ""  # the learner's copy: the plain name
+
+        page.goto(f"{lab.url}/lab/workspaces/links/tree/chapters/{NAV_CHAPTER}?token={TOKEN}")  # the original too
+        full = page.locator(f'.lm-TabBar-tab[title*="Path: chapters/{NAV_CHAPTER}"]')
+        expect(full).to_have_count(1, timeout=60_000)
+        expect(page.locator(f'.lm-TabBar-tab[title*="Path: {copy}"]')).to_have_count(1)  # both open, side by side
+        assert tab_mark(full) == "[full] "
+        page.screenshot(path=str(ARTIFACTS / "links-two-tabs.png"))
+
+        page.locator(f'.lm-TabBar-tab[title*="Path: {copy}"]').click()
+        page.locator(".jp-MarkdownCell").filter(has=page.locator(index_link)).first.locator(index_link).click()
+        expect(page.locator(".lm-TabBar-tab.jp-mod-current")).to_have_attribute(
+            "title", re.compile("Path: workspace/00_index.ipynb"), timeout=30_000)  # the link opened the learner's index
+        page.screenshot(path=str(ARTIFACTS / "links-followed.png"))
+    except BaseException:
+        page.screenshot(path=str(ARTIFACTS / "links-failure.png"))
         raise
     finally:
         context.close()

@@ -1,7 +1,10 @@
 """Chapter 6 checkers accept right answers and reject wrong ones with feedback."""
 
+import math
+
 import numpy as np
 import pytest
+import torch
 
 from ampcourse import exercises
 from ampcourse.exercises import ExerciseError
@@ -88,3 +91,24 @@ def test_update_rule_rejects(wrong, capsys):
     with pytest.raises(ExerciseError):
         exercises.check_update_rule(wrong)
     assert "hint" in capsys.readouterr().out
+
+
+def _grows_past_float32_in_python(scale, tracker, found, gf, bf, gi):
+    """Checks for inf on the float64 product: 2.0**127 * 2 = 3.4e38 is finite in Python, inf in float32."""
+    if not found and tracker + 1 == gi:
+        grown = scale * gf
+        return (scale if math.isinf(grown) else grown), 0
+    return update_rule(scale, tracker, found, gf, bf, gi)
+
+
+def test_update_rule_hint_says_the_overflow_is_float32s(capsys):
+    """Issue 28 item 14: "unless that gives inf" hid that 3.4e38 is finite in Python."""
+    with pytest.raises(ExerciseError):
+        exercises.check_update_rule(_grows_past_float32_in_python)
+    out = capsys.readouterr().out
+    assert "float32" in out and f"{float(torch.finfo(torch.float32).max):.4g}" in out and "finite Python float" in out
+    with pytest.raises(ExerciseError):
+        exercises.check_update_rule(lambda s, t, f, gf, bf, gi: update_rule(s, t, f, gf, bf, gi) if f
+                                    else (s, 0 if t + 1 == gi else t + 1))  # never grows
+    out = capsys.readouterr().out
+    assert "inf in float32" in out

@@ -109,3 +109,48 @@ def test_glossary_says_when_ddp_all_reduces_as_chapter_7_does():
     chapter7 = "\n".join(c.source for c in nbformat.read(CHAPTERS / "07_multi_gpu.ipynb", as_version=4).cells)
     assert "overlapping with the rest of backward" in chapter7
     assert "during backward" in ddp.meaning and "bucket" in ddp.meaning and "after backward" not in ddp.meaning
+
+
+def test_outline_maps_the_seeds_training_sections_to_what_they_teach():
+    """The seed's 2.3.1 initialises the AMP environment and 2.3.2 writes the loop (issue 28, item 11)."""
+    by_number = {s.number: s for s in course.OUTLINE}
+    init, loop = by_number["2.3.1"], by_number["2.3.2"]
+    assert "initialis" in init.topic and "GradScaler" in init.topic
+    assert {"4.0", "4.3"} <= set(init.sections)  # pick() chooses device and dtype; 4.3 creates the GradScaler
+    assert "loop" in loop.topic and "scaler" not in loop.topic
+    assert {"4.1", "4.2", "4.4"} <= set(loop.sections) and not set(init.sections) & set(loop.sections)
+
+
+# --- navigation (issue 28, item 18): every chapter links to the index at its top and its end ---------------
+
+import sys  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tools"))
+import nbtool  # noqa: E402
+
+NOTEBOOKS = sorted(CHAPTERS.glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_chapter_links_to_the_index_at_its_top_and_end_and_its_badge_opens_the_workspace(path):
+    """What `tools/nbtool.py nav --check` reports; `tools/nbtool.py nav chapters/*.ipynb` fixes it (markdown only)."""
+    nxt = nbtool.chapter_order(NOTEBOOKS)[path]
+    problems = nbtool.nav_problems(nbformat.read(path, as_version=4), path.name, nxt)
+    assert not problems, f"{path.name}: {problems}"
+
+
+def test_nav_is_idempotent_and_the_last_chapter_ends_with_a_link_too():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Chapter 10 · Last\n\n[![Binder](x)](https://mybinder.org/v2/gh/a/b/main?labpath=chapters%2F10_x.ipynb)"),
+                nbformat.v4.new_code_cell("1")]
+    once = nbtool.add_nav(nbformat.from_dict(nb), "10_x.ipynb", None)
+    twice = nbtool.add_nav(nbformat.from_dict(once), "10_x.ipynb", None)
+    shown = lambda nb: [(c.cell_type, c.source, c.metadata) for c in nb.cells]  # noqa: E731 (ids are new each time)
+    assert shown(once) == shown(twice) and nbtool.nav_problems(once, "10_x.ipynb", None) == []
+    assert nbtool.nav_problems(nb, "10_x.ipynb", None)  # before: three problems
+    top, end = once.cells[1].source, once.cells[-1].source
+    assert "(00_index.ipynb)" in top and "(00_index.ipynb)" in end and "end of the course" in end
+    assert "labpath=workspace%2F10_x.ipynb" in once.cells[0].source and "chapters%2F" not in once.cells[0].source
+    renamed = nbtool.add_nav(nbformat.from_dict(once), "10_x.ipynb", ("11_y.ipynb", "Chapter 11 · More"))
+    assert len(renamed.cells) == len(once.cells) and "[Chapter 11 · More](11_y.ipynb)" in renamed.cells[-1].source
+    assert [c.cell_type for c in renamed.cells].count("code") == 1 and renamed.cells[2].source == "1"

@@ -86,6 +86,82 @@ def test_the_contents_manager_refuses_to_write_the_chapters(tmp_path):
     assert sorted(p.name for p in (tmp_path / "chapters").iterdir()) == ["01.ipynb"]
 
 
+def test_the_refusal_offers_the_workspace_not_the_action_that_looped():
+    """Issue 28 item 15: the refusal said "or File > Save As", the very action that had proposed chapters/ again."""
+    text = lab_config.refusal("chapters/06_loss_scaling.ipynb")
+    assert "workspace/edited_06_loss_scaling.ipynb" in text and "workspace/06_loss_scaling.ipynb" in text
+    assert "File > Save As" not in text
+
+
+def test_the_course_python_comes_first_on_path_once():
+    first = lab_config.environment_bin()
+    assert first == os.path.dirname(sys.executable)
+    assert lab_config.put_first_on_path(first, f"/usr/bin:{first}:/bin").split(os.pathsep) == [first, "/usr/bin", "/bin"]
+    assert lab_config.put_first_on_path(first, None) == first
+
+
+def test_configure_sets_path_terminal_and_the_front_end_extension(monkeypatch, tmp_path):
+    from traitlets.config import Config
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    c = Config()
+    lab_config.configure(c, workspace="my work", root=str(tmp_path))
+    assert os.environ["PATH"].split(os.pathsep)[0] == lab_config.environment_bin()  # kernels inherit it
+    assert os.environ["AMPCOURSE_BIN"] == lab_config.environment_bin()
+    command = c.ServerApp.terminado_settings["shell_command"]
+    assert command[1:] == ["--rcfile", str(lab_config.TERMINAL_RC), "-i"] and lab_config.TERMINAL_RC.is_file()
+    (ext,) = [Path(p) for p in c.LabApp.extra_labextensions_path]
+    package = json.loads((ext / "ampcourse-lab" / "package.json").read_text())
+    entry = ext / "ampcourse-lab" / package["jupyterlab"]["_build"]["load"]
+    assert entry.is_file() and '_JUPYTERLAB[NAME] = container' in entry.read_text()
+    page = c.ServerApp.tornado_settings["page_config_data"]["ampcourse"]
+    assert page["workspace"] == "my work" and page["readOnly"] == ["chapters"] and page["prefix"] == "edited_"
+
+
+@pytest.mark.skipif(not lab_config.terminal_command(), reason="no bash on this machine")
+def test_the_terminal_runs_the_course_python_even_after_a_login_profile_and_the_users_bashrc(tmp_path):
+    """Issue 28 item 13: JupyterLab's Terminal found another Python ("No module named 'ampcourse'")."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text('export PATH="/usr/bin:/bin:$PATH"\nexport FROM_BASHRC=1\n')  # as conda init would
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "AMPCOURSE_BIN": lab_config.environment_bin(), "TERM": "dumb"}
+    probe = 'echo "$FROM_BASHRC $(command -v python3)"'
+    run = subprocess.run([*lab_config.terminal_command(), "-c", probe], env=env, capture_output=True, text=True, timeout=30)
+    mark, python = run.stdout.split()[-2:]
+    assert mark == "1", "the learner's own ~/.bashrc was not read"
+    assert python == os.path.join(lab_config.environment_bin(), "python3"), run.stdout + run.stderr
+    plain = subprocess.run(["bash", "-i", "-c", probe], env=env, capture_output=True, text=True, timeout=30)
+    assert plain.stdout.split()[-1] != python  # without the rc file: the other Python (what the learner hit)
+
+
+def terminal_output(port: int, command: str, until: str, timeout: float = 60) -> str:
+    """Run a command in a new JupyterLab Terminal (REST + websocket, as the Terminal tab does); its output."""
+    from tornado.ioloop import IOLoop
+    from tornado.websocket import websocket_connect
+
+    name = api(port, "/api/terminals", "POST")["name"]
+
+    async def talk() -> str:
+        ws = await websocket_connect(f"ws://127.0.0.1:{port}/terminals/websocket/{name}")
+        ws.write_message(json.dumps(["stdin", command + "\r"]))
+        seen, deadline = "", time.monotonic() + timeout
+        while until not in seen and time.monotonic() < deadline:
+            msg = await ws.read_message()
+            if msg is None:
+                break
+            kind, *data = json.loads(msg)
+            if kind == "stdout":
+                seen += data[0]
+        ws.close()
+        return seen
+
+    try:
+        return IOLoop.current().run_sync(talk, timeout=timeout + 5)
+    finally:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/api/terminals/{name}", method="DELETE")
+        urllib.request.urlopen(req, timeout=10).close()  # 204: no body
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now (on 127.0.0.1)."""
     with socket.socket() as s:
@@ -148,7 +224,13 @@ def test_make_lab_serves_the_workspace_and_chapters_on_loopback(tmp_path):
         assert api(port, "/api/contents/chapters/01_precision_basics.ipynb?content=0")["writable"] is False
         kernel = api(port, "/api/kernels", "POST")  # the kernel a notebook gets in this JupyterLab
         if Path("/proc/self/environ").exists():
-            assert kernel_environ(kernel["id"], time.monotonic() + 60).get("OMP_NUM_THREADS") == "1"
+            environ = kernel_environ(kernel["id"], time.monotonic() + 60)
+            assert environ.get("OMP_NUM_THREADS") == "1"
+            # `!python -m ampcourse...` in a cell: the course's Python first on the kernel's PATH
+            assert environ["PATH"].split(os.pathsep)[0] == str(venv / "bin")
+        # JupyterLab's Terminal: `python -m ampcourse...` runs the course's Python (issue 28, item 13)
+        out = terminal_output(port, "python -c 'import ampcourse, sys; print(\"AMP\" + \"OK\", sys.executable)'", "AMPOK")
+        assert f"AMPOK {venv / 'bin' / 'python'}" in out.replace("\r", ""), out[-500:]
         with socket.socket() as s:  # loopback only: the machine's other addresses are not served
             s.settimeout(2)
             other = socket.gethostbyname(socket.gethostname())

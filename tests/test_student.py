@@ -10,6 +10,7 @@ chapter's own solutions is what nbval proves on the chapters (their stored check
 import importlib
 import os
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import make_student  # noqa: E402
 from make_student import (NEXT_TAG, NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerError, exercise_cells,  # noqa: E402
                           is_solution, learner_copy, stub_source)
+from nbtool import NAV_END  # noqa: E402
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 NUMBERED = [p for p in CHAPTERS if int(p.name[:2]) > 0]  # 00 is the index, not a chapter
@@ -167,7 +169,10 @@ def test_next_chapter_links_follow_the_chapter_order(student_dir):
     for path, nxt in zip(CHAPTERS, CHAPTERS[1:]):
         cell = read(student_dir / path.name).cells[-1]
         title = make_student.chapter_title(read(nxt))
-        assert title and cell.source == f"**Next:** [{title}]({nxt.name})"
+        if NAV_END in cell.metadata.get("tags", []):  # the chapter's own closing link (`nbtool.py nav`) stays last
+            assert f"[{title}]({nxt.name})" in cell.source, path.name
+        else:
+            assert title and cell.source == f"**Next:** [{title}]({nxt.name})"
 
 
 def test_cli_reports_a_broken_solution_cell(tmp_path):
@@ -199,8 +204,9 @@ def test_learner_copy_changes_only_solutions_and_outputs(path, student_dir):
     summaries = [i for i, c in enumerate(learner.cells) if SUMMARY_TAG in c.metadata.get("tags", [])]
     nexts = [i for i, c in enumerate(learner.cells) if NEXT_TAG in c.metadata.get("tags", [])]
     last = len(learner.cells) - 1
-    assert nexts == ([] if path == CHAPTERS[-1] else [last])  # every chapter but the last links to the next
-    assert summaries == ([last - len(nexts)] if exercise_cells(full) else [])
+    nav = NAV_END in learner.cells[-1].metadata.get("tags", [])  # the chapter's closing links, kept last
+    assert nexts == ([] if path == CHAPTERS[-1] or nav else [last])  # every chapter but the last links to the next
+    assert summaries == ([last - len(nexts) - nav] if exercise_cells(full) else [])
     kept = [c for c in learner.cells if not added(c)]
     assert len(kept) == len(full.cells)
     checker_of = dict(exercise_cells(full))
@@ -253,7 +259,7 @@ def learner_copy_problems(full: nbformat.NotebookNode, learner: nbformat.Noteboo
             problems.append(f"cell {i}: checker did not reject the stub with a verdict: {cell.outputs}")
         elif "expected:" not in stdout(cell) or "hint:" not in stdout(cell):
             problems.append(f"cell {i}: verdict without expected/hint: {stdout(cell)!r}")
-    last = next((c for c in reversed(learner.cells) if NEXT_TAG not in c.metadata.get("tags", [])), None)
+    last = next((c for c in reversed(learner.cells) if not {NEXT_TAG, NAV_END} & set(c.metadata.get("tags", []))), None)
     if n_exercises and (last is None or SUMMARY_TAG not in last.metadata.get("tags", [])
                         or f"Exercises done: 0 of {n_exercises}" not in stdout(last)):
         problems.append(f"summary cell: {last.outputs}")
@@ -374,3 +380,147 @@ def test_binder_opens_the_same_workspace():
     assert "tools/make_student.py -o workspace" in post_build
     assert "labpath=workspace" in (ROOT / "README.md").read_text()
     assert "--name python3" in post_build and "--env OMP_NUM_THREADS 1" in post_build
+
+
+def _placeholder_call(fn):
+    """Call a checker as a learner copy's stub does: `...` for every answer it needs (raising: ExerciseError)."""
+    import inspect
+    n = sum(1 for p in inspect.signature(fn.__wrapped__).parameters.values() if p.default is p.empty)
+    with pytest.raises(Exception) as err:
+        fn(*[...] * n)
+    return str(err.value)
+
+
+def test_a_stub_verdict_names_the_exercise_as_its_answered_verdict_does(monkeypatch):
+    """Issue 28 item 14: `N = ...` got "❌ Exercise 1.2: not yet", the docstring's label, not the checker's title."""
+    from ampcourse import exercises
+    from ampcourse.exercises import _core
+    for verdicts in ("_results", "_titles"):
+        monkeypatch.setattr(_core, verdicts, {})
+    for name in [n for n in exercises.__all__ if n.startswith("check_")]:
+        message = _placeholder_call(getattr(exercises, name))
+        first = message.splitlines()[0]
+        assert "not answered yet" in message and re.match(r"❌ Exercise \d+\.\d+ \(.+\): not yet\.$", first), (name, first)
+    # an f-string title takes the call's own arguments, and summary() shows the same title
+    with pytest.raises(exercises.ExerciseError, match=r"Exercise 1\.2 \(largest exact integer in fp16\): not yet"):
+        exercises.check_largest_exact_integer(..., "fp16")
+    assert _core._titles["check_largest_exact_integer"] == "Exercise 1.2 (largest exact integer in fp16)"
+
+
+def test_working_out_a_title_never_calls_the_learners_function():
+    from ampcourse.exercises import _core
+    calls = []
+
+    def check_demo(fn, n=3):
+        """Exercise 9.9: a title that would call the learner's function."""
+        title = f"Exercise 9.9 ({fn(n)})"
+        return title
+
+    assert _core._declared_title(check_demo, (lambda n: calls.append(n),), {}) is None and calls == []
+
+
+# --- markers as authors write them (issue 30, item 10): a learner copy never holds a solution --------
+
+SECRET = "N = 4242  # the answer"
+
+
+def _nb(*cells) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Chapter 9 · T"), *cells]
+    return nb
+
+
+def _solution(source: str, **metadata) -> nbformat.NotebookNode:
+    return nbformat.v4.new_code_cell(source, metadata={"tags": ["solution"], **metadata})
+
+
+@pytest.mark.parametrize("begin, end", [("#### BEGIN SOLUTION", "#### END SOLUTION"), ("# BEGIN SOLUTION", "# END SOLUTION"),
+                                        ("###BEGIN SOLUTION", "###END SOLUTION"), ("  ### BEGIN SOLUTION  ", "### END SOLUTION")])
+def test_the_marker_spellings_nbgrader_accepts_are_stubbed(begin, end):
+    src = f"x = 1\n### BEGIN SOLUTION\nM = 1\n### END SOLUTION\n{begin.strip()}\n{SECRET}\n{end}\n"
+    copy = learner_copy(_nb(_solution(src), nbformat.v4.new_code_cell("exercises.check_x(N, M)")))
+    stubbed = copy.cells[1].source
+    assert "4242" not in stubbed and "SOLUTION" not in stubbed
+    assert stubbed == "x = 1\nM = ...  # your code here\nN = ...  # your code here\n"
+
+
+@pytest.mark.parametrize("line", ["### BEGIN SOLUTION (part 2)", "### begin solution", "## BEGIN_SOLUTION",
+                                  "print('### BEGIN SOLUTION')", "### BEGIN SOLUTION: part 2"])
+def test_a_line_that_looks_like_a_marker_but_is_not_one_is_an_error(line):
+    src = f"### BEGIN SOLUTION\nM = 1\n### END SOLUTION\n{line}\n{SECRET}\n### END SOLUTION\n"
+    with pytest.raises(SolutionMarkerError, match="looks like a solution marker"):
+        learner_copy(_nb(_solution(src)))
+    with pytest.raises(SolutionMarkerError, match="not tagged"):  # untagged, it would have been copied as is
+        learner_copy(_nb(nbformat.v4.new_code_cell(f"{line}\n{SECRET}\n")))
+
+
+@pytest.mark.parametrize("eol", ["\r\n", "\r"])
+def test_crlf_and_cr_line_endings_are_understood(eol):
+    src = eol.join(["x = 1", "### BEGIN SOLUTION", SECRET, "### END SOLUTION", ""])
+    copy = learner_copy(_nb(_solution(src), nbformat.v4.new_code_cell("exercises.check_x(N)")))
+    assert copy.cells[1].source == "x = 1\nN = ...  # your code here\n"
+    with pytest.raises(SolutionMarkerError, match="not tagged"):
+        learner_copy(_nb(nbformat.v4.new_code_cell(src)))
+
+
+@pytest.mark.parametrize("kind", ["markdown", "raw"])
+def test_markers_in_a_markdown_or_raw_cell_are_an_error(kind):
+    make = nbformat.v4.new_markdown_cell if kind == "markdown" else nbformat.v4.new_raw_cell
+    cell = make(f"The answer:\n### BEGIN SOLUTION\n{SECRET}\n### END SOLUTION\n", metadata={"tags": ["solution"]})
+    with pytest.raises(SolutionMarkerError, match=f"cell 1: a solution marker in a {kind} cell"):
+        learner_copy(_nb(cell))
+
+
+def test_null_tags_are_no_tags_and_other_tags_are_an_error(tmp_path, capsys):
+    plain = nbformat.v4.new_code_cell("y = 2")
+    plain.metadata["tags"] = None  # as some editors write it
+    assert learner_copy(_nb(plain)).cells[1].source == "y = 2"
+    odd = _solution(f"### BEGIN SOLUTION\n{SECRET}\n### END SOLUTION")
+    odd.metadata["tags"] = "solution"  # a string, not a list: is it tagged? not understood
+    with pytest.raises(SolutionMarkerError, match="cell 1: cell tags must be a list of strings"):
+        learner_copy(_nb(odd))
+    nbformat.write(_nb(odd), tmp_path / "odd.ipynb")
+    assert make_student.main([str(tmp_path / "odd.ipynb"), "-o", str(tmp_path / "out")]) == 1
+    assert "Traceback" not in capsys.readouterr().err and not (tmp_path / "out" / "odd.ipynb").exists()
+
+
+@pytest.mark.parametrize("block", [
+    "for i in range(3):\n    N = i + 1",
+    "with contextlib.nullcontext() as ctx:\n    N = 3",
+    "if True:\n    N = 3\nelse:\n    N = 4",
+    "try:\n    N = 3\nexcept ValueError as err:\n    N = 4",
+    "while (N := 3) < 0:\n    pass",
+])
+def test_names_bound_inside_top_level_blocks_get_a_stub_and_the_checker_cell_runs(block):
+    full = _nb(_solution(f"import contextlib\n### BEGIN SOLUTION\n{block}\n### END SOLUTION"),
+               nbformat.v4.new_code_cell("exercises.check_x(N)"))
+    stubbed = learner_copy(full).cells[1].source
+    assert "N = ...  # your code here" in stubbed
+    namespace: dict = {}
+    exec(stubbed, namespace)  # the learner's Run All: the cell runs ...
+    assert namespace["N"] is ...  # ... and the checker gets the placeholder, not a NameError
+
+
+def test_a_region_in_a_top_level_block_is_not_a_raise():
+    """Indented but outside any def: a `raise` there would end the cell in error and stop Run All."""
+    src = "total = 0\nfor x in range(3):\n    ### BEGIN SOLUTION\n    total += x\n    ### END SOLUTION\n"
+    stubbed = stub_source(src, "exercises.check_x(total)")
+    assert "raise" not in stubbed and "    total = ...  # your code here" in stubbed
+    exec(stubbed, {})
+    assert stub_source("for x in range(3):\n    ### BEGIN SOLUTION\n    print(x)\n    ### END SOLUTION\n", "check()") == (
+        "for x in range(3):\n    pass  # your code here\n")  # nothing to bind: the block must not be empty
+    inside = stub_source("def f(x):\n    for y in x:\n        ### BEGIN SOLUTION\n        y += 1\n        ### END SOLUTION\n")
+    assert inside == f"def f(x):\n    for y in x:\n        {STUB}\n"
+
+
+def test_learner_copies_never_replace_the_chapters_they_are_made_from(tmp_path, capsys):
+    chapters = tmp_path / "chapters"
+    chapters.mkdir()
+    full = chapters / CHAPTERS[1].name
+    full.write_bytes(CHAPTERS[1].read_bytes())
+    for extra in (["--overwrite"], []):
+        assert make_student.main([*extra, "-o", str(chapters), str(full)]) == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "folder of the full chapters" in err
+        assert full.read_bytes() == CHAPTERS[1].read_bytes()
+    assert make_student.main(["-o", str(ROOT / "chapters"), str(full)]) == 1  # the repository's chapters/ too

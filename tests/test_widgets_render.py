@@ -54,7 +54,7 @@ def _frame(w) -> np.ndarray:
 
 def _full_redraw(w) -> np.ndarray:
     """What the figure shows when everything is drawn again (no cached axes)."""
-    w._figure._background = None  # what invalidate() does (a test below patches invalidate out)
+    w._figure._backgrounds.clear()  # what invalidate() does (a test below patches invalidate out)
     w._figure.render()
     return _frame(w)
 
@@ -85,6 +85,28 @@ def test_range_explorer_moves_show_what_a_full_redraw_shows():
     _drive(widgets.range_explorer(np.geomspace(1e-8, 1e-2, 5000)), RANGE_MOVES)
 
 
+def test_range_explorer_prerendered_formats_show_what_a_full_redraw_shows():
+    """Every format drawn ahead (as a kernel does once the widget's cell is done): a switch is a cached bitmap."""
+    w = widgets.range_explorer(np.geomspace(1e-8, 1e-2, 5000))
+    assert w.prerender() == len(w.fmt_select.options) - 1 and w.prerender() == 0
+    moves = RANGE_MOVES[:7] + [("fmt_select", "fp16"), ("fmt_select", "fp8_e5m2")]
+    draws = w._figure.full_draws
+    _drive(w, moves)
+    # _drive's own full redraws (one per move) forget the bitmaps; with none left, a switch draws again (3: the
+    # three switches); what a learner sees without _drive is the next test
+    assert w._figure.full_draws == draws + len(moves) + 3
+
+
+def test_a_prerendered_format_switch_draws_nothing_new():
+    w = widgets.range_explorer(np.geomspace(1e-8, 1e-2, 5000))
+    w.prerender()
+    draws = w._figure.full_draws
+    for name in [*w.fmt_select.options, "fp16"]:
+        w.fmt_select.value = name
+        w.slider.value += 1
+    assert w._figure.full_draws == draws
+
+
 def test_scaler_moves_show_what_a_full_redraw_shows():
     """Moves that keep the axes (only the trajectory and title drawn) and moves that change them alike."""
     _drive(widgets.scaler_simulator(steps=2000, burst="1000-1005"), SCALER_MOVES)
@@ -93,6 +115,8 @@ def test_scaler_moves_show_what_a_full_redraw_shows():
 def test_a_stale_cached_axes_is_caught(monkeypatch):
     """The check above can fail: with the cache never invalidated, new limits show old ticks and zones."""
     monkeypatch.setattr(widgets._FigureImage, "invalidate", lambda self: None)
+    # and every state shares one bitmap (the key a widget names for its axes' state is ignored)
+    monkeypatch.setattr(widgets._FigureImage, "key", property(lambda self: None, lambda self, value: None), raising=False)
     with pytest.raises(AssertionError, match="differ from a full redraw"):
         _drive(widgets.scaler_simulator(steps=2000, burst="1000-1005"), SCALER_MOVES)
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from ampcourse import formats
+from ampcourse import formats, widgets
 from ampcourse.scaling import range_counts, simulate_scale
 from ampcourse.widgets import parse_scale, parse_steps, range_explorer, scaler_simulator
 
@@ -182,3 +182,97 @@ def test_zone_shading_matches_formats():
     f = formats.spec("fp16")
     assert zones["subnormal"][0] == math.log2(f.min_subnormal / 2) and zones["normal"][0] < -13.99
     assert 15.99 < zones["overflow"][0] < 16
+
+
+# --- issue 28, item 16: chapter 6's widgets, fast and legible ----------------------------------------------
+
+def _em(width: str) -> float:
+    assert width.endswith("em"), width
+    return float(width[:-2])
+
+
+def test_the_format_dropdown_and_the_scale_slider_are_wide_enough():
+    r = widgets.range_explorer(np.geomspace(1e-8, 1e-2, 500))
+    assert _em(r.fmt_select.layout.width) >= 16  # "fp8_e4m3" was cut to "fp8_e4" at 12em
+    values = r.slider.max - r.slider.min + 1
+    track_em = _em(r.slider.layout.width) - _em(r.slider.style.description_width) - 4  # 4em: the readout
+    assert track_em * 14 / (values - 1) >= 5, "a slider track with under 5 px per power of two"  # 14 px per em
+
+
+def test_a_refused_scale_says_what_the_plot_still_shows_and_a_format_switch_clears_it():
+    r = widgets.range_explorer(np.geomspace(1e-8, 1e-2, 500))
+    r.slider.value = 16
+    r.text.value = "-1"
+    assert "still show 2**16" in r.message.value and r.scale == 2.0**16
+    r.fmt_select.value = "bf16"
+    assert r.message.value == ""
+
+
+def test_a_refused_burst_says_which_burst_the_plot_shows():
+    s = widgets.scaler_simulator(steps=2000, burst="1000-1002")
+    s.burst.value = "oops"
+    assert "still shows the burst at steps 1000, 1001, 1002" in s.message.value and s._burst_steps == [1000, 1001, 1002]
+
+
+def test_format_switches_after_prerender_and_revisited_states_are_moves_not_full_redraws():
+    r = widgets.range_explorer(np.geomspace(1e-8, 1e-2, 500))
+    assert not widgets._when_idle(lambda: None)  # not in a kernel: nothing is scheduled; prerender by hand
+    assert r.prerender() == len(r.fmt_select.options) - 1
+    draws = r._figure.full_draws
+    for name in ["bf16", "fp8_e4m3", "fp16", "fp8_e5m2", "fp16"]:
+        r.fmt_select.value = name
+    assert r._figure.full_draws == draws
+    s = widgets.scaler_simulator(steps=6000)
+    s.steps.value = 20000
+    draws = s._figure.full_draws
+    for steps in (19000, 18010, 17510, 20000):  # one axis end (20000): moves
+        s.steps.value = steps
+    s.steps.value = 6000
+    s.steps.value = 20000  # both drawn before
+    assert s._figure.full_draws == draws and s.ax.get_xlim() == (0, 20000)
+
+
+@pytest.mark.parametrize("steps, end", [(10, 10), (11, 12), (6000, 6000), (6010, 7000), (12500, 12500),
+                                         (19990, 20000), (2010, 2500), (8010, 10000)])
+def test_the_step_axis_ends_on_a_round_number_the_run_fills_mostly(steps, end):
+    assert widgets._axis_end(steps) == end and 0.8 * end <= steps <= end
+    assert all(0.8 * widgets._axis_end(n) <= n for n in range(10, 20001, 10))  # every value the slider can take
+
+
+def test_in_a_kernel_the_formats_are_prerendered_once_the_widgets_cell_is_done(tmp_path):
+    """_when_idle: the cell that makes the widget returns first; the next cell finds every format drawn."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    code = nbformat.v4.new_code_cell
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [code("import numpy as np\nfrom ampcourse.widgets import range_explorer\n"
+                     "r = range_explorer(np.geomspace(1e-8, 1e-2, 500))\nprint(sorted(r._figure._backgrounds))"),
+                code("print(sorted(r._figure._backgrounds))")]
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    first, second = ("".join(o.get("text", "") for o in c.outputs).strip() for c in nb.cells)
+    assert first == "['fp16']"  # the widget's own cell did not wait for the other formats
+    assert second == str(sorted(widgets.range_explorer(np.geomspace(1e-8, 1e-2, 50)).fmt_select.options))
+
+
+def _chapter6_cell(start: str) -> str:
+    import nbformat
+
+    path = __import__("pathlib").Path(__file__).resolve().parents[1] / "chapters" / "06_loss_scaling.ipynb"
+    return next(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code" and start in c.source)
+
+
+def test_chapter_6s_check_cells_leave_the_learners_widgets_as_they_were():
+    """Issue 28 item 16's "the check cell moves the learner's slider", in chapter 6: the cells that drive the widgets
+    from code put the learner's settings back."""
+    g = np.geomspace(1e-8, 1e-2, 500)
+    explorer = widgets.range_explorer(g)
+    explorer.slider.value, explorer.fmt_select.value = -3, "fp8_e5m2"  # where the learner left it
+    exec(_chapter6_cell("range_counts(grads, 2.0**best)"), {"explorer": explorer, "best": 10, "grads": g,
+                                                            "range_counts": range_counts})
+    assert (explorer.slider.value, explorer.fmt_select.value) == (-3, "fp8_e5m2")
+    simulator = widgets.scaler_simulator(steps=2000, burst="1000-1002")
+    simulator.growth_interval.value = 77
+    exec(_chapter6_cell("simulator.growth_interval.value = 500"), {"simulator": simulator, "simulate_scale": simulate_scale,
+                                                                   "print": lambda *a, **k: None})
+    assert simulator.growth_interval.value == 77

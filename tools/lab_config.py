@@ -9,6 +9,13 @@
   outputs; what stays is the widget's text, the course's "run this cell ..." hint (``widgets.STORED_HINT``).
   Reopened later, the copy shows that hint, not "Error displaying widget: model not found".
 - One kernel on the Launcher: ``python3``, the one every notebook asks for (shown as "ampcourse").
+- The course environment's ``bin`` comes first on PATH for kernels and the Terminal (``environment_bin``), so
+  ``!python -m ampcourse...`` in a cell and ``python -m ampcourse...`` in JupyterLab's Terminal run the course's
+  Python; the Terminal is bash with ``tools/lab_terminal.bashrc`` (your ``~/.bashrc``, then that bin again).
+- A small front-end extension (``tools/labextension/ampcourse-lab``, plain JavaScript, no build step): a full
+  chapter's tab reads "[full] NAME", in italics (its learner copy has the same file name), and Save As from a full
+  chapter, also the "Save as" JupyterLab offers when an edited one is closed, proposes
+  ``workspace/edited_NAME`` instead of the read-only ``chapters/NAME``, which the server refuses.
 
 Every rule is a plain function or class here, so tests use them without a server.
 """
@@ -16,6 +23,7 @@ Every rule is a plain function or class here, so tests use them without a server
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path, PurePosixPath
 from urllib.parse import quote
@@ -27,6 +35,10 @@ sys.path.insert(0, str(TOOLS))
 import nbtool  # noqa: E402  (the one home of the notebook rules: kernelspec, widget views)
 
 WIDGET_VIEW = nbtool.WIDGET_VIEW
+LABEXTENSIONS = TOOLS / "labextension"  # ampcourse-lab: the front-end rules (module docstring)
+TERMINAL_RC = TOOLS / "lab_terminal.bashrc"
+EDITED_PREFIX = "edited_"  # Save As from chapters/NAME proposes WORKSPACE/edited_NAME
+TAB_MARK = "[full] "  # a full chapter's tab reads "[full] NAME" (its learner copy's: "NAME")
 KERNEL = nbtool.KERNELSPEC["name"]  # the name every notebook asks for; `make lab` installs it as "ampcourse"
 
 
@@ -67,6 +79,34 @@ def pre_save(model: dict, path: str, **kwargs) -> None:
         strip_widget_views(model["content"])
 
 
+def refusal(path: str, workspace: str = "workspace") -> str:
+    """Why the server refuses to write a full chapter, and what to do instead (shown by JupyterLab's error dialog).
+
+    It names the file Save As proposes there (``workspace/edited_NAME``), not "File > Save As", which is the
+    very action that proposed this path before the course's extension and looped.
+    """
+    name = PurePosixPath(path).name
+    return (f"{path} is a full chapter, read-only (it stays as git has it). Your own copy is {workspace}/{name}; "
+            f"to keep these edits, Save As {workspace}/{EDITED_PREFIX}{name}, or close without saving")
+
+
+def environment_bin() -> str:
+    """The folder of the Python running JupyterLab (the course's .venv/bin, or Binder's), put first on PATH."""
+    return str(Path(sys.executable).parent)
+
+
+def put_first_on_path(folder: str, path: str | None) -> str:
+    """PATH with folder first (once): kernels' `!python` and the Terminal's `python` are then the course's."""
+    rest = [p for p in (path or "").split(os.pathsep) if p and os.path.normpath(p) != os.path.normpath(folder)]
+    return os.pathsep.join([folder, *rest])
+
+
+def terminal_command(shell: str | None = None) -> list[str] | None:
+    """bash with the course's rc file (None without bash: the Terminal keeps its default shell and PATH)."""
+    bash = shell or shutil.which("bash")
+    return [bash, "--rcfile", str(TERMINAL_RC), "-i"] if bash else None
+
+
 def course_contents_manager():
     """The server's contents manager with the read-only chapters (built lazily: jupyter_server imports here only)."""
     from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
@@ -74,8 +114,7 @@ def course_contents_manager():
 
     def refuse(path: str) -> None:
         if is_read_only(path):
-            raise web.HTTPError(403, f"{path} is read-only (the full chapters stay as git has them): work in your "
-                                     "copy in workspace/, or File > Save As to keep a copy elsewhere")
+            raise web.HTTPError(403, refusal(path))
 
     class CourseContentsManager(AsyncLargeFileManager):
         """AsyncLargeFileManager with chapters/ read-only (see the module docstring)."""
@@ -114,6 +153,20 @@ def configure(c, workspace: str | None = None, root: str = ".") -> None:
     c.LabApp.default_url = default_url(workspace, root)
     c.ServerApp.default_url = c.LabApp.default_url
     c.KernelSpecManager.allowed_kernelspecs = {KERNEL}
+    # Kernels and terminals inherit the server's environment: the course's Python first (issue 28, item 13).
+    os.environ["AMPCOURSE_BIN"] = environment_bin()
+    os.environ["PATH"] = put_first_on_path(environment_bin(), os.environ.get("PATH"))
+    command = terminal_command()
+    if command:
+        c.ServerApp.terminado_settings = {**dict(c.ServerApp.get("terminado_settings") or {}), "shell_command": command}
+    c.LabApp.extra_labextensions_path = [str(LABEXTENSIONS)]
+    # What the extension reads (page config "ampcourse"): which folders are read-only, where the workspace is.
+    rel = os.path.relpath(os.path.join(os.path.abspath(root), workspace), os.path.abspath(root))
+    settings = dict(c.ServerApp.get("tornado_settings") or {})
+    settings["page_config_data"] = {**settings.get("page_config_data", {}), "ampcourse": {
+        "readOnly": list(READ_ONLY_DIRS), "workspace": "" if rel.startswith("..") else PurePosixPath(*rel.split(os.sep)).as_posix(),
+        "mark": TAB_MARK, "prefix": EDITED_PREFIX}}
+    c.ServerApp.tornado_settings = settings
 
 
 if "get_config" in globals():  # loaded by Jupyter as a config file (jupyter lab --config tools/lab_config.py)

@@ -3,6 +3,8 @@
     python tools/nbtool.py execute chapters/*.ipynb   # run top to bottom, store outputs, clean
     python tools/nbtool.py clean chapters/*.ipynb     # strip noisy metadata only
     python tools/nbtool.py check chapters/*.ipynb     # exit 1 if a notebook is not clean
+    python tools/nbtool.py nav chapters/*.ipynb       # links to the index and the next chapter, Binder badge
+    python tools/nbtool.py nav --check chapters/*.ipynb   # exit 1 if a chapter's links are missing or stale
 
 "Clean" means: no execution timestamps, no widget state, no machine paths, a standard python3
 kernelspec, only the cell metadata that means something (tags), and execution counts 1..n.
@@ -155,13 +157,119 @@ def execute(path: Path, timeout: int = 600) -> float:
     return elapsed
 
 
+# --- navigation: every chapter links to the index at its top and its end, and to the next chapter ----------
+# Markdown cells only (nbval compares no markdown), so adding them needs no re-execution. Idempotent: the cells
+# are found again by their tag and rewritten; run it after adding or renaming a chapter (`nav --check` says when).
+
+NAV_TOP, NAV_END = "nav-top", "nav-end"  # the tags of the two navigation cells
+INDEX = "00_index.ipynb"
+BINDER = "https://mybinder.org/badge_logo.svg"
+BINDER_REPO = "https://mybinder.org/v2/gh/ampcourse/ampcourse/main"
+_BINDER_BADGE = re.compile(r"\[!\[Binder\]\([^)]*\)\]\([^)]*\)")
+_TITLE = re.compile(r"^#\s+(?:Chapter\s+\d+\s*·\s*)?(.+?)\s*$", re.MULTILINE)
+
+
+def binder_badge(name: str) -> str:
+    """The Binder badge of a notebook: it opens the learner's copy in workspace/, as `make lab` does."""
+    return f"[![Binder]({BINDER})]({BINDER_REPO}?labpath=workspace%2F{name})"
+
+
+def notebook_title(nb: nbformat.NotebookNode) -> str:
+    """'Chapter 2 · Why mixed precision...' from the first markdown heading ('' if none)."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return ""
+
+
+def nav_cells(name: str, next_chapter: tuple[str, str] | None) -> tuple[str | None, str]:
+    """The (top, end) markdown of a notebook's navigation cells; top is None for the index (it is the top).
+
+    next_chapter: (file name, title) of the chapter after this one, None for the last.
+    """
+    index = f"[course index]({INDEX})"
+    nxt = f"[{next_chapter[1] or next_chapter[0]}]({next_chapter[0]})" if next_chapter else None
+    if name == INDEX:
+        return None, f"**Start:** {nxt}" if nxt else "**Start:** the chapters listed above"
+    top = f"← Back to the {index}" + (f" · next: {nxt}" if nxt else "")
+    end = (f"**Next:** {nxt} · or back to the {index}" if nxt
+           else f"**The end of the course.** Back to the {index} for the chapters, the outline map and the glossary.")
+    return top, end
+
+
+def _tagged(nb: nbformat.NotebookNode, tag: str) -> list[int]:
+    """Indices of the cells carrying tag."""
+    return [i for i, c in enumerate(nb.cells) if tag in ((c.get("metadata") or {}).get("tags") or [])]
+
+
+def add_nav(nb: nbformat.NotebookNode, name: str, next_chapter: tuple[str, str] | None) -> nbformat.NotebookNode:
+    """Put the navigation cells in place (top: after the title cell; end: last) and the first cell's Binder badge.
+
+    Idempotent: existing navigation cells are removed first and written again, so a rename is picked up.
+    """
+    for i in reversed(_tagged(nb, NAV_TOP) + _tagged(nb, NAV_END)):
+        del nb.cells[i]
+    top, end = nav_cells(name, next_chapter)
+    first = nb.cells[0] if nb.cells and nb.cells[0].cell_type == "markdown" else None
+    if first is not None and name != INDEX:  # one Binder story: every badge opens the learner's copy
+        badge = binder_badge(name)
+        first.source = (_BINDER_BADGE.sub(badge, first.source) if _BINDER_BADGE.search(first.source)
+                        else first.source.rstrip("\n") + "\n\n" + badge)
+    if top is not None:
+        nb.cells.insert(1 if first is not None else 0, nbformat.v4.new_markdown_cell(top, metadata={"tags": [NAV_TOP]}))
+    nb.cells.append(nbformat.v4.new_markdown_cell(end, metadata={"tags": [NAV_END]}))
+    for cell in nb.cells:  # nbformat 4.4 (what `clean` stores): no cell ids
+        if (nb.nbformat, nb.nbformat_minor) < (4, 5):
+            cell.pop("id", None)
+    return nb
+
+
+def nav_problems(nb: nbformat.NotebookNode, name: str, next_chapter: tuple[str, str] | None) -> list[str]:
+    """What is missing or stale in a notebook's navigation (empty: as `nav` would write it)."""
+    want = add_nav(nbformat.from_dict(nb), name, next_chapter)
+    found = []
+    top, end = nav_cells(name, next_chapter)
+    tops, ends = _tagged(nb, NAV_TOP), _tagged(nb, NAV_END)
+    if top is not None and (len(tops) != 1 or nb.cells[tops[0]].source != top or tops[0] > 1):
+        found.append(f"no link to {INDEX} at the top (or a stale one): run `tools/nbtool.py nav`")
+    if len(ends) != 1 or ends[0] != len(nb.cells) - 1 or nb.cells[ends[0]].source != end:
+        found.append(f"no closing link ({INDEX}, next chapter) as its last cell (or a stale one): run `tools/nbtool.py nav`")
+    if nb.cells and want.cells and nb.cells[0].source != want.cells[0].source:
+        found.append("its Binder badge does not open the learner's copy (workspace/): run `tools/nbtool.py nav`")
+    return found
+
+
+def chapter_order(paths: list[Path]) -> dict[Path, tuple[str, str] | None]:
+    """{notebook: (file name, title) of the next numbered notebook in its folder, or None for the last}."""
+    out: dict[Path, tuple[str, str] | None] = {}
+    for path in paths:
+        siblings = sorted(path.parent.glob("[0-9][0-9]_*.ipynb"))
+        later = siblings[siblings.index(path) + 1:] if path in siblings else []
+        out[path] = (later[0].name, notebook_title(nbformat.read(later[0], as_version=4))) if later else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command line: execute, clean or check notebooks."""
+    """Command line: execute, clean, check or add navigation to notebooks."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["execute", "clean", "check"])
+    ap.add_argument("command", choices=["execute", "clean", "check", "nav"])
     ap.add_argument("notebooks", nargs="+", type=Path)
+    ap.add_argument("--check", action="store_true", help="nav: only report missing or stale navigation (exit 1)")
     args = ap.parse_args(argv)
     status = 0
+    if args.command == "nav":
+        for path, nxt in chapter_order(args.notebooks).items():
+            nb = nbformat.read(path, as_version=4)
+            if args.check:
+                for p in nav_problems(nb, path.name, nxt):
+                    print(f"{path}: {p}")
+                    status = 1
+            elif nav_problems(nb, path.name, nxt):
+                nbformat.write(add_nav(nb, path.name, nxt), path)
+                print(f"{path}: navigation written")
+        return status
     for path in args.notebooks:
         if args.command == "execute":
             print(f"{path}: executed in {execute(path):.1f} s", flush=True)

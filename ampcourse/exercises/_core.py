@@ -22,8 +22,10 @@ Each checker's latest verdict is kept (per process) for :func:`summary`.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import inspect
 import math
 import os
 import signal
@@ -152,6 +154,76 @@ def _label(fn: Callable) -> str:
     return first.split(":")[0] if first.startswith("Exercise") else fn.__name__
 
 
+def _function_tree(fn: Callable) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The syntax tree of a function's definition (None without source: a builtin, code typed into exec)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    return next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+
+
+def _title_assignment(fn: Callable) -> tuple[list[ast.stmt], ast.expr] | None:
+    """The statements before a checker's ``title = ...`` line and that line's value (None if it has none)."""
+    func = _function_tree(fn)
+    if func is None:
+        return None
+    before: list[ast.stmt] = []
+    for stmt in func.body:
+        if isinstance(stmt, ast.Assign) and [getattr(t, "id", None) for t in stmt.targets] == ["title"]:
+            return before, stmt.value
+        if not (isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets)) and not (
+                isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)):  # docstring
+            return None  # a branch or a call statement first: the title depends on more than plain assignments
+        before.append(stmt)
+    return None
+
+
+def _root_name(node: ast.expr) -> str | None:
+    """The name an expression such as ``a.b[0].c`` starts from ('a'), or None."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _declared_title(fn: Callable, args: tuple, kwargs: dict) -> str | None:
+    """The title a checker's verdicts use ('Exercise 1.2 (largest exact integer in bf16)'), worked out without running it.
+
+    Every checker starts with ``title = "Exercise N.M (...)"`` (an f-string of its arguments at most, after a
+    few plain assignments such as ``f = formats.spec(fmt)``). A placeholder answer is refused before the
+    checker runs, so its verdict would otherwise carry only the docstring's "Exercise N.M". Those first
+    assignments are evaluated with the call's arguments; one that would call an argument (the learner's
+    function) or reads a placeholder is not, and None means: use the docstring's label.
+    """
+    found = _title_assignment(fn)
+    if found is None:  # a checker that hands its title on (`_launch_and_judge("Exercise 7.3 (...)", ...)`)
+        label = _label(fn)
+        return next((n.value for n in ast.walk(_function_tree(fn) or ast.Module([], []))
+                     if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith(label + " (")),
+                    None)
+    before, value = found
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    params = dict(bound.arguments)
+    for stmt in [*before, ast.Assign(targets=[ast.Name("title", ast.Store())], value=value)]:
+        if isinstance(stmt, ast.Expr):
+            continue
+        reads = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name)}
+        calls = {_root_name(n.func) for n in ast.walk(stmt.value) if isinstance(n, ast.Call)}
+        if calls & set(bound.arguments) or any(_placeholder(params[r]) for r in reads if r in params):
+            return None  # never call the learner's code (or feed it `...`) just to name the exercise
+        try:
+            result = eval(compile(ast.Expression(stmt.value), "<title>", "eval"), fn.__globals__, params)  # noqa: S307
+        except Exception:  # noqa: BLE001 (an argument the title cannot use: the docstring's label will do)
+            return None
+        params[stmt.targets[0].id] = result
+    title = params.get("title")
+    return title if isinstance(title, str) and title.startswith(_label(fn)) else None
+
+
 @contextlib.contextmanager
 def known_torch_state() -> Iterator[None]:
     """Run a block with torch's defaults (float32 default dtype, grad mode on, autocast off), then restore the caller's.
@@ -261,17 +333,22 @@ def checker(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         name = fn.__name__
         _last_title.clear()
+
+        def title() -> str:
+            """The title of the latest verdict, else the checker's own (worked out from its code), else its label."""
+            return _last_title[0] if _last_title else (_declared_title(fn, args, kwargs) or _label(fn))
+
         try:
-            out = _judged(fn, lambda: _last_title[0] if _last_title else _label(fn), args, kwargs)
+            out = _judged(fn, title, args, kwargs)
         except ExerciseError:  # the verdict is already printed
             _results[name] = False
-            _titles[name] = _last_title[0] if _last_title else _label(fn)
+            _titles[name] = title()
             if _must_raise():
                 raise
             return None
         except Exception as err:  # an answer the checker cannot even use (e.g. `...` left in a stub)
             _results[name] = False
-            _titles.setdefault(name, _label(fn))
+            _titles[name] = title()
             if _must_raise():
                 raise
             hint = ("replace the `raise NotImplementedError` stub with your code" if isinstance(err, NotImplementedError)
@@ -280,7 +357,7 @@ def checker(fn: Callable[..., Any]) -> Callable[..., Any]:
             print(verdict_text(_titles[name], "an answer the checker can use", f"{type(err).__name__}: {err}", hint))
             return None
         _results[name] = True
-        _titles[name] = _last_title[0] if _last_title else _label(fn)
+        _titles[name] = title()
         return out
 
     run._ampcourse_checker = True  # type: ignore[attr-defined]

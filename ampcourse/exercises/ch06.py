@@ -59,6 +59,32 @@ def _torch_update(scale: float, tracker: int, found_inf: bool, gf: float, bf: fl
     return s.item(), int(t.item())
 
 
+_F32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: where GradScaler's float32 scale becomes inf
+
+
+def _update_rule_hint(case: tuple, got: Any, want: tuple[float, int]) -> str:
+    """What a wrong (scale, tracker) for one case of 6.3 most likely missed.
+
+    The growth check is float32's: ``scale * growth_factor`` above 3.4e38 is inf in the float32 scale tensor
+    but a finite Python float (up to 1.8e308), so "unless that gives inf" alone sends a learner checking
+    ``math.isinf`` on a float64 product that never is.
+    """
+    scale, tracker, found, gf, bf, gi = case
+    got_scale = float(got[0])
+    close = math.isclose(got_scale, want[0], rel_tol=1e-6) and int(got[1]) == want[1]
+    if close:
+        return ("right up to the last bit: the scale is float32; multiply in float64 and round once, "
+                "e.g. float(np.float32(scale * factor))")
+    if found:
+        return "overflow: scale * backoff_factor and tracker 0"
+    if math.isfinite(got_scale) and got_scale > _F32_MAX:
+        return (f"your scale {got_scale:.4g} is a finite Python float, but GradScaler keeps the scale in float32, "
+                f"whose largest value is {_F32_MAX:.4g}: there it is inf. When the grown scale is inf in float32, "
+                "keep the old scale (the tracker still restarts at 0)")
+    return (f"no overflow: tracker + 1; when it reaches growth_interval, grow and reset to 0, unless the grown scale "
+            f"is inf in float32 (above {_F32_MAX:.4g}, though a Python float is still finite there): then keep the scale")
+
+
 def check_update_rule(update: Callable[..., tuple[float, int]], n_cases: int = 400) -> None:
     """Exercise 6.3: update(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval) -> (scale, tracker), bit for bit."""
     title = "Exercise 6.3 (GradScaler's update rule)"
@@ -77,11 +103,5 @@ def check_update_rule(update: Callable[..., tuple[float, int]], n_cases: int = 4
         except (TypeError, ValueError, IndexError):
             failed(title, "a pair (scale, tracker)", repr(got)[:80], "return new_scale, new_tracker")
         if not ok:
-            scale, tracker, found, gf, bf, gi = case
-            close = math.isclose(float(got[0]), want[0], rel_tol=1e-6) and int(got[1]) == want[1]
-            hint = ("right up to the last bit: the scale is float32; multiply in float64 and round once, "
-                    "e.g. float(np.float32(scale * factor))" if close else
-                    "overflow: scale * backoff_factor and tracker 0" if found else
-                    "no overflow: tracker + 1; when it reaches growth_interval, grow (unless that gives inf) and reset to 0")
-            failed(title, f"update{case} == {want}", tuple(got), hint)
+            failed(title, f"update{case} == {want}", tuple(got), _update_rule_hint(case, got, want))
     passed(title, f"Your rule matches torch._amp_update_scale_ on {len(cases)} cases, float32 rounding included.")
