@@ -390,7 +390,7 @@ def test_inputs_must_hold_a_tensor():
 
 def test_cli_plans_a_factory_of_yours(tmp_path, monkeypatch, capsys):
     from ampcourse.plan.cli import main
-    (tmp_path / "my_models.py").write_text(
+    (tmp_path / "plan_cli_models.py").write_text(
         "import torch\n"
         "def make():\n"
         "    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))\n"
@@ -398,9 +398,10 @@ def test_cli_plans_a_factory_of_yours(tmp_path, monkeypatch, capsys):
         "def broken():\n"
         "    raise RuntimeError('no data here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["--model", "my_models:make", "--gpu", "l4", "--precisions", "fp32,bf16", "--top", "3"]) == 0
+    monkeypatch.delitem(sys.modules, "plan_cli_models", raising=False)  # a name of its own: no other test's module
+    assert main(["--model", "plan_cli_models:make", "--gpu", "l4", "--precisions", "fp32,bf16", "--top", "3"]) == 0
     assert "L4" in capsys.readouterr().out
-    assert main(["--model", "my_models:broken"]) == 2
+    assert main(["--model", "plan_cli_models:broken"]) == 2
     assert "the factory raised RuntimeError: no data here" in capsys.readouterr().err
-    assert main(["--model", "my_models.py:make"]) == 2
+    assert main(["--model", "plan_cli_models.py:make"]) == 2
     assert "not a file path" in capsys.readouterr().err

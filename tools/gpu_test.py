@@ -287,7 +287,8 @@ def cell_timeout(budget_s: float) -> int:
 #: tests/gpu's files in the order they run: the quick ones and the paths nothing else covers first, the long doctor
 #: cost test (its own 100 s limit) last, so a step cut at its budget loses the least (every file must be listed).
 GPU_TEST_FILES = ("tests/gpu/test_cuda_amp.py", "tests/gpu/test_cuda_scaling.py", "tests/gpu/test_cuda_lowbit.py",
-                  "tests/gpu/test_cuda_bench.py", "tests/gpu/test_cuda_doctor.py")
+                  "tests/gpu/test_cuda_emulate.py", "tests/gpu/test_cuda_plan.py", "tests/gpu/test_cuda_bench.py",
+                  "tests/gpu/test_cuda_doctor.py")
 
 
 def gpu_tests_step(out: Path, python: str | None = None, targets: tuple[str, ...] = GPU_TEST_FILES,

@@ -10,6 +10,8 @@ from ampcourse import models
 from ampcourse.bench import fp32_math
 from ampcourse.plan import GPU, capture_step, plan
 
+pytestmark = pytest.mark.gpu
+
 
 def _step(model, x, y, loss_fn, opt, dtype):
     with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
