@@ -696,10 +696,12 @@ def test_fp32_weights_with_an_optimizer_that_keeps_fp16_state_are_audited():
     assert losses[1] > 100 * losses[0]
     r = examine(model, x, y, loss_fn=F.cross_entropy, optimizer=HalfStateAdam(model.parameters()))
     bad = r.find("optimizer_blowup") + r.find("optimizer_nonfinite")
-    assert bad and bad[0].severity == "error" and bad[0].precision == "fp32", r.summary()
+    # tagged with the dtype measured (the state's), counted against every recipe (phase "optimizer")
+    assert bad and bad[0].severity == "error" and bad[0].precision == "fp16" and bad[0].phase == "optimizer", r.summary()
     assert "keeps it in float16" in bad[0].message and "as far as the fp32-master step" not in bad[0].message
     assert not r.is_clean("fp16") and not r.is_clean("bf16")
-    assert "every precision above first" in r.advice[0]
+    assert r.verdicts["bf16"]["status"] == "refused" and r.verdicts["bf16"]["needs"] == ["master_weights"]
+    assert "keep the optimizer's state in fp32, then use" in r.headline and "master weights" not in r.headline
 
 
 def test_an_optimizer_of_ones_own_with_fp32_state_is_stepped_and_stays_quiet():

@@ -17,9 +17,11 @@ import torch
 
 from .. import formats
 from ..scaling import zone_thresholds
+from .audit import BLOWUP_RATIO, LOST_WARN, second_moment_threshold  # noqa: F401 (thresholds live there)
 from .capture import Context, OpEvent, PassResult
 from .hist import Log2Hist
 from .report import Finding, quoted
+from .vocab import Quoted
 
 #: A module's own relative error under autocast (a leaf's output against the same module rerun in fp32 on the same,
 #: already-rounded inputs; a non-leaf module's with its children exact, see capture.Tracker._inline_error) that counts
@@ -46,8 +48,6 @@ UNDERFLOW_WARN = 0.01  # warn when more than 1% of the nonzero gradients flush t
 LAYER_UNDERFLOW_WARN = 0.5  # name a parameter that loses more than half of its gradient, however small the aggregate
 #: A parameter gradient whose norm is below this share of all gradients' norm is fp32 rounding noise (fp32's eps).
 NOISE = 2.0**-23
-LOST_WARN = 0.10  # warn when more than 10% of the update elements round to no change
-BLOWUP_RATIO = 4.0  # an update this many times larger than the fp32-master update is a blow-up
 MAX_ISLANDS = 4  # more fp32 modules than this, and fp16 is not worth it: use bf16 or fp32
 DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale
 _LOW = (torch.float16, torch.bfloat16)
@@ -65,6 +65,22 @@ class Evidence:
     gradients: dict[str, Any] = field(default_factory=dict)
     scale: float = DEFAULT_SCALE
     model_dtype: torch.dtype | None = None  # the model's own floating dtype when not float32
+    low_trainable: str | None = None  # "fp16"/"bf16" when what trains is in that format (core.trainable_format)
+    #: per parameter, the share of its fp32-nonzero gradient an fp16 backward at scale 1 gave back as zero
+    flushed_at_1: dict[str, float] = field(default_factory=dict)
+
+
+def tolerances(precision: str) -> dict[str, float]:
+    """The relative tolerances a "clean" verdict of precision allows, as the report prints them: each module's own
+    error, the final output's, the loss's, and the gradients' (all parameters together, and each one's).
+
+    Example::
+
+        >>> tolerances("bf16")["output"]   # 32 eps of bf16: a forward that drifts less is not a finding
+        0.25
+    """
+    return {"module": REL_TOL[precision], "output": OUTPUT_TOL[precision], "loss": LOSS_TOL[precision],
+            "gradients": GRAD_TOL[precision]}
 
 
 # -- what a pass shows ------------------------------------------------------------------------------------------
@@ -176,18 +192,43 @@ def pass_ok(ctx: Context, res: PassResult) -> bool:
 
 # -- the rules ---------------------------------------------------------------------------------------------------
 
+def fp32_nonfinite_grads(ctx: Context) -> dict[str, int]:
+    """Parameters whose fp32 reference gradient has inf/NaN, with how many."""
+    return {n: int((~torch.isfinite(g)).sum()) for n, g in ctx.ref_grads.items() if not bool(torch.isfinite(g).all())}
+
+
+def fp32_fails(ctx: Context) -> bool:
+    """The fp32 reference itself has an inf/NaN loss, module output or parameter gradient."""
+    return (not math.isfinite(ctx.ref_loss) or any(r.act.nonfinite for r in ctx.records.values())
+            or bool(fp32_nonfinite_grads(ctx)))
+
+
 def reference_nonfinite(ev: Evidence) -> list[Finding]:
-    """The fp32 run itself has inf/NaN: nothing else can be trusted."""
+    """The fp32 run itself has inf/NaN, in its loss, a module's output or a parameter's gradient: not a precision
+    problem, and nothing else can be trusted until it is fixed (no precision is blamed for it)."""
     ctx = ev.ctx
     bad = next((n for n in ctx.order if ctx.records[n].act.nonfinite), None)
-    if math.isfinite(ctx.ref_loss) and bad is None:
+    grads = fp32_nonfinite_grads(ctx)
+    if math.isfinite(ctx.ref_loss) and bad is None and not grads:
         return []
-    origin = next((e for e in ctx.ref_watch.origins if e.phase == "forward"), None) if ctx.ref_watch else None
-    where = bad if bad is not None else (origin.module if origin else "")
-    return [Finding("nonfinite", where, "fp32", ctx.ref_loss,
-                    f"{quoted(where).capitalize() if where else 'The model'} is already inf/NaN in fp32 (loss "
-                    f"{ctx.ref_loss}): fix the model or its data before looking at mixed precision", "error",
-                    "forward", origin.op if origin else "")]
+    fix = ("not a precision problem: fix the model or its data first (mixed precision cannot be judged while fp32 "
+           "is inf/NaN)")
+    if not math.isfinite(ctx.ref_loss) or bad is not None:
+        origin = next((e for e in ctx.ref_watch.origins if e.phase == "forward"), None) if ctx.ref_watch else None
+        where = bad if bad is not None else (origin.module if origin else "")
+        at = f" ({origin.op} in {origin.where})" if origin else ""
+        return [Finding("nonfinite", where, "fp32", ctx.ref_loss,
+                        f"{quoted(where) if where else 'The model'} is already inf/NaN in fp32{at} (loss "
+                        f"{ctx.ref_loss}): {fix}", "error", "forward", origin.op if origin else "", fix="fp32_first")]
+    origin = next((e for e in ctx.ref_watch.origins if e.phase == "backward"), None) if ctx.ref_watch else None
+    first = next(iter(grads))
+    at = (f"; the first op to make it is {origin.op} in {origin.where}" if origin else "")
+    more = f" ({len(grads) - 1} more parameter(s) too)" if len(grads) > 1 else ""
+    return [Finding("backward_nonfinite", first, "fp32", float(sum(grads.values())),
+                    f"The fp32 loss is finite ({ctx.ref_loss:.4g}) but the fp32 gradient of {quoted(first)} has "
+                    f"{grads[first]} inf/NaN value(s){more}{at} (a torch.where guard does not stop the NaN of the "
+                    f"branch it discards from flowing back): {fix}", "error", "backward",
+                    origin.op if origin else "", fix="fp32_first")]
 
 
 def _overflow_note(ctx: Context, e: OpEvent) -> str:
@@ -210,10 +251,12 @@ def forward_origins(ev: Evidence) -> list[Finding]:
             out.append(Finding("nonfinite", e.module, p, math.inf,
                                f"{e.where}: {e.op} turns finite inputs (max |x| {e.input_max:.3g}) into inf/NaN under "
                                f"{p} autocast (output {e.dtype}){_overflow_note(ev.ctx, e)}; it is the first op to "
-                               f"do so ({len(new)} in all): {fix}", "error", "forward", e.op))
+                               f"do so ({len(new)} in all): {fix}", "error", "forward", e.op,
+                               fix="loss_fp32" if e.call < 0 and not e.module else "islands" if e.module else ""))
         elif not math.isfinite(res.loss) and math.isfinite(ev.ctx.ref_loss):
             out.append(Finding("nonfinite", "", p, res.loss, f"The loss is {res.loss} under {p} autocast although no "
-                               "op turned finite inputs into inf/NaN: compute the loss in fp32", "error", "forward"))
+                               "op turned finite inputs into inf/NaN: compute the loss in fp32", "error", "forward",
+                               fix="loss_fp32"))
     return out
 
 
@@ -225,7 +268,8 @@ def backward_origins(ev: Evidence) -> list[Finding]:
         if new_origins(ev.ctx, res, "forward"):
             continue  # the backward of an inf/NaN forward follows from it
         new = new_origins(ev.ctx, res, "backward")
-        bad = {n: g["nonfinite"] for n, g in res.grads.items() if g["nonfinite"]}
+        fp32_bad = fp32_nonfinite_grads(ev.ctx)  # what fp32 already does is fp32's finding, not this precision's
+        bad = {n: g["nonfinite"] for n, g in res.grads.items() if g["nonfinite"] and n not in fp32_bad}
         scale = f" at loss scale 2**{int(math.log2(res.scale))}" if res.scale != 1 else ""
         if new:
             e = new[0]
@@ -235,7 +279,7 @@ def backward_origins(ev: Evidence) -> list[Finding]:
                                f"gradient(s) are inf/NaN, so GradScaler would skip every step: run "
                                f"{quoted(e.module)} in fp32, or give a custom autograd.Function's backward fp32 inputs "
                                "(torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32))", "error",
-                               "backward", e.op))
+                               "backward", e.op, fix="islands" if e.module else ""))
         elif bad:
             n = next(iter(bad))
             out.append(Finding("backward_nonfinite", n, p, float(sum(bad.values())),
@@ -279,12 +323,12 @@ def activation_overflow(ev: Evidence) -> list[Finding]:
         share = r.act._share("overflow", 1.0, p)
         more = f" ({len(over) - 1} module(s) after it too)" if len(over) > 1 else ""
         out.append(Finding("activation_overflow", n, p, r.act.max,
-                           f"{quoted(n).capitalize()} outputs values up to {r.act.max:.4g} in fp32 ({share:.2%} of them "
+                           f"{Quoted(n)} outputs values up to {r.act.max:.4g} in fp32 ({share:.2%} of them "
                            f"above {p}'s max {top:g}){more}{_cause(ctx, n)}"
                            + (f"; they stayed finite here (output {res.records[n].dtype.get(p, '?')}), but any {p} op "
                               "that reads them overflows" if stayed else "")
                            + ": keep it and what reads it in fp32, or use bf16", "warning" if stayed else "error",
-                           "forward"))
+                           "forward", fix="islands"))
     return out
 
 
@@ -298,8 +342,8 @@ def precision_loss(ev: Evidence) -> list[Finding]:
             sqnr = -20 * math.log10(err) if 0 < err < math.inf else math.inf
             leaf = res.records[n].leaf
             op = "" if leaf else inline_op(res, n)
-            what = (f"{quoted(n).capitalize()}'s own output" if leaf else
-                    f"{quoted(n).capitalize()} (inline in forward): its own code's output"
+            what = (f"The own output of {quoted(n)}" if leaf else
+                    f"{Quoted(n)} (inline in forward): its own code's output"
                     + (f" (from {op} on)" if op else ""))
             keep = "keep that code in fp32 (torch.autocast(..., enabled=False) on .float() inputs)"
             fix = ("run it in fp32" if leaf else f"run {quoted(n)} in fp32 (an fp32 island), or {keep}" if n
@@ -308,7 +352,7 @@ def precision_loss(ev: Evidence) -> list[Finding]:
                                f"{what} under {p} autocast differs from fp32 on the same inputs by {err:.3g} "
                                f"(relative, SQNR {sqnr + 0.0:.1f} dB; tolerance {REL_TOL[p]:.3g})"
                                + ("" if leaf else ", with its children run exactly") + f": {fix}",
-                               "error" if err > 0.5 else "warning", "forward", op))
+                               "error" if err > 0.5 else "warning", "forward", op, fix="islands" if n else ""))
     return out
 
 
@@ -320,12 +364,12 @@ def output_and_loss(ev: Evidence) -> list[Finding]:
         if err > OUTPUT_TOL[p]:
             out.append(Finding("output_error", "", p, err,
                                f"The model's output under {p} autocast differs from fp32 by {err:.3g} (relative; "
-                               f"tolerance {OUTPUT_TOL[p]:.3g})", "warning", "forward"))
+                               f"tolerance {OUTPUT_TOL[p]:.3g})", "warning", "forward", fix="islands"))
         gap = loss_gap(ev.ctx, res)
         if gap > LOSS_TOL[p]:
             out.append(Finding("loss_gap", "", p, gap,
                                f"The loss under {p} autocast is {res.loss:.4g} against {ev.ctx.ref_loss:.4g} in fp32 "
-                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})", "warning", "forward"))
+                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})", "warning", "forward", fix="islands"))
     return out
 
 
@@ -348,7 +392,7 @@ def gradient_error(ev: Evidence) -> list[Finding]:
                                f"The gradient of {quoted(n)} in one {p} backward differs from fp32's by {err:.3g} "
                                f"(relative: error norm {w['num']:.3g} against its fp32 norm {w['den']:.3g}; tolerance "
                                f"{GRAD_TOL[p]:.3g})" + (f"; so do {more} more parameter(s)" if more else ""),
-                               "warning", "backward"))
+                               "warning", "backward", fix="islands"))
         err, worst = grad_error(res)
         if not bad and math.isfinite(err) and err > GRAD_TOL[p]:
             w = res.grads[worst]
@@ -356,14 +400,14 @@ def gradient_error(ev: Evidence) -> list[Finding]:
                                f"The parameter gradients of one {p} backward differ from fp32's by {err:.3g} (relative, "
                                f"all parameters together; tolerance {GRAD_TOL[p]:.3g}); the largest share of it is "
                                f"{quoted(worst)} (error norm {w['num']:.3g} against its fp32 gradient norm {w['den']:.3g})", "warning",
-                               "backward"))
+                               "backward", fix="islands"))
         tried = ev.verdicts.get(p, {}).get("tried_fp32_modules", [])
         for m in (m for m in gradient_suspects(ev.ctx, res) if bad and m in tried):
             node = res.records[m].custom_backward
             fixed = ev.verdicts[p]["status"] == "islands"
-            what = (f"{quoted(m).capitalize()} ({node} in backward): its custom backward is the one code the forward "
+            what = (f"{Quoted(m)} ({node} in backward): its custom backward is the one code the forward "
                     "measures cannot see" if node else
-                    f"{quoted(m).capitalize()} (inline in forward, and its backward): the first code the gradients of "
+                    f"{Quoted(m)} (inline in forward, and its backward): the first code the gradients of "
                     "its parameters' modules pass through on their way back")
             how = ("give the backward fp32 inputs (torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32), "
                    "or .float() in backward)" if node else "keep that code in fp32 (torch.autocast(..., "
@@ -373,7 +417,7 @@ def gradient_error(ev: Evidence) -> list[Finding]:
                                "wrong in forward; "
                                + (f"with {quoted(m)} in fp32 they match fp32: run it in fp32, or {how}" if fixed
                                   else f"{quoted(m)} in fp32 was tried and did not bring them back"),
-                               "error" if fixed else "warning", "backward"))
+                               "error" if fixed else "warning", "backward", fix="islands"))
     return out
 
 
@@ -391,11 +435,11 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
     over = zone_thresholds("fp16")[2]
     k = int(math.log2(scale))
     low_params = ev.model_dtype in _LOW
-    if info["nonfinite"] or gmax >= over:
+    if (info["nonfinite"] and not fp32_fails(ctx)) or (math.isfinite(gmax) and gmax >= over):
         out.append(Finding("gradient_overflow", "", "fp16", gmax,
                            f"Gradients reach {gmax:.4g} in fp32 ({info['nonfinite']} inf/NaN), beyond fp16's max {fmax:g} "
                            f"at scale 1: fp16 needs a scale below 1 (init_scale=2**{k}) or use bf16", "warning",
-                           "backward"))
+                           "backward", fix="scaler"))
     if "fp16" in ev.precisions:
         flush1, flush_rec, flush_default = info["flush_at_1"], info["flush_at_recommended"], info["flush_at_default"]
         backoffs = info["default_backoff_steps"]
@@ -410,7 +454,7 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
                                f"{flush1:.1%} of the nonzero gradients of layers that autocast runs in fp16 flush to "
                                f"zero at scale 1{worst_txt}; GradScaler's default leaves {flush_default:.2%}; at "
                                f"init_scale=2**{k} (max|grad| {gmax:.3g} x scale stays {GRAD_MARGIN:g}x below {fmax:g}) "
-                               f"{flush_rec:.2%} do: {how}", sev, "backward"))
+                               f"{flush_rec:.2%} do: {how}", sev, "backward", fix="scaler"))
         if flush_rec > UNDERFLOW_WARN:
             out.append(Finding("gradient_underflow", "", "fp16", flush_rec,
                                f"Even at init_scale=2**{k} {flush_rec:.2%} of the nonzero gradients flush to zero: the "
@@ -426,9 +470,9 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
         else:
             msg = (f"{flush1:.3%} of the nonzero gradients flush to zero in fp16 at scale 1"
                    + (f" and the largest, {gmax:.3g}, overflows it" if gmax >= over else "")
-                   + ("; use a GradScaler" if kind == "scaler_needed" else "; none flush now, but gradients shrink as "
-                      "training converges, so keep a GradScaler with fp32 parameters")
-                   + f": {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed")
+                   + (f"; use a GradScaler: {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed"
+                      if kind == "scaler_needed" else "; none flush and none overflow on this batch, so fp16 needs no "
+                      "loss scale for it (gradients shrink as training converges: examine a later checkpoint too)"))
         out.append(Finding(kind, "", "fp16", flush1, msg, "info", "backward"))
         out += _layer_underflow(ev)
     if "bf16" in ev.precisions:
@@ -482,74 +526,79 @@ def _layer_underflow(ev: Evidence) -> list[Finding]:
                      if measured > LAYER_UNDERFLOW_WARN else f"{at1:.0%} of its gradient flushes to zero in fp16 at "
                      f"scale 1 ({at_rec:.0%} at the recommended 2**{k})")
             out.append(Finding("layer_gradient_underflow", n, "fp16", max(at1, measured),
-                               f"{quoted(n).capitalize()} loses more than half of its gradient: {which}; that layer "
+                               f"{Quoted(n)} loses more than half of its gradient: {which}; that layer "
                                "barely trains in fp16 however small the aggregate: use the recommended GradScaler scale"
                                " (or a larger one), run its module in fp32, or use bf16", "warning", "backward"))
     return out
 
 
 def optimizer(ev: Evidence) -> list[Finding]:
-    """What one step of the optimizer as it is did: inf/NaN weights, blow-ups, lost updates, eps in the state."""
+    """What the audited steps of the optimizer as it is did, one finding per outcome: inf/NaN weights, a blow-up,
+    lost updates (never a share of an update that a destroyed step did not make), eps in a low-precision state. Each
+    is tagged with the dtype it measured (the weights', or the state's for fp32 weights) and phase "optimizer", and
+    names the fp32 fix (master weights: it counts against every autocast recipe that trains these weights)."""
     a, out = ev.audit, []
     if a is None:
         return out
     if "error" in a:
         return [Finding("lost_updates", "", "fp32", math.nan, f"The optimizer could not be copied to audit its step "
                         f"({a['error']}): nothing about its step was checked", "info", "optimizer")]
-    fmt = "bf16" if "bfloat16" in a["param_dtypes"] else "fp16" if "float16" in a["param_dtypes"] else "fp32"
-    master_ok = math.isfinite(a.get("loss_after_master", math.nan))
     low_state = [d for d in a.get("state_dtypes", []) if d in ("float16", "bfloat16")]
+    weights = "bf16" if "bfloat16" in a["param_dtypes"] else "fp16" if "float16" in a["param_dtypes"] else "fp32"
+    fmt = weights if weights != "fp32" else ("fp16" if "float16" in low_state else "bf16" if low_state else "fp32")
+    master_ok = math.isfinite(a.get("loss_after_master", math.nan))
     if a["fp32_master_weights"] and low_state:
-        # fp32 weights, low-precision state (fmt stays "fp32": the step is the same whatever the autocast precision)
         fix = (f"keep the optimizer's state in fp32: {a['class']} keeps it in {', '.join(low_state)} (use torch.optim's "
                "own optimizers, or that optimizer's fp32-state option)")
     else:
-        fix = ("keep fp32 master weights: fp32 parameters + autocast, so the optimizer's state is fp32 too"
+        fix = ("keep fp32 master weights: fp32 trainable parameters + autocast, so the optimizer's state is fp32 too"
                + (" (or ampcourse.optim.BF16AdamW for bf16 weights)" if fmt == "bf16" else ""))
-    checked = (f" (checked: the same step with fp32 master weights and fp32 state gives loss "
+    checked = (f" (checked: the same steps with fp32 master weights and fp32 state give loss "
                f"{a['loss_after_master']:.4g})" if master_ok and not a["fp32_master_weights"] else
-               f" (checked: the same step with its state cast to fp32 gives loss {a['loss_after_master']:.4g})"
+               f" (checked: the same steps with the state cast to fp32 give loss {a['loss_after_master']:.4g})"
                if master_ok and a.get("master_reference") and low_state else "")
-    if a["nonfinite_after"]:
+    n = a.get("steps") or 1
+    steps = "one step" if n == 1 else f"{n} steps"
+    outcome = a.get("outcome", "ok")
+    sq = a.get("second_moment_underflow")
+    why = (f"; {sq:.0%} of Adam's second moment underflowed to zero in the {fmt} state, so m/(sqrt(v)+eps) "
+           "divides by eps alone" if sq else "")
+    if outcome == "nonfinite":
         worst = max(a["params"], key=lambda n: a["params"][n]["nonfinite_after"])
         out.append(Finding("optimizer_nonfinite", worst, fmt, float(a["nonfinite_after"]),
-                           f"One {a['class']} step makes {a['nonfinite_after']} weight(s) inf/NaN (first "
-                           f"{quoted(worst)}): {fix}{checked}", "error", "optimizer"))
-    after, before = a.get("loss_after", math.nan), a.get("loss_before", math.nan)
+                           f"{steps.capitalize()} of {a['class']} make {a['nonfinite_after']} weight(s) inf/NaN (first "
+                           f"{quoted(worst)}){why}: {fix}{checked}", "error", "optimizer", fix="master_weights"))
     ratios = {n: r["update_ratio"] for n, r in a["params"].items()
               if "update_ratio" in r and a.get("master_reference", True)}
     worst_ratio = max(ratios, key=ratios.get, default=None)
-    # without an fp32-state step to compare with, the loss after the step is judged on its own
-    reference_ok = master_ok or not a.get("master_reference", True)
-    blown = (math.isfinite(before) and reference_ok and (not math.isfinite(after) or after > max(2 * abs(before),
-                                                                                                 before + 1.0)))
-    if not a["nonfinite_after"] and (blown or (worst_ratio and ratios[worst_ratio] > BLOWUP_RATIO)):
-        sq = a.get("second_moment_underflow")
-        why = (f"; {sq:.0%} of Adam's second moment underflowed to zero in the {fmt} state, so m/(sqrt(v)+eps) "
-               "divides by eps alone" if sq else "")
+    after, before = a.get("loss_after", math.nan), a.get("loss_before", math.nan)
+    if outcome == "blowup":
         out.append(Finding("optimizer_blowup", worst_ratio or "", fmt,
                            ratios.get(worst_ratio, math.inf) if worst_ratio else after,
-                           f"One {a['class']} step takes the loss from {before:.4g} to {after:.4g}"
-                           + (f" and moves {quoted(worst_ratio)} {ratios[worst_ratio]:.3g}x as far as the fp32-master "
-                              "step" if worst_ratio else "") + f"{why}: {fix}{checked}", "error", "optimizer"))
+                           f"{steps.capitalize()} of {a['class']} take the loss from {before:.4g} to {after:.4g}"
+                           + (f" and move {quoted(worst_ratio)} {ratios[worst_ratio]:.3g}x as far as the fp32-master "
+                              "steps" if worst_ratio else "") + f"{why}: {fix}{checked}", "error", "optimizer",
+                           fix="master_weights"))
     share = a.get("lost_update_share", 0.0)
-    if share > LOST_WARN:
+    if outcome == "lost_updates":
         worst = max(a["params"], key=lambda n: a["params"][n].get("lost_share", 0.0))
         out.append(Finding("lost_updates", worst, fmt, share,
-                           f"{share:.1%} of one step's update elements round to no change in the {fmt} parameters "
+                           f"{share:.1%} of the update of {steps} rounds to no change in the {fmt} parameters "
                            f"(worst {quoted(worst)}: {a['params'][worst]['lost_share']:.0%}); the update is below half "
-                           f"an ulp of the weight: {fix}{checked}", "warning", "optimizer"))
+                           f"an ulp of the weight: {fix}{checked}", "warning", "optimizer", fix="master_weights"))
     for e in a.get("eps", []):
         f = formats.spec(e["format"])
-        sq = a.get("second_moment_underflow")
-        measured = f" (measured: {sq:.0%} of the second moment underflowed in one step)" if sq is not None else ""
+        measured = f" (measured: {sq:.0%} of the second moment underflowed in {steps})" if sq is not None else ""
+        beta2 = e.get("beta2", 0.999)
         out.append(Finding("eps_underflow", e["first"], e["format"], e["eps"],
                            f"eps={e['eps']:g} rounds to 0 in the {e['format']} optimizer state of {e['params']} "
                            f"parameter(s) ({e['format']}'s smallest subnormal is {f.min_subnormal:.3g}); the main "
-                           "cause of low-precision Adam blow-ups is the second moment (g**2) underflowing once |g| is "
-                           f"below about {math.sqrt(f.min_subnormal / 0.001):.1g}{measured}, and then lr*m/eps wrecks "
-                           "the weights whatever eps is: raising eps just past the smallest subnormal does not help. "
-                           "Keep the optimizer state in fp32 (fp32 parameters + autocast)", "warning", "optimizer"))
+                           f"cause of low-precision Adam blow-ups is the second moment: (1-beta2)*g**2 rounds to zero "
+                           f"once it is below half the smallest subnormal, |g| < "
+                           f"{second_moment_threshold(e['format'], beta2):.2g} at beta2={beta2:g}{measured}, and then "
+                           "lr*m/eps wrecks the weights whatever eps is: raising eps just past the smallest subnormal "
+                           "does not help. Keep the optimizer state in fp32 (fp32 trainable parameters + autocast)",
+                           "warning", "optimizer", fix="master_weights"))
     return out
 
 
@@ -582,7 +631,7 @@ def raises(ev: Evidence) -> list[Finding]:
         if not r:
             continue
         m = r["module"]
-        at = (f"{quoted(m).capitalize()}" + (" (inline in forward)" if r["inline"] and r["phase"] == "forward" else "")
+        at = (f"{Quoted(m)}" + (" (inline in forward)" if r["inline"] and r["phase"] == "forward" else "")
               + (f" ({r['node']} in backward)" if r["phase"] == "backward" and r["node"] else "")
               if m is not None else "The model")
         op = f": {r['op']}" if r["op"] else ""
@@ -593,7 +642,7 @@ def raises(ev: Evidence) -> list[Finding]:
         out.append(Finding("raises", m or "", p, math.inf,
                            f"{at}{op} raises under {p} autocast, where fp32 ran: {r['error']}; {fix} (a constant "
                            f"{p} holds, such as torch.finfo(t.dtype).min instead of -1e9, or an explicit .float())",
-                           "error", r["phase"], r["op"]))
+                           "error", r["phase"], r["op"], fix="islands" if runs else ""))
     return out
 
 

@@ -21,3 +21,10 @@ STATUSES = ("clean", "islands", "refused", "unsupported")
 def quoted(name: str) -> str:
     """A module or parameter name as the report writes it: quoted ('0' is a name, not a number); '' is the model."""
     return f"'{name}'" if name else "the model"
+
+
+def Quoted(name: str) -> str:  # noqa: N802 (the capitalised twin of quoted, for the start of a sentence)
+    """quoted(name) at the start of a sentence: "The model" for ''; a quoted name keeps its own letters (str.capitalize
+    would lower-case the rest: 'blocks.0.selfAttn' -> 'blocks.0.selfattn')."""
+    q = quoted(name)
+    return q[:1].upper() + q[1:]
