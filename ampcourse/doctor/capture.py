@@ -607,13 +607,18 @@ class Tracker:
                 and not getattr(module, "inplace", False))
 
     def _rng_state(self):
-        return torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else torch.get_rng_state()
+        """Every stream a module's forward may draw from: torch's (CPU, and the device's on CUDA), Python's random
+        and NumPy's global one (inline dropout, a layer drop decided by random.random()): a rerun replays them all."""
+        cuda = torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else None
+        return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
 
     def _set_rng_state(self, state) -> None:
-        if self.dev.type == "cuda":
-            torch.cuda.set_rng_state(state, self.dev)
-        else:
-            torch.set_rng_state(state)
+        cpu, cuda, py, npy = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.dev)
+        random.setstate(py)
+        np.random.set_state(npy)
 
     def _count_grad(self, hists: list[Log2Hist], grad: torch.Tensor) -> None:
         """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
@@ -1114,5 +1119,5 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
     for n, (num, den, n_live, n_flushed, bad) in zip(names, stats):
         num = num if not bad and math.isfinite(num) else math.inf
         out[n] = {"error": num / den if den else (0.0 if num == 0 else math.inf), "num": num, "den": den,
-                  "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": int(bad)}
+                  "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": int(bad), "live": int(n_live)}
     return out

@@ -155,8 +155,10 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
         ev.audit = audit(ctx, optimizer)
         for p in precs:
             ev.verdicts[p] = _precision(ctx, ev, p)
-        if "fp16" in ev.passes and ev.scale != 1.0 and not rules.fp32_fails(ctx):
-            ev.flushed_at_1 = _flushed_at_1(ctx, ev)
+        if "fp16" in ev.passes and not rules.fp32_fails(ctx):
+            ev.flushed_at_1 = _flushed_at_1(ctx, ev) if ev.scale != 1.0 else {
+                n: g["flushed"] for n, g in ev.passes["fp16"].grads.items() if not g["nonfinite"]}
+            _measured_shares(ev)
         if any(res.watch.origins for res in ev.passes.values()):
             ctx.reference_watch()  # the rules compare with it; it must run before the state is restored
         findings = _findings(ev)
@@ -197,6 +199,23 @@ def _decide(ev: Evidence, findings: list[Finding], confirmations: Mapping[str, C
                   state_only=bool(ev.audit is not None and ev.audit.get("fp32_master_weights")))
 
 
+def _measured_shares(ev: Evidence) -> None:
+    """The aggregate flushed shares as the fp16 backwards measured them (every parameter, weighted by its count of
+    fp32-nonzero gradient values), in place of the histogram's prediction (kept as *_predicted)."""
+    grads = ev.passes["fp16"].grads
+    live = {n: g.get("live", 0) for n, g in grads.items()}
+    total = sum(live.values())
+    if not total or ev.gradients.get("nonzero", 0) == 0:
+        return
+    g = ev.gradients
+    g["flush_at_1_predicted"] = g.get("flush_at_1", 0.0)
+    g["flush_at_recommended_predicted"] = g.get("flush_at_recommended", 0.0)
+    g["flush_at_1"] = sum(ev.flushed_at_1.get(n, 0.0) * c for n, c in live.items()) / total
+    if not any(x["nonfinite"] for x in grads.values()):
+        g["flush_at_recommended"] = sum(grads[n]["flushed"] * c for n, c in live.items()) / total
+    g["measured"] = "fp16 backward, per parameter (share of fp32's nonzero gradient values that came back zero)"
+
+
 def _flushed_at_1(ctx: Context, ev: Evidence) -> dict[str, float]:
     """Per parameter, the share of its fp32-nonzero gradient that one fp16 backward at scale 1 (no GradScaler) gave
     back as zero: measured, whatever dtype the module's output has (an Embedding's output stays fp32, but its
@@ -221,6 +240,12 @@ def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:
         if _missing_kernel(fail.error):  # this device or torch has no such kernel: nothing about the model
             return {"status": "unsupported", "fp32_modules": [],
                     "reason": f"{p} autocast cannot run this model here: {fail}"}
+        clash = _dtype_clash(ctx.model, amp, fail.error)
+        if clash:  # the model's own fp16/bf16 weights meet the other autocast dtype: a fact of the device, not a bug
+            where = f" (in {quoted(fail.where.module)})" if fail.where and fail.where.module else ""
+            return {"status": "unsupported", "fp32_modules": [],
+                    "reason": f"{p} autocast cannot run this model's own {clash} weights on {ctx.dev.type}{where}: "
+                              f"{fail}; examine {clash}, or fp32 master weights (model.float()) under {p}"}
         return _raised(ctx, ev, amp, scale, fail)
     ev.passes[p] = res
     base = {"native": amp.native, "units": amp.units, "loss": res.loss, "output_error": rules.output_error(ctx, res),
@@ -257,6 +282,17 @@ def _islands_for(ctx: Context, amp: AmpSetup, res: PassResult, scale: float,
         except PassFailed:  # these islands make it raise: no set found
             return "refused", islands, math.nan
     return "refused", islands, res.loss
+
+
+def _dtype_clash(model: nn.Module, amp: AmpSetup, err: BaseException) -> str:
+    """"float16"/"bfloat16" when the model has parameters of a low-precision dtype other than amp's and err is about
+    dtypes (CPU's bf16 autocast cannot run an fp16 LayerNorm's weights): the device cannot run this precision for
+    the model's own dtypes. "" otherwise."""
+    other = {p.dtype for p in model.parameters() if p.dtype in _LOW} - {amp.amp_dtype}
+    text = str(err).lower()
+    if other and any(w in text for w in ("dtype", "half", "bfloat16", "float16", "same type", "mixed", "scalar type")):
+        return str(next(iter(other))).removeprefix("torch.")
+    return ""
 
 
 def _missing_kernel(err: BaseException) -> bool:
