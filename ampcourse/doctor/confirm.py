@@ -165,7 +165,12 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
     master = any(decision.verdicts[p].master_weights for p in candidates)
     trainable = ({id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None
                  else {id(p) for p in ctx.model.parameters() if p.requires_grad})
-    net = _master_copy(ctx.model, trainable) if master else copy.deepcopy(ctx.model)
+    try:
+        net = _master_copy(ctx.model, trainable) if master else copy.deepcopy(ctx.model)
+    except Exception as err:  # noqa: BLE001 (a model deepcopy refuses: it holds non-leaf tensors, a lock, ...)
+        why = f"the model cannot be copied to train it ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})"
+        out.update({p: Confirmation("unconfirmed", steps, reason=why) for p in candidates})
+        return out, {"steps": steps, "trained": [], "error": why}
     remove_policy(net)
     inputs = fresh_copy(ctx.inputs, torch.float32) if master and any(
         p.dtype in _LOW for p in ctx.model.parameters() if id(p) in trainable) else ctx.inputs

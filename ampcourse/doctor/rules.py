@@ -626,11 +626,19 @@ def model_precision(ev: Evidence) -> list[Finding]:
     in low precision (a float64 model)."""
     out = []
     dt = ev.model_dtype
-    if dt in _LOW:
+    if dt in _LOW and ev.low_trainable is None:
+        # what trains is fp32 (a frozen half-precision base with fp32 adapters): that is the point, nothing to change
         name = "fp16" if dt == torch.float16 else "bf16"
         n = sum(1 for p in ev.ctx.model.parameters() if p.dtype == dt)
         out.append(Finding("low_precision_model", "", name, float(n),
-                           f"The model's own weights are {name} ({n} parameter tensors): the fp32 reference ran on an "
+                           f"{n} parameter tensor(s) are {name} and frozen; what trains is fp32 (the trainable "
+                           "parameters and the optimizer's param groups): no master weights needed, and the frozen "
+                           "ones stay as they are", "info", "model"))
+    elif dt in _LOW:
+        name = ev.low_trainable
+        n = sum(1 for p in ev.ctx.model.parameters() if p.dtype in _LOW and p.requires_grad)
+        out.append(Finding("low_precision_model", "", name, float(n),
+                           f"The model's trainable weights are {name} ({n} parameter tensors): the fp32 reference ran on an "
                            f"fp32 copy, and each precision ran on the model as it is. To train, keep fp32 master weights "
                            f"(model.float() + autocast) or a low-precision optimizer such as ampcourse.optim.BF16AdamW "
                            "(bf16)", "info", "model"))

@@ -269,6 +269,8 @@ def decide(raw: Mapping[str, Mapping[str, Any]], findings: list, *, device: str,
             master_weights=bool(master) and not left,
             tolerances=dict(tolerances[p]) if tolerances and p in tolerances else None, confirmation=conf, **keep)
     rec = _choose(verdicts, default)
+    if rec in verdicts and _rank(verdicts[rec]) >= 2:
+        rec = "fp32"  # nothing examined runs clean, even with what its findings need: the headline says train in fp32
     v = verdicts.get(rec)
     fp32_modules = list(v.fp32_modules) if v is not None else []
     master_weights = bool(v is not None and v.master_weights and _rank(v) == 1)
