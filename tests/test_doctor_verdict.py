@@ -323,3 +323,84 @@ def test_the_audit_steps_twice_with_the_state_stored_in_its_own_dtype():
                 steps=0, precisions=("fp16",))
     assert r.optimizer["steps"] == 2 and r.optimizer["state_dtypes"] == ["float16"]
     assert r.optimizer["outcome"] in ("nonfinite", "blowup", "lost_updates", "ok")
+
+
+def test_loss_side_advice_goes_to_every_precision_it_applies_to():
+    torch.manual_seed(0)
+    model = make_model("mlp")
+    x, y = batch()
+
+    def offset_loss(out, t):  # the loss's own code in the output's dtype: + 1000 - 1000 rounds it away
+        return (F.cross_entropy(out.float(), t).to(out.dtype) + 1000.0) - 1000.0
+
+    r = examine(model, x, y, loss_fn=offset_loss, steps=0)
+    gaps = {f.precision: f for f in r.find("loss_gap")}
+    assert set(gaps) == {"fp16", "bf16"} and all(f.fix == "loss_fp32" for f in gaps.values()), r.summary()
+    loss_advice = [a for a in r.advice if a.startswith("Compute the loss in fp32")]
+    assert len(loss_advice) == 1 and "bf16 and fp16" in loss_advice[0]
+    assert not r.is_clean("fp16") and not r.is_clean("bf16")
+    assert_consistent(r)
+
+
+def test_the_html_report_reads_well():
+    torch.manual_seed(0)
+    model = make_model("mlp")
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=lambda o, t: F.cross_entropy(o, t) * 2.0**-20, steps=0, precisions=("fp16",))
+    page = r._repr_html_()
+    assert "<code></code>" not in page  # an empty <code> draws a grey box in Jupyter
+    assert "text-align:left" in page and page.count("<td style='text-align:left") >= 8 * len(r.findings) - 8
+    assert "''s" not in r.summary() and "''s" not in page
+    ok = [f for f in r.findings if f.kind == "no_scaler_needed"]
+    assert all("keep a GradScaler" not in f.message for f in ok)
+
+
+def test_names_keep_their_letters_and_the_snippet_takes_its_device_from_the_module():
+    from ampcourse.doctor.report import Report
+    from ampcourse.doctor.vocab import Quoted
+    assert Quoted("blocks.0.selfAttn") == "'blocks.0.selfAttn'" and Quoted("") == "The model"
+
+    class Island(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, *, x):  # keyword-only: there are no args to read a device from
+            assert torch.get_autocast_dtype("cpu") and not torch.is_autocast_enabled("cpu")
+            return self.lin(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.upProj = Island()
+
+        def forward(self, x):
+            return self.upProj(x=x)
+
+    r = Report([], "fp16", 1.0, ["upProj"], "cpu", {"fp16": Verdict("fp16", "islands", ["upProj"])})
+    snippet = r.policy_snippet()
+    plain = snippet.split("\n", 3)[3].split("\n", 1)[1]  # after the ampcourse.policy lines and the comment
+    assert "module.parameters()" in plain and "next(iter(args))" not in plain
+    model = Net()
+    exec(plain, {"model": model, "torch": torch})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(2, 4))
+    assert out.dtype == torch.float32  # the island ran in fp32, its device taken from its own parameters
+
+
+def test_the_whole_gallery_keeps_headline_verdicts_and_findings_consistent():
+    """Issue 25: over every gallery case, the headline, the verdicts and the findings never contradict each other
+    (with a short confirmation, so that the confirmed statuses are checked too)."""
+    pytest.importorskip("transformers")
+    import doctor_gallery as G
+    bad = []
+    for c in G.CASES:
+        s = c.build(0)
+        r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer, steps=3)
+        try:
+            assert_consistent(r)
+        except AssertionError as err:
+            bad.append(f"{c.name}: {str(err)[:300]}")
+        if c.planted:
+            assert not all(r.is_clean(p) for p in c.precisions), c.name
+    assert not bad, "\n".join(bad)

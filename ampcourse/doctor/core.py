@@ -456,5 +456,6 @@ def _loss_side(r: Report) -> list[str]:
     if not loss:
         return []
     precs = sorted({f.precision for f in loss})
-    return [f"Compute the loss in fp32 for {', '.join(precs)} (outside autocast, on .float() outputs): "
-            f"{loss[0].message}."]
+    first = loss[0].message.rstrip(".")
+    return [f"Compute the loss in fp32 for {' and '.join(precs)} (outside autocast, on .float() outputs; it applies to "
+            f"every precision listed): {first[0].lower() + first[1:]}."]

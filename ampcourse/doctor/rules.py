@@ -380,9 +380,14 @@ def output_and_loss(ev: Evidence) -> list[Finding]:
                                f"tolerance {OUTPUT_TOL[p]:.3g})", "warning", "forward", fix="islands"))
         gap = loss_gap(ev.ctx, res)
         if gap > LOSS_TOL[p]:
+            # the output matches fp32 and the loss does not: the loss's own code lost it (a focal loss in bf16)
+            in_loss = err <= OUTPUT_TOL[p] and math.isfinite(res.loss) and not culprits(ev.ctx, res)
             out.append(Finding("loss_gap", "", p, gap,
                                f"The loss under {p} autocast is {res.loss:.4g} against {ev.ctx.ref_loss:.4g} in fp32 "
-                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})", "warning", "forward", fix="islands"))
+                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})"
+                               + ("; the model's output matches fp32 (within its tolerance), so the loss's own code "
+                                  "lost it: compute the loss in fp32 (outside autocast, on .float() outputs)"
+                                  if in_loss else ""), "warning", "forward", fix="loss_fp32" if in_loss else "islands"))
     return out
 
 
