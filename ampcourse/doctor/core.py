@@ -165,6 +165,7 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
         decision = _decide(ev, findings, {})
         if steps:
             confirmations, train_info = confirm.confirm(ctx, ev, decision, optimizer, steps)
+            findings = sorted(findings + _departures(confirmations), key=_sort_key)
             decision = _decide(ev, findings, confirmations)
     finally:
         snapshot.restore(model)
@@ -178,6 +179,19 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
                     confirmation=train_info)
     report.advice = _advice(report, ev, decision)
     return report
+
+
+def _departures(confirmations: Mapping[str, Confirmation]) -> list[Finding]:
+    """A recipe that departed from fp32 when trained is a finding of its own (what a one-step check cannot see)."""
+    out = []
+    for p, c in confirmations.items():
+        if c.status == "departed":
+            out.append(Finding("training_departs", "", p, c.gap if c.gap is not None else math.inf,
+                               f"Trained {c.steps} steps beside fp32 on this batch, the recipe ({c.recipe}) "
+                               f"{c.sentence()}: the one-step measurements above did not show it; do not use this "
+                               "recipe (use another precision, or find what grows during training: the attention "
+                               "logits, the activations, ampcourse.trial's monitors show which)", "error", "model"))
+    return out
 
 
 def _findings(ev: Evidence) -> list[Finding]:

@@ -11,7 +11,8 @@ Which findings count against which recipe (:func:`affects`):
   dtype that was measured: fp16 *weights* are not fp16 *autocast*), so it counts against every autocast recipe that
   trains those weights: all of them, until fp32 master weights are part of the recipe;
 * an fp32 finding (the reference itself is inf/NaN) is not a precision problem: no precision is judged until fp32
-  is fixed.
+  is fixed;
+* a recipe that departed from fp32 when trained (``training_departs``) counts against that precision alone.
 
 A finding says which part of a recipe resolves it (``finding.fix``): ``islands`` (the fp32 modules the verdict
 names, checked by a rerun), ``scaler`` (fp16's GradScaler at the recommended scale), ``master_weights`` (fp32
@@ -168,6 +169,8 @@ class Verdict(_FieldMapping):
 
 def affects(f, precision: str) -> bool:
     """Whether finding f counts against the recipe of precision (see the module docstring)."""
+    if f.kind == "training_departs":  # one recipe's training: that recipe's alone
+        return f.precision == precision
     if f.precision == "fp32" or f.phase in ("optimizer", "model"):
         return True
     return f.precision == precision
