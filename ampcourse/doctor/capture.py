@@ -1081,6 +1081,35 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
     return result
 
 
+def gradient_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0
+                  ) -> dict[str, dict[str, float]]:
+    """One forward + backward of the model as it is under autocast, with nothing watched (no hooks, no op watch, no
+    reruns): only its parameter gradients against fp32's (:func:`_compare_grads`), at ``scale`` (1.0: no
+    GradScaler). What a second scale needs, at the price of the plain passes alone."""
+    ctx.snapshot.reset_rng()
+    ctx.snapshot.reset_buffers()
+    model = ctx.model
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for _, p in params:
+        p.grad = None
+    remove_policy(model)
+    rules = {**ctx.snapshot.policy, **{n: "fp32" for n in islands}}
+    if rules:
+        apply_policy(model, rules)
+    torch.clear_autocast_cache()
+    try:
+        with amp.autocast():
+            loss = ctx.forward_loss(model, fresh_copy(ctx.inputs), about_data=False)
+        if loss.requires_grad:
+            (loss * scale if scale != 1.0 else loss).backward()
+        return _compare_grads(ctx, params, scale)
+    finally:
+        torch.clear_autocast_cache()
+        remove_policy(model)
+        for _, p in params:
+            p.grad = None
+
+
 @contextlib.contextmanager
 def _raising_as(watch: OpWatch):
     """Turn what a pass raises (not running out of memory) into PassFailed, with the op where it was raised."""
@@ -1116,7 +1145,11 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
         torch._foreach_norm(diffs), torch._foreach_norm(refs),
         [(r != 0).sum().float() for r in refs], [((r != 0) & (g == 0)).sum().float() for r, g in zip(refs, grads)],
         [(~torch.isfinite(g)).sum().float() for g in grads])]).double().cpu().tolist()
-    for n, (num, den, n_live, n_flushed, bad) in zip(names, stats):
+    for i, (n, (num, den, n_live, n_flushed, bad)) in enumerate(zip(names, stats)):
+        if not bad and not (math.isfinite(num) and math.isfinite(den)):
+            # finite gradients whose squares pass float32's range (|g| ~ 1e20 and up): their norms in float64
+            num = float(torch.linalg.vector_norm(diffs[i], dtype=torch.float64))
+            den = float(torch.linalg.vector_norm(refs[i], dtype=torch.float64))
         num = num if not bad and math.isfinite(num) else math.inf
         out[n] = {"error": num / den if den else (0.0 if num == 0 else math.inf), "num": num, "den": den,
                   "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": int(bad), "live": int(n_live)}

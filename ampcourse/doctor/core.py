@@ -15,7 +15,7 @@ from ..device import AmpSetup, pick
 from . import rules
 from .audit import audit
 from .capture import (Context, PassFailed, PassResult, Snapshot, autocast_pass, check_inputs, check_precisions,
-                      reference_pass, resolve_device, to_device)
+                      gradient_pass, reference_pass, resolve_device, to_device)
 from . import confirm
 from .report import Finding, Report, _sort_key, quoted
 from .rules import MAX_ISLANDS, Evidence
@@ -155,7 +155,7 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
         ev.audit = audit(ctx, optimizer)
         for p in precs:
             ev.verdicts[p] = _precision(ctx, ev, p)
-        if "fp16" in ev.passes and not rules.fp32_fails(ctx):
+        if "fp16" in ev.passes and not rules.fp32_fails(ctx) and _may_flush_at_1(ctx):
             ev.flushed_at_1 = _flushed_at_1(ctx, ev) if ev.scale != 1.0 else {
                 n: g["flushed"] for n, g in ev.passes["fp16"].grads.items() if not g["nonfinite"]}
             _measured_shares(ev)
@@ -230,15 +230,23 @@ def _measured_shares(ev: Evidence) -> None:
     g["measured"] = "fp16 backward, per parameter (share of fp32's nonzero gradient values that came back zero)"
 
 
+def _may_flush_at_1(ctx: Context) -> bool:
+    """Whether any fp32 gradient (a parameter's, or a module output's on its way back) lies where fp16 flushes at
+    scale 1: if none does, an fp16 backward at scale 1 has nothing to lose and is not run."""
+    from .hist import Log2Hist
+    hists = [*ctx.param_grads.values(), *(r.grad for r in ctx.records.values())]
+    return Log2Hist.merged(hists)._share("underflow", 1.0) > 0
+
+
 def _flushed_at_1(ctx: Context, ev: Evidence) -> dict[str, float]:
     """Per parameter, the share of its fp32-nonzero gradient that one fp16 backward at scale 1 (no GradScaler) gave
     back as zero: measured, whatever dtype the module's output has (an Embedding's output stays fp32, but its
     gradient arrives through the fp16 op that reads it)."""
     try:
-        res = autocast_pass(ctx, pick(ctx.dev, "fp16"), list(ev.verdicts["fp16"].get("fp32_modules", [])), scale=1.0)
-    except PassFailed:
+        grads = gradient_pass(ctx, pick(ctx.dev, "fp16"), list(ev.verdicts["fp16"].get("fp32_modules", [])), 1.0)
+    except Exception:  # noqa: BLE001 (the watched passes already reported what raises; nothing more to measure)
         return {}
-    return {n: g["flushed"] for n, g in res.grads.items() if not g["nonfinite"]}
+    return {n: g["flushed"] for n, g in grads.items() if not g["nonfinite"]}
 
 
 def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:

@@ -243,6 +243,10 @@ def decide(raw: Mapping[str, Mapping[str, Any]], findings: list, *, device: str,
         left = [f for f in mine if f not in master and f not in scaler and not _resolved(f, v, set())]
         needs = (["master_weights"] if master else []) + (["scaler"] if scaler else [])
         blockers = [f"{f.kind}@{f.module or '(model)'}" for f in left + master + scaler]
+        if status == "refused" and not reason:  # the passes' own refusal: no set of fp32 islands made it clean
+            tried = list(v.get("tried_fp32_modules") or [])
+            reason = ("no set of fp32 islands made it clean" + (f" (tried {', '.join(quoted(n) for n in tried)})"
+                                                                 if tried else ""))
         if status == "unsupported":
             pass
         elif fp32_fails:
