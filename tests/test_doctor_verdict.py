@@ -404,3 +404,21 @@ def test_the_whole_gallery_keeps_headline_verdicts_and_findings_consistent():
         if c.planted:
             assert not all(r.is_clean(p) for p in c.precisions), c.name
     assert not bad, "\n".join(bad)
+
+
+def test_a_fused_adam_on_fp16_weights_is_audited_over_two_steps_without_a_false_eps_warning():
+    """Issue 25, class 2: a fused Adam computes step 1's second moment in fp32 registers (right), then stores it in
+    fp16, where it underflows: from the second step on it reads zeros back. eps is added in fp32 there."""
+    torch.manual_seed(0)
+    half = make_model("mlp").half()
+    x, y = batch()
+    try:
+        opt = torch.optim.Adam(half.parameters(), lr=1e-3, fused=True)
+    except (RuntimeError, ValueError, TypeError):
+        pytest.skip("no fused Adam for fp16 CPU tensors in this torch")
+    r = examine(half, x.half(), y, loss_fn=loss_fn, optimizer=opt, steps=0, precisions=("fp16",))
+    a = r.optimizer
+    assert a["steps"] == 2 and a["second_moment_underflow"] > 0.5, r.summary()
+    assert not r.find("eps_underflow")  # eps never rounds in a fused step
+    assert not r.is_clean("fp16") and r.master_weights
+    assert_consistent(r)

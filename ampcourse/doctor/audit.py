@@ -178,7 +178,9 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         "trainable_dtypes": _tally(_dt(p) for p in ctx.model.parameters() if p.requires_grad)}
     for gi, group in enumerate(optimizer.param_groups):
         eps = group.get("eps")
-        if isinstance(eps, (int, float)) and eps > 0:
+        # a fused step adds eps in fp32 registers: it never rounds to the state's format (the second moment still
+        # underflows when stored, which the two audited steps measure)
+        if isinstance(eps, (int, float)) and eps > 0 and not group.get("fused"):
             for fmt in ("fp16", "bf16"):
                 dtype = formats.spec(fmt).torch_dtype
                 in_state = [p for p in group["params"] if _state_dtype(optimizer, p) == dtype]

@@ -45,6 +45,7 @@ GRAD_PARAM_SHARE = 2.0**-10
 MAX_PARAM_FINDINGS = 3  # per precision, the worst parameters named one by one; the rest counted
 GRAD_MARGIN = 8.0  # the recommended scale keeps max|grad| x scale this many times below fp16's max
 UNDERFLOW_WARN = 0.01  # warn when more than 1% of the nonzero gradients flush to zero
+SECOND_MOMENT_WARN = 0.5  # warn when more than half of Adam's second moment is zero in a low-precision state
 LAYER_UNDERFLOW_WARN = 0.5  # name a parameter that loses more than half of its gradient, however small the aggregate
 #: A parameter gradient whose norm is below this share of all gradients' norm is fp32 rounding noise (fp32's eps).
 NOISE = 2.0**-23
@@ -611,6 +612,15 @@ def optimizer(ev: Evidence) -> list[Finding]:
                            f"{share:.1%} of the update of {steps} rounds to no change in the {fmt} parameters "
                            f"(worst {quoted(worst)}: {a['params'][worst]['lost_share']:.0%}); the update is below half "
                            f"an ulp of the weight: {fix}{checked}", "warning", "optimizer", fix="master_weights"))
+    if sq is not None and sq > SECOND_MOMENT_WARN and outcome not in ("nonfinite", "blowup"):
+        worst = max((n for n, r in a["params"].items() if "second_moment_underflow" in r),
+                    key=lambda n: a["params"][n]["second_moment_underflow"], default="")
+        out.append(Finding("second_moment_underflow", worst, fmt, sq,
+                           f"After {steps} of {a['class']}, {sq:.0%} of Adam's second moment is zero in the {fmt} "
+                           f"state (worst {quoted(worst)}): (1-beta2)*g**2 rounds to zero when stored once |g| is below "
+                           f"{second_moment_threshold(fmt):.2g}; a step computed in fp32 registers (fused) is right "
+                           "the first time and reads the zeros back from then on, so m/(sqrt(v)+eps) grows step by "
+                           f"step toward m/eps: {fix}{checked}", "warning", "optimizer", fix="master_weights"))
     for e in a.get("eps", []):
         f = formats.spec(e["format"])
         measured = f" (measured: {sq:.0%} of the second moment underflowed in {steps})" if sq is not None else ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 #: rules.RULES that returns Findings of it (see the package docstring).
 KINDS = ("raises", "nonfinite", "backward_nonfinite", "activation_overflow", "precision_loss", "output_error", "loss_gap",
          "gradient_error", "gradient_overflow", "gradient_underflow", "layer_gradient_underflow",
-         "optimizer_nonfinite", "optimizer_blowup", "lost_updates", "eps_underflow", "low_precision_model",
+         "optimizer_nonfinite", "optimizer_blowup", "lost_updates", "second_moment_underflow", "eps_underflow", "low_precision_model",
          "no_low_precision", "training_departs", "scaler_needed", "no_scaler_needed")
 SEVERITIES = ("error", "warning", "info")
 #: Where a finding was measured: a forward pass, a backward pass, the optimizer step, or the model as a whole.
