@@ -501,6 +501,7 @@ class Tracker:
         self.grad_handles: list = []  # tensor hooks: removed when the pass ends (a module may return a parameter)
         self.leaves: dict[str, bool] = {}
         self.out_dtypes: dict[str, tuple[torch.dtype, ...]] = {}  # module -> its last call's floating output dtypes
+        self.host_rng = True  # replay Python's and NumPy's streams in reruns (off when the model never draws on them)
 
     def __enter__(self) -> Tracker:
         for name, module in self.model.named_modules():
@@ -610,6 +611,8 @@ class Tracker:
         """Every stream a module's forward may draw from: torch's (CPU, and the device's on CUDA), Python's random
         and NumPy's global one (inline dropout, a layer drop decided by random.random()): a rerun replays them all."""
         cuda = torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else None
+        if not self.host_rng:  # the fp32 reference drew nothing from them: not worth NumPy's 0.1 ms per call
+            return torch.get_rng_state(), cuda, None, None
         return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
 
     def _set_rng_state(self, state) -> None:
@@ -617,8 +620,9 @@ class Tracker:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.dev)
-        random.setstate(py)
-        np.random.set_state(npy)
+        if py is not None:
+            random.setstate(py)
+            np.random.set_state(npy)
 
     def _count_grad(self, hists: list[Log2Hist], grad: torch.Tensor) -> None:
         """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
@@ -927,6 +931,7 @@ class Context:
     ref_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 gradients of the reference pass
     ref_loss: float = math.nan
     ref_watch: OpWatch | None = None
+    host_rng: bool = True  # the fp32 reference drew from Python's random or NumPy's global stream
     overflow_at: float = 65504.0  # fp32 op outputs beyond this (fp16's max) are recorded by the reference op watch
 
     def reference_watch(self) -> OpWatch:
@@ -957,6 +962,9 @@ def reference_pass(ctx: Context, watch_ops: bool = False) -> float:
     """fp32 forward + backward on the reference model: activation and gradient histograms; keeps the fp32 parameter
     gradients; returns the loss. With watch_ops, the op watcher runs too (see Context.reference_watch)."""
     loss, watch = _reference_run(ctx, ctx.records, ctx.order, watch_ops, keep=True)
+    # did the forward draw from Python's or NumPy's stream? (reset_rng put them at the caller's state first)
+    ctx.host_rng = random.getstate() != ctx.snapshot.py_rng or not _same_np_state(np.random.get_state(),
+                                                                                  ctx.snapshot.np_rng)
     if watch is not None:
         ctx.ref_watch = watch
     return loss
@@ -997,6 +1005,11 @@ def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[s
         for _, p in params:
             p.grad = saved[id(p)]
     return float(loss.detach()), watch
+
+
+def _same_np_state(a, b) -> bool:
+    """Two NumPy legacy RNG states are the same (their key arrays compared by value)."""
+    return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and tuple(a[2:]) == tuple(b[2:])
 
 
 class PassFailed(Exception):
@@ -1042,6 +1055,7 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
     # Tagging autograd nodes with module calls costs a walk of the graph per module call; it only matters when a
     # backward op makes an inf/NaN, so the pass runs again with tags then (same inputs, RNG: the same ops).
     tracker = Tracker(model, records, [], amp.precision, ctx.dev, grads=backward, tag=tag)
+    tracker.host_rng = ctx.host_rng
     watch = OpWatch(tracker)
     tracker.watch = watch
     inputs = fresh_copy(ctx.inputs)
