@@ -305,6 +305,7 @@ def test_without_an_optimizer_confirmation_says_it_used_adamw_and_steps_0_is_unc
     x, y = batch()
     r = examine(model, x, y, loss_fn=loss_fn, steps=10)
     assert "AdamW(lr=0.001)" in r.confirmation["optimizer"] and r.steps == 10
+    assert any("AdamW(lr=0.001), the default" in a for a in r.advice)  # said, not only stored
     assert r.verdicts[r.recommended_precision].confirmed and "confirmed over 10" in r.headline
     assert_consistent(r)
     quick = examine(model, x, y, loss_fn=loss_fn, steps=0)

@@ -434,6 +434,12 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
                    if tol else "")
         out.append(f"Use {rec} autocast{how}: {why} (loss {loss:.4g} against {ref_loss:.4g} in fp32){confirmed}"
                    + (f"; {others}" if others else "") + "." + tol_txt)
+    info = r.confirmation
+    if info.get("trained"):
+        out.append(f"The confirmation trained {', '.join(info['trained'])} {info['steps']} steps each beside fp32 with "
+                   f"{info['optimizer']}, on {info['batch']}.")
+    elif info.get("error"):
+        out.append(_sentence(f"The recipes could not be confirmed by training: {info['error']}"))
     if ev.ctx.dev.type == "cpu":
         chosen = pick(ev.ctx.dev)
         if chosen.precision == "fp32":
