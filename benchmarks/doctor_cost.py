@@ -6,8 +6,10 @@
 Time: for each model, one fp32 forward + backward, one forward + backward under fp16 and under bf16 autocast (the
 hardware's part: examine cannot run those passes faster than the device does), and examine() with fp16+bf16
 (forward and backward per precision, op watch, optimizer audit), interleaved, ``--repeats`` times each; medians.
-Goal (issue 18): examine <= 10x one fp32 forward + backward on models whose fp32 step takes >= 5 ms; the tiny MLP
-shows the fixed overhead. On a CPU the clock is this process's CPU time (one torch thread; other jobs on a shared
+Goal (issue 18): examine's forensic pass (steps=0) <= 10x one fp32 forward + backward on models whose fp32 step
+takes >= 5 ms; the tiny MLP shows the fixed overhead. Goal (issue 25): the confirmation (the default examine minus
+the forensic pass) <= 1.2x the plain training steps it runs (fp32 and each recipe it trains, ``--steps`` each, through
+ampcourse.train.train_step). On a CPU the clock is this process's CPU time (one torch thread; other jobs on a shared
 machine do not count); on CUDA, wall time after a synchronize.
 
 Memory: peak bytes above the state after building model, data and optimizer, for one plain training step
@@ -44,6 +46,7 @@ from ampcourse.models import make_task  # noqa: E402
 
 MODELS = ("mlp", "transformer", "gpt2", "bert", "resnet18")
 GOAL = 10.0
+CONFIRM_GOAL = 1.2  # issue 25: the confirmation costs at most 1.2x the plain training steps it runs
 
 
 def setup(name: str, dev: torch.device):
@@ -106,24 +109,60 @@ def time_one(fn, dev) -> float:
     return clock(dev) - t0
 
 
-def timings(name: str, dev: torch.device, repeats: int) -> dict:
-    """Median seconds of an fp32 forward+backward, of one per precision under autocast, and of examine(), interleaved."""
+def plain_steps(model, x, y, loss_fn, dev, precision: str, steps: int, scale: float) -> float:
+    """Seconds of `steps` plain training steps (AdamW, ampcourse.train.train_step, the course's one AMP step) of a copy
+    of the model in one precision on the same batch: what the confirmation trains, without the trial around it."""
+    import copy
+
+    from ampcourse.train import train_step
+    net = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    amp = pick(dev, precision)
+    scaler = amp.make_scaler(init_scale=scale) if precision == "fp16" else amp.make_scaler(enabled=False)
+    wrapped = (lambda out, t: out.loss) if isinstance(x, dict) else loss_fn  # noqa: E731
+
+    class Call(torch.nn.Module):  # inputs of any shape through train_step's (x, y) micro-batch
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, _):
+            return self.net(**x) if isinstance(x, dict) else self.net(x)
+    call = Call()
+    t0 = clock(dev)
+    for _ in range(steps):
+        train_step(call, [(torch.zeros(1), y)], wrapped, opt, scaler, amp)
+    return clock(dev) - t0
+
+
+def timings(name: str, dev: torch.device, repeats: int, steps: int = 10) -> dict:
+    """Median seconds of an fp32 forward+backward, of one per precision under autocast, of examine()'s forensic pass
+    (steps=0) and of the default examine (confirmed over `steps` steps), interleaved; then the plain training steps
+    the confirmation ran (fp32 and each recipe it trained, `steps` each)."""
     model, x, y, loss_fn = setup(name, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     amps = {p: pick(dev, p) for p in ("fp16", "bf16")}
-    run = lambda: examine(model, x, y, loss_fn=loss_fn, optimizer=opt, precisions=("fp16", "bf16"))  # noqa: E731
+    run = lambda n: examine(model, x, y, loss_fn=loss_fn, optimizer=opt, precisions=("fp16", "bf16"),  # noqa: E731
+                            steps=n)
     fwd_bwd(model, x, y, loss_fn)  # warm-up: first-call costs (allocator, kernels) are not what we measure
-    run()
-    samples: dict[str, list[float]] = {"fp32 fwd+bwd": [], "fp16 fwd+bwd": [], "bf16 fwd+bwd": [], "examine": []}
+    report = run(steps)
+    samples: dict[str, list[float]] = {"fp32 fwd+bwd": [], "fp16 fwd+bwd": [], "bf16 fwd+bwd": [], "examine": [],
+                                       "examine confirmed": [], "plain steps": []}
+    trained = ["fp32", *report.confirmation.get("trained", [])]
     for _ in range(repeats):
         samples["fp32 fwd+bwd"].append(time_one(lambda: fwd_bwd(model, x, y, loss_fn), dev))
         for p, amp in amps.items():
             samples[f"{p} fwd+bwd"].append(time_one(lambda: fwd_bwd(model, x, y, loss_fn, amp), dev))
-        samples["examine"].append(time_one(run, dev))
+        samples["examine"].append(time_one(lambda: run(0), dev))
+        samples["examine confirmed"].append(time_one(lambda: run(steps), dev))
+        samples["plain steps"].append(sum(plain_steps(model, x, y, loss_fn, dev, p, steps, report.recommended_init_scale)
+                                          for p in trained))
     med = {k: statistics.median(v) for k, v in samples.items()}
     floor = med["fp32 fwd+bwd"] + med["fp16 fwd+bwd"] + med["bf16 fwd+bwd"]
+    confirmation = med["examine confirmed"] - med["examine"]
     return {"seconds": med, "ratio": med["examine"] / med["fp32 fwd+bwd"], "hardware_floor": floor,
-            "over_floor": med["examine"] / floor}
+            "over_floor": med["examine"] / floor, "steps": steps, "trained": trained,
+            "confirmation": confirmation, "confirmation_over_plain_steps": confirmation / med["plain steps"]}
 
 
 def peak_child(name: str, what: str, device: str) -> None:
@@ -150,7 +189,7 @@ def peak_child(name: str, what: str, device: str) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         else:
-            examine(model, x, y, loss_fn=loss_fn, optimizer=opt)
+            examine(model, x, y, loss_fn=loss_fn, optimizer=opt, steps=0)  # the forensic pass's memory
 
     if measure == "tensors":  # CPU: what the allocator gave tensors, as max_memory_allocated counts on CUDA
         print(json.dumps({"peak_above_setup": tensor_peak(work)}))
@@ -216,6 +255,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10, help="the confirmation's training steps (examine's default 10)")
+    ap.add_argument("--no-memory", action="store_true", help="time only (skip the memory processes)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "WHAT"), help=argparse.SUPPRESS)
@@ -229,8 +270,8 @@ def main() -> None:
     if dev.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(dev)
     for name in args.models.split(","):
-        t = timings(name, dev, args.repeats)
-        m = peaks(name, args.device)
+        t = timings(name, dev, args.repeats, args.steps)
+        m = {} if args.no_memory else peaks(name, args.device)
         result["models"][name] = {**t, "memory": m}
         s = t["seconds"]
         big = s["fp32 fwd+bwd"] >= 0.005
@@ -239,6 +280,11 @@ def main() -> None:
               f"ms); examine fp16+bf16 {s['examine'] * 1e3:.0f} ms = {t['ratio']:.1f}x fp32 fwd+bwd "
               + (f"(goal <= {GOAL:g}x: {'met' if t['ratio'] <= GOAL else 'missed'})" if big else
                  "(step < 5 ms: fixed overhead)") + f", {t['over_floor']:.2f}x the floor")
+        print(f"{name}: confirmation over {t['steps']} steps of {', '.join(t['trained'])}: {t['confirmation'] * 1e3:.0f} ms"
+              f" = {t['confirmation_over_plain_steps']:.2f}x the plain steps it runs ({s['plain steps'] * 1e3:.0f} ms; "
+              f"goal <= {CONFIRM_GOAL:g}x); default examine {s['examine confirmed'] * 1e3:.0f} ms")
+        if not m:
+            continue
         print(f"{name}: peak above setup: plain step {m['step'] / 2**20:.1f} MiB, examine {m['examine'] / 2**20:.1f} MiB "
               f"(ratio {m['ratio']:.2f})" + (f"; tensors alone: plain step {m['tensors_step'] / 2**20:.2f} MiB, examine "
                                              f"{m['tensors_examine'] / 2**20:.2f} MiB (ratio {m['tensors_ratio']:.2f})"

@@ -717,6 +717,99 @@ def _reference(name: str) -> Callable[[int], Setup]:
     return build
 
 
+# -- issue 25: what trains, what only training shows, gradients judged by the backward itself ----------------------
+
+class LoRANet(nn.Module):
+    """A frozen fp16 base with trainable fp32 low-rank adapters written by hand (the optimizer holds the adapters):
+    fp32 master weights would double the frozen base for nothing, the one thing LoRA exists to avoid."""
+
+    def __init__(self, d: int = 32, width: int = 64, classes: int = 10, rank: int = 4):
+        super().__init__()
+        self.base = nn.Linear(d, width).half().requires_grad_(False)
+        self.down, self.up = nn.Linear(d, rank, bias=False), nn.Linear(rank, width, bias=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.base(x.to(self.base.weight.dtype)).float() + self.up(self.down(x))
+        return self.head(F.gelu(h))
+
+
+def build_lora_fp16_base(seed: int) -> Setup:
+    """LoRANet, AdamW over the adapters and the head only: healthy in fp16 and bf16."""
+    seed_all(seed)
+    model = LoRANet()
+    x, y = _classify(seed, 64, 32)
+    return Setup(model, x, y, _xent, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+
+
+class InlineRandomNet(nn.Module):
+    """Inline dropout and a block skipped or kept by Python's random (a layer drop), scaled by a NumPy draw: every
+    pass and every rerun must replay the same randomness, or healthy code reads as precision loss."""
+
+    def __init__(self, d: int = 32, width: int = 64, classes: int = 10):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(d, width), nn.Linear(width, width), nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(F.gelu(self.a(x)), 0.2, training=self.training)
+        if random.random() < 0.5:
+            h = h + F.dropout(self.b(h), 0.2, training=self.training) * float(np.random.uniform(0.5, 1.5))
+        return self.head(h)
+
+
+def build_inline_random(seed: int) -> Setup:
+    """InlineRandomNet with AdamW: healthy."""
+    seed_all(seed)
+    model = InlineRandomNet()
+    x, y = _classify(seed, 64, 32)
+    return Setup(model, x, y, _xent, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+class RunawayNet(nn.Module):
+    """A linear map trained to push its outputs up: healthy at its initial weights in every precision; within a few
+    steps its outputs pass fp16's largest value (fp32 and bf16 have the range)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _push_up(out: torch.Tensor, _targets: torch.Tensor) -> torch.Tensor:
+    return -out.float().mean()
+
+
+def build_runaway(seed: int) -> Setup:
+    """RunawayNet on inputs of 100 with SGD(lr=30): the outputs grow by ~1e4 per step."""
+    seed_all(seed)
+    model = RunawayNet()
+    return Setup(model, torch.full((4, 8), 100.0), torch.zeros(4), _push_up, torch.optim.SGD(model.parameters(), lr=30.0))
+
+
+class EmbedHead(nn.Module):
+    """An Embedding (its output stays fp32 under autocast) read by an fp16 Linear: at scale 1 the Linear's backward
+    flushes the tiny gradient on its way to the embedding."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, classes: int = 10):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, classes)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx).mean(1))
+
+
+def build_embedding_underflow(seed: int) -> Setup:
+    """EmbedHead with a loss weighted down by 2**-20 and SGD (a loss weight is a learning-rate factor there)."""
+    seed_all(seed)
+    model = EmbedHead()
+    g = torch.Generator().manual_seed(seed + 7)
+    idx, y = torch.randint(0, 64, (32, 8), generator=g), torch.randint(0, 10, (32,), generator=g)
+    return Setup(model, idx, y, lambda o, t: F.cross_entropy(o.float(), t) * 2.0**-20,
+                 torch.optim.SGD(model.parameters(), lr=0.5 * 2.0**20))
+
+
 # -- the gallery ---------------------------------------------------------------------------------------------------
 
 CASES: tuple[Case, ...] = (
@@ -770,6 +863,12 @@ CASES: tuple[Case, ...] = (
          build_t5_overflow, ("fp16",), (T5_CULPRIT,), (), "forward", fix=_islands(T5_CULPRIT), hf=True,
          innocents=("encoder.dropout",)),
     # healthy
+    Case("runaway", 6, "issue 25: healthy at its first step; trained, its outputs pass fp16's max within a few steps "
+         "(only training shows it)", build_runaway, ("fp16",), ("",), (), "model",
+         fix=lambda model, opt: Regimen(autocast="bf16")),
+    Case("embedding_underflow", 6, "issue 25: an Embedding whose output stays fp32 loses its whole gradient through "
+         "the fp16 Linear that reads it (scale 1)", build_embedding_underflow, ("fp16",), ("emb",), (), "backward",
+         regimen=_no_scaler, fix=_with_scaler(2.0**24), watch=("emb.",)),
     Case("ref_mlp", 0, "ampcourse's reference MLP", _reference("mlp"), ("fp16", "bf16")),
     Case("ref_cnn", 0, "ampcourse's reference CNN (batch norm)", _reference("cnn"), ("fp16", "bf16")),
     Case("ref_transformer", 0, "ampcourse's reference transformer", _reference("transformer"), ("fp16", "bf16")),
@@ -780,6 +879,10 @@ CASES: tuple[Case, ...] = (
          lambda s: _fused_setup(s, safe=True), ("fp16", "bf16")),
     Case("inline_attention_small", 0, "unscaled inline attention on unit inputs (near miss of class 1)",
          build_inline_attention_small, ("fp16", "bf16")),
+    Case("lora_fp16_base", 0, "issue 25: a frozen fp16 base with trainable fp32 adapters (no master weights needed)",
+         build_lora_fp16_base, ("fp16", "bf16")),
+    Case("inline_random", 0, "issue 25: inline dropout and a layer drop by Python's random (replayed in every rerun)",
+         build_inline_random, ("fp16", "bf16")),
 )
 
 

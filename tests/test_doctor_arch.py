@@ -16,7 +16,13 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ampcourse.doctor import examine  # noqa: E402
+from ampcourse.doctor import examine as _examine  # noqa: E402
+
+
+def examine(*args, steps=0, **kwargs):
+    """The forensic pass (steps=0): these tests are about what one forward + backward finds in each architecture;
+    the GPT-2 one confirms by training too."""
+    return _examine(*args, steps=steps, **kwargs)
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,10 +92,11 @@ def test_gpt2_healthy_with_its_own_loss_and_state_unchanged():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     rng = torch.get_rng_state()
-    r = examine(model, {"input_ids": x, "labels": x}, optimizer=opt)
+    r = examine(model, {"input_ids": x, "labels": x}, optimizer=opt, steps=10)
     assert r.warnings == [], r.summary()
     assert all(torch.equal(before[n], p) and p.grad is None for n, p in model.named_parameters())
     assert torch.equal(rng, torch.get_rng_state()) and model.training and not opt.state
+    assert r.verdicts["bf16"].confirmed and r.confirmation["optimizer"].startswith("AdamW with your param groups")
 
 
 def test_gpt2_overflowing_mlp_named():

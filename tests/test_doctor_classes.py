@@ -304,7 +304,7 @@ class TinyFirstLayer(nn.Module):
         self.rest = nn.Sequential(nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
                                   nn.Linear(256, 10))
         with torch.no_grad():
-            self.first.weight.mul_(1e6)
+            self.first.weight.mul_(1e4)  # fits fp16 (1e6 overflowed it, and the island then trained it in fp32)
 
     def forward(self, x):
         return self.rest(self.first(x * 1e-6))
@@ -322,7 +322,8 @@ def test_a_layer_losing_its_gradient_is_named_however_small_the_aggregate():
 
 
 class EmbedModel(nn.Module):
-    """An Embedding (its output stays fp32 under autocast) whose gradients are tiny: fp16 does not touch them."""
+    """An Embedding (its output stays fp32 under autocast) whose gradients are tiny: they arrive through the fp16
+    Linear that reads it, whose backward flushes them at scale 1."""
 
     def __init__(self):
         super().__init__()
@@ -332,15 +333,27 @@ class EmbedModel(nn.Module):
         return self.head(self.emb(idx).mean(1))
 
 
-def test_leaves_that_stay_fp32_are_not_counted_as_fp16_gradient_losses():
+def test_an_embedding_whose_output_stays_fp32_still_loses_its_gradient_through_the_fp16_op_that_reads_it():
+    """Issue 25, class 5: gradient loss is measured in the fp16 backward itself, whatever the module's output dtype."""
     torch.manual_seed(0)
     model = EmbedModel()
     g = torch.Generator().manual_seed(0)
     idx, y = torch.randint(0, 64, (16, 8), generator=g), torch.randint(0, 10, (16,), generator=g)
-    r = examine(model, idx, y, loss_fn=lambda o, t: F.cross_entropy(o, t) * 2.0**-20, precisions=("fp16",))
+    small = lambda o, t: F.cross_entropy(o, t) * 2.0**-20  # noqa: E731
+    r = examine(model, idx, y, loss_fn=small, precisions=("fp16",), steps=0)
     rows = {m["name"]: m for m in r.modules}
-    assert rows["emb"]["dtype"]["fp16"] == "float32"
-    assert "emb.weight" not in {f.module for f in r.find("layer_gradient_underflow")}
+    assert rows["emb"]["dtype"]["fp16"] == "float32"  # its own output stays fp32 ...
+    lost = {f.module: f for f in r.find("layer_gradient_underflow")}
+    assert {"emb.weight", "head.weight"} <= set(lost), r.summary()  # ... and every parameter over the bar is named
+    assert lost["emb.weight"].fix == "scaler" and not r.is_clean("fp16")  # the recommended scale brings it back
+    # it is real: one fp16 backward at scale 1, by hand, gives the embedding no gradient at all
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = small(model(idx), y)
+    loss.backward()
+    assert model.emb.weight.grad.abs().max() == 0
+    model.zero_grad(set_to_none=True)
+    small(model(idx), y).backward()
+    assert model.emb.weight.grad.abs().max() > 0
 
 
 # -- 6. multi-call modules, in-place forwards, determinism ---------------------------------------------------------
@@ -696,10 +709,12 @@ def test_fp32_weights_with_an_optimizer_that_keeps_fp16_state_are_audited():
     assert losses[1] > 100 * losses[0]
     r = examine(model, x, y, loss_fn=F.cross_entropy, optimizer=HalfStateAdam(model.parameters()))
     bad = r.find("optimizer_blowup") + r.find("optimizer_nonfinite")
-    assert bad and bad[0].severity == "error" and bad[0].precision == "fp32", r.summary()
+    # tagged with the dtype measured (the state's), counted against every recipe (phase "optimizer")
+    assert bad and bad[0].severity == "error" and bad[0].precision == "fp16" and bad[0].phase == "optimizer", r.summary()
     assert "keeps it in float16" in bad[0].message and "as far as the fp32-master step" not in bad[0].message
     assert not r.is_clean("fp16") and not r.is_clean("bf16")
-    assert "every precision above first" in r.advice[0]
+    assert r.verdicts["bf16"]["status"] == "refused" and r.verdicts["bf16"]["needs"] == ["master_weights"]
+    assert "keep the optimizer's state in fp32, then use" in r.headline and "master weights" not in r.headline
 
 
 def test_an_optimizer_of_ones_own_with_fp32_state_is_stepped_and_stays_quiet():

@@ -74,10 +74,13 @@ def test_reference_model_writes_json_and_html(tmp_path):
 
 def test_factory_of_your_own(factories, tmp_path):
     out = tmp_path / "r.json"
-    run = doctor("--model", "my_models:with_optimizer", "--precisions", "fp16", "--out", str(out), path=factories)
+    run = doctor("--model", "my_models:with_optimizer", "--precisions", "fp16", "--out", str(out), "--steps", "0",
+                 path=factories)
     assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     assert list(data["verdicts"]) == ["fp16"] and data["optimizer"]["class"] == "AdamW"
+    assert data["steps"] == 0 and data["verdicts"]["fp16"]["confirmation"]["status"] == "unconfirmed"
+    assert "unconfirmed" in run.stdout.splitlines()[0]
 
 
 BAD = [
@@ -93,6 +96,7 @@ BAD = [
     # issue 12: flags argparse refuses, numbers beyond range, files that cannot be written, any error of the model
     (["--model", "mlp", "--batch", "x"], "argument --batch: invalid int value: 'x'"),
     (["--model", "mlp", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--model", "mlp", "--steps", "-1"], "--steps must be >= 0 (0: the forensic pass), got -1"),
     (["--model", "mlp", "--seed", str(2**64)], "--seed must be an int >= 0 and < 2**64"),
     (["--model", "mlp", "--batch", "10000000000000"], "--batch 10000000000000: dataset size (n_samples) must be"),
     (["--model", "mlp", "--precisions", "fp64"], "unknown precision 'fp64'; choose from fp16, bf16"),

@@ -36,3 +36,12 @@ def test_tensor_peak_counts_what_is_live_at_once_not_what_was_ever_allocated():
     assert 6 * mib <= cost.tensor_peak(two_at_once) < 7 * mib
     assert 4 * mib <= cost.tensor_peak(one_after_another) < 5 * mib
     assert cost.tensor_peak(lambda: None) == 0
+
+
+def test_timings_report_the_forensic_pass_and_the_confirmation_against_the_plain_steps_it_runs():
+    cost = _load()
+    t = cost.timings("mlp", torch.device("cpu"), repeats=1, steps=2)
+    assert t["steps"] == 2 and t["trained"][0] == "fp32" and len(t["trained"]) >= 2
+    s = t["seconds"]
+    assert s["examine confirmed"] > 0 and s["plain steps"] > 0 and t["confirmation_over_plain_steps"] > 0
+    assert t["ratio"] == s["examine"] / s["fp32 fwd+bwd"]

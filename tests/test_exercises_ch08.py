@@ -24,6 +24,15 @@ def test_init_scale_is_the_largest_power_of_two_within_the_margin(capsys):
             exercises.check_init_scale(wrong, g)
 
 
+def test_init_scale_answered_with_the_exponent_is_told_it_is_the_exponent():
+    # chapter 8's exercise: max grad 0.37 -> 2**14; a learner who answers 14 gave k, not 2**k
+    with pytest.raises(ExerciseError, match="14 is the exponent k, not the scale"):
+        exercises.check_init_scale(14, 0.37)
+    with pytest.raises(ExerciseError, match="looks like an exponent"):
+        exercises.check_init_scale(13, 0.37)
+    exercises.check_init_scale(2.0**14, 0.37)
+
+
 class TwoProblems(nn.Module):
     """A naive RMSNorm whose x*x overflows fp16, and a linear layer whose outputs exceed 65504."""
 

@@ -35,14 +35,23 @@ states; gradients on, inference mode and the caller's autocast off, whatever the
    a pass that raises where fp32 ran (a constant fp16 cannot hold, a dtype check) is an error finding, ``raises``,
    naming the op and module, and that module is tried in fp32 (a missing kernel on this device is ``unsupported``);
 3. fp32 islands (:func:`ampcourse.policy.apply_policy`) for the modules named, checked by rerunning both passes;
-4. an optimizer audit (:mod:`.audit`): a copy of the optimizer as it is takes one step; inf/NaN weights, the update
-   against fp32 master weights, updates lost to rounding, Adam's second moment underflowing, the loss after it.
+4. an optimizer audit (:mod:`.audit`): a copy of the optimizer as it is takes two steps (its state stored in its
+   own dtype between them, as a fused optimizer stores it); inf/NaN weights, blow-ups and lost updates as separate
+   outcomes against fp32 master weights, Adam's second moment underflowing, the loss after the steps;
+5. the verdict layer (:mod:`.verdict`): one function turns every finding into each precision's status, the
+   recommendation, the headline and the advice. A precision with an error or warning left is never "clean"; an
+   optimizer or model finding counts against every recipe that trains those weights; an fp32 failure blames no
+   precision; what a recipe needs (fp32 islands, a GradScaler, fp32 master weights) is said;
+6. confirmation by training (:mod:`.confirm`): each recipe the verdicts could recommend trains ``steps`` steps
+   (default 10) beside one fp32 reference on copies, with :func:`ampcourse.trial.trial`; one that departs
+   (inf/NaN, or a loss gap beyond max(5%, fp32's own step-to-step noise)) is a ``training_departs`` finding and is
+   not recommended. ``steps=0`` is the forensic pass: its verdicts say "unconfirmed".
 
 How to read a report (``print(report)``)::
 
-    AMP doctor on cpu: use bf16, no GradScaler
-      fp16: refused                                  <- the verdict per precision
-      bf16: clean
+    AMP doctor on cpu: use bf16, no GradScaler (confirmed over 10 training steps beside fp32 ...)
+      fp16: refused (1 finding(s) no recipe here resolves, first nonfinite in 'block')   <- the verdict per precision
+      bf16: clean (confirmed over 10 training steps ...; tolerances module 0.0625, output 0.25, ...)
     2 error(s), 0 warning(s), 3 note(s):
       [error] nonfinite (fp16, forward, 'block', aten::mul): 'block' (inline in forward): aten::mul turns finite
               inputs (max |x| 412) into inf/NaN under fp16 autocast (output float16); in fp32 it reaches 1.7e+05 ...
@@ -51,7 +60,8 @@ How to read a report (``print(report)``)::
 
 Each finding says what (``kind``), where (``module``: a quoted qualified name, '' for the whole model; ``phase``:
 forward, backward, optimizer or model; ``op``: the aten op), in which precision, the number it rests on
-(``value``) and what to do. ``report.is_clean(p)`` is True only when p ran and no error or warning concerns it.
+(``value``), what to do, and which part of a recipe fixes it (``fix``). ``report.is_clean(p)`` is True only when
+p's verdict is "clean": it ran, and no error or warning concerns it.
 
 Adding a finding kind: add its name to :data:`KINDS` (``vocab.py``, the report's vocabulary; the order is the sort order within one
 severity), then write a rule in ``rules.py`` with the one shape every rule has, ``def my_rule(ev: Evidence) ->
@@ -61,8 +71,8 @@ op watcher) and store it on the pass's result. Add a test that plants the proble
 does not trip it.
 
 Layout: :mod:`.hist` (histograms), :mod:`.capture` (hooks, op dispatch, the passes), :mod:`.audit` (optimizer),
-:mod:`.rules` (findings), :mod:`.report` (data), :mod:`.render` (text, HTML, plot), :mod:`.cli` (command line),
-:mod:`.core` (examine).
+:mod:`.rules` (findings), :mod:`.verdict` (verdicts, headline), :mod:`.confirm` (training), :mod:`.report` (data),
+:mod:`.render` (text, HTML, plot), :mod:`.cli` (command line), :mod:`.core` (examine).
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ from .core import examine
 from .hist import COUNT_CAP, Log2Hist, _Counter
 from .report import KINDS, PHASES, SEVERITIES, Finding, Report
 from .rules import GRAD_MARGIN, GRAD_TOL, LOSS_TOL, OUTPUT_TOL, REL_TOL
+from .verdict import Confirmation, Verdict, decide
 
 __all__ = ["examine", "Report", "Finding", "Log2Hist", "KINDS", "SEVERITIES", "REL_TOL", "main", "PHASES",
-           "OUTPUT_TOL", "LOSS_TOL", "GRAD_TOL", "OpEvent"]
+           "OUTPUT_TOL", "LOSS_TOL", "GRAD_TOL", "OpEvent", "Verdict", "Confirmation", "decide"]

@@ -17,11 +17,69 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from dataclasses import dataclass
+
 from .. import formats
 from ..scaling import range_counts
 from .capture import Context, fresh_copy, scalar_loss
+from .verdict import _FieldMapping
 
 _LOW = (torch.float16, torch.bfloat16)
+#: Optimizer steps the audit takes on its copies: the state is stored in its own dtype between them, so a state that
+#: underflows when stored (a fused Adam computes step 1's second moment in fp32 registers, then keeps it in fp16)
+#: shows from the second step on.
+AUDIT_STEPS = 2
+
+
+def second_moment_threshold(fmt: str, beta2: float = 0.999) -> float:
+    """|g| below which Adam's first update of the second moment, (1 - beta2) * g**2, rounds to zero in fmt: below
+    half of fmt's smallest subnormal (round to nearest). fp16 at beta2 = 0.999: 5.5e-3.
+
+    Example::
+
+        >>> round(second_moment_threshold("fp16"), 4)
+        0.0055
+    """
+    return math.sqrt(formats.spec(fmt).min_subnormal / 2 / (1 - beta2))
+
+
+@dataclass(frozen=True, eq=False)
+class Audit(_FieldMapping):
+    """What the optimizer audit measured (also read as a mapping: ``report.optimizer["lost_update_share"]``).
+
+    ``outcome``: "nonfinite" (the step made inf/NaN weights), "blowup" (the loss or an update far beyond the
+    fp32-master step's), "lost_updates" (updates rounded away), "ok", or "not_stepped" (fp32 weights and state:
+    the step is the fp32-master step). ``lost_update_share`` is NaN when the step destroyed the weights (a share of
+    an update that is not there would read as a fine step).
+    """
+
+    _ALIASES = {"class": "class_name"}
+
+    class_name: str
+    param_dtypes: dict
+    grad_dtypes: dict
+    state_dtypes: list
+    fp32_master_weights: bool
+    eps: list
+    params: dict
+    trainable_dtypes: dict | None = None
+    nonfinite_after: int | None = None
+    lost_update_share: float | None = None
+    loss_before: float | None = None
+    loss_after: float | None = None
+    loss_after_master: float | None = None
+    stepped: bool | None = None
+    steps: int | None = None
+    master_reference: bool | None = None
+    second_moment_underflow: float | None = None
+    outcome: str | None = None
+    error: str | None = None
+    master_error: str | None = None
+
+    @classmethod
+    def of(cls, d: Mapping[str, Any]) -> Audit:
+        """From the dict audit() builds (its "class" key is class_name)."""
+        return cls(**{cls._ALIASES.get(k, k): v for k, v in d.items()})
 
 
 def _dt(t: torch.Tensor) -> str:
@@ -44,8 +102,9 @@ def _state_dtype(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.dty
 
 
 def step_copy(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: Mapping[int, torch.Tensor],
-              dtype: torch.dtype | None = None) -> tuple[dict[int, torch.Tensor], torch.optim.Optimizer]:
-    """One step of a copy of optimizer, bound to copies of params (in dtype, if given, with its state cast to it).
+              dtype: torch.dtype | None = None, steps: int = 1) -> tuple[dict[int, torch.Tensor], torch.optim.Optimizer]:
+    """steps steps of a copy of optimizer, bound to copies of params (in dtype, if given, with its state cast to it),
+    each with the same gradients; between steps the state stays as the optimizer stored it.
 
     The copy keeps the optimizer's class, options and extra attributes (BF16AdamW's rounding and generator):
     it is not rebuilt from param_groups. An instance-level ``step`` (an LR scheduler's wrapper) is not copied:
@@ -61,12 +120,21 @@ def step_copy(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grad
     opt = object.__new__(type(optimizer))
     opt.__dict__.update(copy.deepcopy({k: v for k, v in optimizer.__dict__.items()
                                        if k not in ("step", "zero_grad")}, memo))
+    if dtype == torch.float32 and getattr(opt, "rounding", None) == "kahan":
+        # fp32 master weights have no bf16 rounding to compensate; BF16AdamW's Kahan buffer would even count the
+        # update twice there from the second step on (p.float() is p itself in fp32)
+        opt.rounding = "nearest"
     if dtype is not None:
         for st in opt.state.values():
             for k, v in list(st.items()):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
                     st[k] = v.to(dtype)
-    type(opt).step(opt)
+    for i in range(steps):
+        if i:
+            for p in params:
+                g = grads.get(id(p))
+                copies[id(p)].grad = None if g is None else g.to(copies[id(p)].dtype, copy=True)
+        type(opt).step(opt)
     return copies, opt
 
 
@@ -87,10 +155,15 @@ def _loss_with(ctx: Context, weights: Mapping[str, torch.Tensor]) -> float:
         return math.nan
 
 
-def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
-    """What one step of the optimizer does to the model's weights, against fp32 master weights (None: no optimizer)."""
+def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> Audit | None:
+    """What AUDIT_STEPS steps of the optimizer do to the model's weights, against fp32 master weights (None: no
+    optimizer)."""
     if optimizer is None:
         return None
+    return Audit.of(_audit(ctx, optimizer))
+
+
+def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     names = {id(p): n for n, p in ctx.model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grads = {id(p): ctx.ref_grads[names[id(p)]] for p in params if names.get(id(p)) in ctx.ref_grads}
@@ -101,15 +174,20 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
         "grad_dtypes": _tally(_dt(p) for p in params if id(p) in grads),
         "state_dtypes": state_dtypes or sorted({_dt(p) for p in params}),
         "fp32_master_weights": all(p.dtype == torch.float32 for p in params if p.is_floating_point()),
-        "eps": [], "params": {}}
+        "eps": [], "params": {},
+        "trainable_dtypes": _tally(_dt(p) for p in ctx.model.parameters() if p.requires_grad)}
     for gi, group in enumerate(optimizer.param_groups):
         eps = group.get("eps")
-        if isinstance(eps, (int, float)) and eps > 0:
+        # a fused step adds eps in fp32 registers: it never rounds to the state's format (the second moment still
+        # underflows when stored, which the two audited steps measure)
+        if isinstance(eps, (int, float)) and eps > 0 and not group.get("fused"):
             for fmt in ("fp16", "bf16"):
                 dtype = formats.spec(fmt).torch_dtype
                 in_state = [p for p in group["params"] if _state_dtype(optimizer, p) == dtype]
                 if in_state and range_counts([eps], 1.0, fmt)["underflow"]:
+                    betas = group.get("betas", (0.9, 0.999))
                     out["eps"].append({"group": gi, "eps": float(eps), "format": fmt, "params": len(in_state),
+                                       "beta2": float(betas[1]) if isinstance(betas, (tuple, list)) else 0.999,
                                        "first": names.get(id(in_state[0]), f"param_groups[{gi}]")})
     # fp32 weights and fp32 state: the step *is* the fp32-master step, nothing of it depends on low precision. The
     # state is known fp32 once it exists, or before the first step for torch's own optimizers (they make it like the
@@ -117,14 +195,14 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
     builtin = type(optimizer).__module__.startswith("torch.optim")
     if out["fp32_master_weights"] and all(d == "float32" for d in state_dtypes) and (state_dtypes or builtin):
         out.update(nonfinite_after=0, lost_update_share=0.0, loss_before=ctx.ref_loss, loss_after=math.nan,
-                   loss_after_master=math.nan, stepped=False)
+                   loss_after_master=math.nan, stepped=False, steps=0, outcome="not_stepped")
         return out
     try:
-        actual, opt_a = step_copy(optimizer, params, grads)
+        actual, opt_a = step_copy(optimizer, params, grads, steps=AUDIT_STEPS)
     except Exception as err:  # noqa: BLE001 (an optimizer we cannot copy: say so, never rebuild it differently)
         out["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
         return out
-    out["stepped"] = True
+    out["stepped"], out["steps"] = True, AUDIT_STEPS
     out["state_dtypes"] = sorted({_dt(v) for st in opt_a.state.values() for v in st.values()
                                   if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0}
                                  ) or out["state_dtypes"]
@@ -135,7 +213,7 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
     out["master_reference"] = bool(low or low_state)
     if low or low_state:
         try:
-            master, opt_m = step_copy(optimizer, params, grads, torch.float32)
+            master, opt_m = step_copy(optimizer, params, grads, torch.float32, steps=AUDIT_STEPS)
         except Exception as err:  # noqa: BLE001
             out["master_error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
             master, opt_m = None, None
@@ -189,4 +267,36 @@ def audit(ctx: Context, optimizer: torch.optim.Optimizer | None) -> dict[str, An
         out["loss_after_master"] = _loss_with(ctx, {names[i]: c for i, c in master.items() if i in names})
     else:
         out["loss_after_master"] = out["loss_after"] if master is not None else math.nan
+    out["outcome"] = _outcome(out)
+    if out["outcome"] in ("nonfinite", "blowup"):
+        out["lost_update_share"] = math.nan  # the update did not "arrive" or "get lost": the step destroyed weights
     return out
+
+
+#: An update this many times larger than the fp32-master update is a blow-up.
+BLOWUP_RATIO = 4.0
+#: More than this share of the fp32-master update rounded away is lost updates.
+LOST_WARN = 0.10
+
+
+def blown_up(a: Mapping[str, Any]) -> bool:
+    """The loss after the steps far above the loss before (twice it, and by at least 1), or not finite, while the
+    fp32-master steps stay finite; or an update BLOWUP_RATIO times the fp32-master update's size."""
+    after, before = a.get("loss_after", math.nan), a.get("loss_before", math.nan)
+    master_ok = math.isfinite(a.get("loss_after_master", math.nan))
+    reference_ok = master_ok or not a.get("master_reference", True)
+    if (math.isfinite(before) and reference_ok
+            and (not math.isfinite(after) or after > max(2 * abs(before), before + 1.0))):
+        return True
+    ratios = [r["update_ratio"] for r in a.get("params", {}).values()
+              if "update_ratio" in r and a.get("master_reference", True)]
+    return bool(ratios) and max(ratios) > BLOWUP_RATIO
+
+
+def _outcome(a: Mapping[str, Any]) -> str:
+    """nonfinite, blowup, lost_updates or ok: what the audited steps did, worst first."""
+    if a.get("nonfinite_after"):
+        return "nonfinite"
+    if blown_up(a):
+        return "blowup"
+    return "lost_updates" if a.get("lost_update_share", 0.0) > LOST_WARN else "ok"

@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .. import _args
-from ..device import AmpSetup, parse_precision, pick
+from ..device import AmpSetup, pick
 from ..models import data_errors
 from ..policy import apply_policy, policy_of, remove_policy
 from .hist import COUNT_CAP, Log2Hist, _abs_max, _Counter
@@ -73,26 +73,6 @@ def check_inputs(inputs) -> None:
         return
     raise TypeError(f"inputs must be a tensor, a tuple of tensors (positional arguments) or a dict with str keys "
                     f"(keyword arguments), got {type(inputs).__name__}")
-
-
-def check_precisions(precisions) -> tuple[str, ...]:
-    """('fp16', 'bf16')-like tuple; ValueError for fp32, unknown names, duplicates or an empty sequence."""
-    if isinstance(precisions, (str, torch.dtype)):
-        precisions = (precisions,)
-    if not isinstance(precisions, Sequence) or not precisions:
-        raise ValueError(f"precisions must be a non-empty sequence of 'fp16' and/or 'bf16', got {_args.shown(precisions)}")
-    out = []
-    for p in precisions:
-        try:
-            name = parse_precision(p)
-        except ValueError:
-            raise ValueError(f"precisions: unknown precision {_args.shown(p)}; choose from fp16, bf16") from None
-        if name == "fp32":
-            raise ValueError("precisions lists the low-precision formats to examine ('fp16', 'bf16'); "
-                             "fp32 is always run as the reference")
-        if name not in out:
-            out.append(name)
-    return tuple(out)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -501,6 +481,7 @@ class Tracker:
         self.grad_handles: list = []  # tensor hooks: removed when the pass ends (a module may return a parameter)
         self.leaves: dict[str, bool] = {}
         self.out_dtypes: dict[str, tuple[torch.dtype, ...]] = {}  # module -> its last call's floating output dtypes
+        self.host_rng = True  # replay Python's and NumPy's streams in reruns (off when the model never draws on them)
 
     def __enter__(self) -> Tracker:
         for name, module in self.model.named_modules():
@@ -607,13 +588,21 @@ class Tracker:
                 and not getattr(module, "inplace", False))
 
     def _rng_state(self):
-        return torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else torch.get_rng_state()
+        """Every stream a module's forward may draw from: torch's (CPU, and the device's on CUDA), Python's random
+        and NumPy's global one (inline dropout, a layer drop decided by random.random()): a rerun replays them all."""
+        cuda = torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else None
+        if not self.host_rng:  # the fp32 reference drew nothing from them: not worth NumPy's 0.1 ms per call
+            return torch.get_rng_state(), cuda, None, None
+        return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
 
     def _set_rng_state(self, state) -> None:
-        if self.dev.type == "cuda":
-            torch.cuda.set_rng_state(state, self.dev)
-        else:
-            torch.set_rng_state(state)
+        cpu, cuda, py, npy = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.dev)
+        if py is not None:
+            random.setstate(py)
+            np.random.set_state(npy)
 
     def _count_grad(self, hists: list[Log2Hist], grad: torch.Tensor) -> None:
         """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
@@ -922,6 +911,7 @@ class Context:
     ref_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 gradients of the reference pass
     ref_loss: float = math.nan
     ref_watch: OpWatch | None = None
+    host_rng: bool = True  # the fp32 reference drew from Python's random or NumPy's global stream
     overflow_at: float = 65504.0  # fp32 op outputs beyond this (fp16's max) are recorded by the reference op watch
 
     def reference_watch(self) -> OpWatch:
@@ -952,6 +942,9 @@ def reference_pass(ctx: Context, watch_ops: bool = False) -> float:
     """fp32 forward + backward on the reference model: activation and gradient histograms; keeps the fp32 parameter
     gradients; returns the loss. With watch_ops, the op watcher runs too (see Context.reference_watch)."""
     loss, watch = _reference_run(ctx, ctx.records, ctx.order, watch_ops, keep=True)
+    # did the forward draw from Python's or NumPy's stream? (reset_rng put them at the caller's state first)
+    ctx.host_rng = random.getstate() != ctx.snapshot.py_rng or not _same_np_state(np.random.get_state(),
+                                                                                  ctx.snapshot.np_rng)
     if watch is not None:
         ctx.ref_watch = watch
     return loss
@@ -992,6 +985,11 @@ def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[s
         for _, p in params:
             p.grad = saved[id(p)]
     return float(loss.detach()), watch
+
+
+def _same_np_state(a, b) -> bool:
+    """Two NumPy legacy RNG states are the same (their key arrays compared by value)."""
+    return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and tuple(a[2:]) == tuple(b[2:])
 
 
 class PassFailed(Exception):
@@ -1037,6 +1035,7 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
     # Tagging autograd nodes with module calls costs a walk of the graph per module call; it only matters when a
     # backward op makes an inf/NaN, so the pass runs again with tags then (same inputs, RNG: the same ops).
     tracker = Tracker(model, records, [], amp.precision, ctx.dev, grads=backward, tag=tag)
+    tracker.host_rng = ctx.host_rng
     watch = OpWatch(tracker)
     tracker.watch = watch
     inputs = fresh_copy(ctx.inputs)
@@ -1076,6 +1075,35 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
     return result
 
 
+def gradient_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0
+                  ) -> dict[str, dict[str, float]]:
+    """One forward + backward of the model as it is under autocast, with nothing watched (no hooks, no op watch, no
+    reruns): only its parameter gradients against fp32's (:func:`_compare_grads`), at ``scale`` (1.0: no
+    GradScaler). What a second scale needs, at the price of the plain passes alone."""
+    ctx.snapshot.reset_rng()
+    ctx.snapshot.reset_buffers()
+    model = ctx.model
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for _, p in params:
+        p.grad = None
+    remove_policy(model)
+    rules = {**ctx.snapshot.policy, **{n: "fp32" for n in islands}}
+    if rules:
+        apply_policy(model, rules)
+    torch.clear_autocast_cache()
+    try:
+        with amp.autocast():
+            loss = ctx.forward_loss(model, fresh_copy(ctx.inputs), about_data=False)
+        if loss.requires_grad:
+            (loss * scale if scale != 1.0 else loss).backward()
+        return _compare_grads(ctx, params, scale)
+    finally:
+        torch.clear_autocast_cache()
+        remove_policy(model)
+        for _, p in params:
+            p.grad = None
+
+
 @contextlib.contextmanager
 def _raising_as(watch: OpWatch):
     """Turn what a pass raises (not running out of memory) into PassFailed, with the op where it was raised."""
@@ -1111,8 +1139,12 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
         torch._foreach_norm(diffs), torch._foreach_norm(refs),
         [(r != 0).sum().float() for r in refs], [((r != 0) & (g == 0)).sum().float() for r, g in zip(refs, grads)],
         [(~torch.isfinite(g)).sum().float() for g in grads])]).double().cpu().tolist()
-    for n, (num, den, n_live, n_flushed, bad) in zip(names, stats):
+    for i, (n, (num, den, n_live, n_flushed, bad)) in enumerate(zip(names, stats)):
+        if not bad and not (math.isfinite(num) and math.isfinite(den)):
+            # finite gradients whose squares pass float32's range (|g| ~ 1e20 and up): their norms in float64
+            num = float(torch.linalg.vector_norm(diffs[i], dtype=torch.float64))
+            den = float(torch.linalg.vector_norm(refs[i], dtype=torch.float64))
         num = num if not bad and math.isfinite(num) else math.inf
         out[n] = {"error": num / den if den else (0.0 if num == 0 else math.inf), "num": num, "den": den,
-                  "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": int(bad)}
+                  "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": int(bad), "live": int(n_live)}
     return out

@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--precisions", default="fp16,bf16", help="comma-separated, from fp16 and bf16 (default: both)")
     ap.add_argument("--batch", type=int, default=16, help="batch size for a reference model (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="seed for a reference model (default 0)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps that confirm each recipe beside fp32 (default 10); 0: the quick forensic "
+                         "pass, whose verdicts say 'unconfirmed'")
     ap.add_argument("--out", default=None, help="write the report as JSON here")
     ap.add_argument("--html", default=None, help="write the report as an HTML page here")
     return ap
@@ -94,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
         return done.code if isinstance(done.code, int) else 2
     try:
+        if args.steps is not None and args.steps < 0:
+            raise CliError(f"--steps must be >= 0 (0: the forensic pass), got {args.steps}")
         for flag, path in (("--out", args.out), ("--html", args.html)):  # before the work, not after it
             if path is not None:
                 _writable(path, flag)
@@ -112,7 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dev = pick(args.device, "fp32").device
         model.to(dev)  # the command line owns this model: moving it is fine (examine itself never moves one)
         precisions = [p for p in args.precisions.split(",") if p.strip()]
-        report = examine(model, inputs, targets, loss_fn=loss_fn, optimizer=opt, device=dev, precisions=precisions)
+        steps = {} if args.steps is None else {"steps": args.steps}
+        report = examine(model, inputs, targets, loss_fn=loss_fn, optimizer=opt, device=dev, precisions=precisions,
+                         **steps)
         print(report.summary())
         if args.out:
             report.to_json(args.out)

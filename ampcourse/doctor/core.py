@@ -16,11 +16,15 @@ from ..device import AmpSetup, pick
 from . import rules
 from .audit import audit
 from .capture import (Context, PassFailed, PassResult, Snapshot, autocast_pass, check_inputs,
-                      reference_pass, resolve_device, to_device)
+                      gradient_pass, reference_pass, resolve_device, to_device)
+from . import confirm
 from .report import Finding, Report, _sort_key, quoted
 from .rules import MAX_ISLANDS, Evidence
+from .verdict import Confirmation, Decision, _rank, decide
 
 _LOW = (torch.float16, torch.bfloat16)
+#: Training steps examine() confirms each recipe over by default.
+DEFAULT_STEPS = 10
 
 
 @contextlib.contextmanager
@@ -44,11 +48,51 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
     return torch.float16 if torch.float16 in dts else torch.bfloat16
 
 
+def _mixed(model: nn.Module) -> bool:
+    """The model's floating parameters have more than one dtype (a bf16 body with an fp32 head, a frozen fp16 base
+    with fp32 adapters)."""
+    return len({p.dtype for p in model.parameters() if p.is_floating_point()}) > 1
+
+
+def trainable_format(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str | None:
+    """"fp16" or "bf16" when what trains (the optimizer's parameters, else those with requires_grad) is in that
+    format (fp16 if any is), else None: advice about master weights and scalers reads this, not the frozen ones.
+
+    Example::
+
+        >>> trainable_format(nn.Linear(2, 2).half())
+        'fp16'
+    """
+    params = ([p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None
+              else [p for p in model.parameters() if p.requires_grad])
+    dts = {p.dtype for p in params if p.is_floating_point()}
+    return "fp16" if torch.float16 in dts else "bf16" if torch.bfloat16 in dts else None
+
+
+def fp32_copy(model: nn.Module) -> nn.Module:
+    """An fp32 copy of a model whose parameters are (partly) fp16/bf16, for the fp32 reference: every module with
+    parameters of its own takes its floating inputs in fp32, as the model itself feeds each module the dtype its
+    parameters expect (a frozen fp16 base called on x.half() next to fp32 adapters; a bf16 body before an fp32
+    head under autocast)."""
+    ref = copy.deepcopy(model).float()
+    for _, m in ref.named_modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(_to_fp32_inputs, with_kwargs=True)
+    return ref
+
+
+def _to_fp32_inputs(module, args, kwargs):
+    cast = lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _LOW else t  # noqa: E731
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
 def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = None,
             optimizer: torch.optim.Optimizer | None = None, device: str | torch.device | None = None,
-            precisions: Sequence[str] = ("fp16", "bf16")) -> Report:
-    """Measure the model in fp32 and under autocast in each precision, forward and backward, audit one optimizer
-    step, and advise; leaves the model, the optimizer, the inputs and every RNG stream as they were.
+            precisions: Sequence[str] = ("fp16", "bf16"), steps: int = DEFAULT_STEPS) -> Report:
+    """Measure the model in fp32 and under autocast in each precision, forward and backward, audit the optimizer's
+    step, derive each precision's verdict from the findings, confirm the recipes it would recommend by training them
+    ``steps`` steps beside fp32 (:mod:`.confirm`), and advise; leaves the model, the optimizer, the inputs and every
+    RNG stream as they were.
 
     Args:
         model: the ``nn.Module`` as you train it (fp32, or already fp16/bf16: then the fp32 reference is a copy).
@@ -58,6 +102,8 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         optimizer: its step is audited on copies (never stepped itself); None skips the audit.
         device: must name the model's own device, if given (examine never moves a model).
         precisions: which of "fp16" and "bf16" to examine (default both).
+        steps: training steps that confirm each recipe (default 10), on copies, with ``ampcourse.trial``; 0 gives
+            the quick forensic pass, whose verdicts say "unconfirmed".
 
     Returns:
         A :class:`Report`: ``report.is_clean("bf16")``, ``report.verdicts``, ``report.findings``, ``report.advice``.
@@ -82,46 +128,126 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     precs = _inputs.precision_names(precisions, "precisions", allowed=("fp16", "bf16"), refused={
         "fp32": "it lists the low-precision formats to examine ('fp16', 'bf16'); fp32 is always run as the reference"})
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0 (0: the forensic pass, unconfirmed), got {steps!r}")
     dev = resolve_device(model, device)
     with known_state(dev):
-        return _examine(model, inputs, targets, loss_fn, optimizer, dev, precs)
+        return _examine(model, inputs, targets, loss_fn, optimizer, dev, precs, steps)
 
 
-def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, precs: tuple[str, ...]) -> Report:
+def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, precs: tuple[str, ...],
+             steps: int = 0) -> Report:
     inputs, targets = to_device(inputs, dev), to_device(targets, dev)
     snapshot = Snapshot.take(model, optimizer)
     mdt = _model_dtype(model)
     ref_model = model
-    if mdt in _LOW:
-        ref_model = copy.deepcopy(model).float()  # the reference on an fp32 copy; the model itself is not touched
+    if mdt in _LOW or _mixed(model):
+        ref_model = fp32_copy(model)  # the reference on an fp32 copy; the model itself is not touched
     ctx = Context(model, ref_model, inputs, targets, loss_fn, dev, snapshot)
     ev = Evidence(ctx, precs, model_dtype=mdt)
+    ev.low_trainable = trainable_format(model, optimizer)
+    confirmations: dict[str, Confirmation] = {}
+    train_info: dict[str, Any] = {}
     try:
         ctx.ref_loss = reference_pass(ctx)
-        if not math.isfinite(ctx.ref_loss) or any(r.act.nonfinite for r in ctx.records.values()):
-            ctx.reference_watch()  # where fp32 itself goes inf/NaN
+        if rules.fp32_fails(ctx):
+            ctx.reference_watch()  # where fp32 itself goes inf/NaN, forward or backward
         ev.gradients, ev.scale = rules.gradient_info(ctx)
         ev.audit = audit(ctx, optimizer)
         for p in precs:
             ev.verdicts[p] = _precision(ctx, ev, p)
+        if "fp16" in ev.passes and not rules.fp32_fails(ctx) and _may_flush_at_1(ctx):
+            ev.flushed_at_1 = _flushed_at_1(ctx, ev) if ev.scale != 1.0 else {
+                n: g["flushed"] for n, g in ev.passes["fp16"].grads.items() if not g["nonfinite"]}
+            _measured_shares(ev)
         if any(res.watch.origins for res in ev.passes.values()):
             ctx.reference_watch()  # the rules compare with it; it must run before the state is restored
+        findings = _findings(ev)
+        decision = _decide(ev, findings, {})
+        if steps:
+            confirmations, train_info = confirm.confirm(ctx, ev, decision, optimizer, steps)
+            findings = sorted(findings + _departures(confirmations), key=_sort_key)
+            decision = _decide(ev, findings, confirmations)
     finally:
         snapshot.restore(model)
-    if "fp16" in ev.passes:  # flushed shares over the layers autocast really ran in fp16
-        info, _ = rules.gradient_info(ctx, ev.passes["fp16"])
-        ev.gradients.update({k: v for k, v in info.items() if k not in ("max", "recommended_scale")})
+    if not steps:
+        confirmations = {p: Confirmation("unconfirmed", 0) for p in ev.verdicts}
+        decision = _decide(ev, findings, confirmations)
+    rec = decision.recommended
+    report = Report(findings, rec, ev.scale, decision.fp32_modules, str(dev), decision.verdicts,
+                    ev.gradients, ev.audit, _module_table(ctx, ev), notes=_notes(dev) + _unmeasured(ctx, ev),
+                    headline=decision.headline, master_weights=decision.master_weights, steps=steps,
+                    confirmation=train_info)
+    report.advice = _advice(report, ev, decision)
+    return report
+
+
+def _departures(confirmations: Mapping[str, Confirmation]) -> list[Finding]:
+    """A recipe that departed from fp32 when trained is a finding of its own (what a one-step check cannot see)."""
+    out = []
+    for p, c in confirmations.items():
+        if c.status == "departed":
+            out.append(Finding("training_departs", "", p, c.gap if c.gap is not None else math.inf,
+                               f"Trained {c.steps} steps beside fp32 on this batch, the recipe ({c.recipe}) "
+                               f"{c.sentence()}: the one-step measurements above did not show it; do not use this "
+                               "recipe (use another precision, or find what grows during training: the attention "
+                               "logits, the activations, ampcourse.trial's monitors show which)", "error", "model"))
+    return out
+
+
+def _findings(ev: Evidence) -> list[Finding]:
+    """Every rule's findings, worst first."""
     findings: list[Finding] = []
     for rule in rules.RULES:
         findings += rule(ev)
     findings.sort(key=_sort_key)
-    supported = {p: v for p, v in ev.verdicts.items() if v["status"] != "unsupported"} or ev.verdicts
-    rec = _choose(supported, dev, findings)
-    ev.verdicts.setdefault(rec, {"status": "unsupported", "fp32_modules": [], "reason": "not examined"})
-    report = Report(findings, rec, ev.scale, list(ev.verdicts[rec].get("fp32_modules", [])), str(dev), ev.verdicts,
-                    ev.gradients, ev.audit, _module_table(ctx, ev), notes=_notes(dev) + _unmeasured(ctx, ev))
-    report.advice = _advice(report, ev)
-    return report
+    return findings
+
+
+def _decide(ev: Evidence, findings: list[Finding], confirmations: Mapping[str, Confirmation]) -> Decision:
+    """The verdict layer (:func:`.verdict.decide`) on what examine measured."""
+    dev = ev.ctx.dev
+    default = pick(dev).precision if dev.type in ("cpu", "cuda", "mps") else "bf16"
+    return decide(ev.verdicts, findings, device=str(dev), default=default, scale=ev.scale,
+                  low_trainable=ev.low_trainable, tolerances={p: rules.tolerances(p) for p in ev.verdicts},
+                  confirmations=confirmations,
+                  state_only=bool(ev.audit is not None and ev.audit.get("fp32_master_weights")))
+
+
+def _measured_shares(ev: Evidence) -> None:
+    """The aggregate flushed shares as the fp16 backwards measured them (every parameter, weighted by its count of
+    fp32-nonzero gradient values), in place of the histogram's prediction (kept as *_predicted)."""
+    grads = ev.passes["fp16"].grads
+    live = {n: g.get("live", 0) for n, g in grads.items()}
+    total = sum(live.values())
+    if not total or ev.gradients.get("nonzero", 0) == 0:
+        return
+    g = ev.gradients
+    g["flush_at_1_predicted"] = g.get("flush_at_1", 0.0)
+    g["flush_at_recommended_predicted"] = g.get("flush_at_recommended", 0.0)
+    g["flush_at_1"] = sum(ev.flushed_at_1.get(n, 0.0) * c for n, c in live.items()) / total
+    if not any(x["nonfinite"] for x in grads.values()):
+        g["flush_at_recommended"] = sum(grads[n]["flushed"] * c for n, c in live.items()) / total
+    g["measured"] = "fp16 backward, per parameter (share of fp32's nonzero gradient values that came back zero)"
+
+
+def _may_flush_at_1(ctx: Context) -> bool:
+    """Whether any fp32 gradient (a parameter's, or a module output's on its way back) lies where fp16 flushes at
+    scale 1: if none does, an fp16 backward at scale 1 has nothing to lose and is not run."""
+    from .hist import Log2Hist
+    hists = [*ctx.param_grads.values(), *(r.grad for r in ctx.records.values())]
+    return Log2Hist.merged(hists)._share("underflow", 1.0) > 0
+
+
+def _flushed_at_1(ctx: Context, ev: Evidence) -> dict[str, float]:
+    """Per parameter, the share of its fp32-nonzero gradient that one fp16 backward at scale 1 (no GradScaler) gave
+    back as zero: measured, whatever dtype the module's output has (an Embedding's output stays fp32, but its
+    gradient arrives through the fp16 op that reads it)."""
+    try:
+        grads = gradient_pass(ctx, pick(ctx.dev, "fp16"), list(ev.verdicts["fp16"].get("fp32_modules", [])), 1.0)
+    except Exception:  # noqa: BLE001 (the watched passes already reported what raises; nothing more to measure)
+        return {}
+    return {n: g["flushed"] for n, g in grads.items() if not g["nonfinite"]}
 
 
 def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:
@@ -137,6 +263,12 @@ def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:
         if _missing_kernel(fail.error):  # this device or torch has no such kernel: nothing about the model
             return {"status": "unsupported", "fp32_modules": [],
                     "reason": f"{p} autocast cannot run this model here: {fail}"}
+        clash = _dtype_clash(ctx.model, amp, fail.error)
+        if clash:  # the model's own fp16/bf16 weights meet the other autocast dtype: a fact of the device, not a bug
+            where = f" (in {quoted(fail.where.module)})" if fail.where and fail.where.module else ""
+            return {"status": "unsupported", "fp32_modules": [],
+                    "reason": f"{p} autocast cannot run this model's own {clash} weights on {ctx.dev.type}{where}: "
+                              f"{fail}; examine {clash}, or fp32 master weights (model.float()) under {p}"}
         return _raised(ctx, ev, amp, scale, fail)
     ev.passes[p] = res
     base = {"native": amp.native, "units": amp.units, "loss": res.loss, "output_error": rules.output_error(ctx, res),
@@ -175,6 +307,17 @@ def _islands_for(ctx: Context, amp: AmpSetup, res: PassResult, scale: float,
     return "refused", islands, res.loss
 
 
+def _dtype_clash(model: nn.Module, amp: AmpSetup, err: BaseException) -> str:
+    """"float16"/"bfloat16" when the model has parameters of a low-precision dtype other than amp's and err is about
+    dtypes (CPU's bf16 autocast cannot run an fp16 LayerNorm's weights): the device cannot run this precision for
+    the model's own dtypes. "" otherwise."""
+    other = {p.dtype for p in model.parameters() if p.dtype in _LOW} - {amp.amp_dtype}
+    text = str(err).lower()
+    if other and any(w in text for w in ("dtype", "half", "bfloat16", "float16", "same type", "mixed", "scalar type")):
+        return str(next(iter(other))).removeprefix("torch.")
+    return ""
+
+
 def _missing_kernel(err: BaseException) -> bool:
     """An error that says this device or torch build lacks a kernel for the dtype, not that the model is wrong."""
     return isinstance(err, NotImplementedError) or "not implemented for" in str(err)
@@ -203,19 +346,6 @@ def _raised(ctx: Context, ev: Evidence, amp: AmpSetup, scale: float, fail: PassF
     return {**refused, "status": status, "fp32_modules": islands if status == "islands" else [],
             "tried_fp32_modules": islands, "loss": res.loss, "loss_with_islands": fixed,
             "output_error": rules.output_error(ctx, res), "loss_gap": rules.loss_gap(ctx, res)}
-
-
-def _choose(verdicts: Mapping[str, dict[str, Any]], dev: torch.device, findings: list[Finding]) -> str:
-    """The precision to recommend: clean beats islands beats refused; fewer warnings; native units; the device's
-    default as ampcourse.device.pick() decides it."""
-    rank = {"clean": 0, "islands": 1, "refused": 2, "unsupported": 3}
-    default = pick(dev).precision if dev.type in ("cpu", "cuda", "mps") else "bf16"
-    bad = {p: sum(f.severity != "info" and f.precision == p for f in findings) for p in verdicts}
-
-    def key(p: str) -> tuple:
-        v = verdicts[p]
-        return rank[v["status"]], bad[p] > 0, not v.get("native", False), p != default, p
-    return min(verdicts, key=key)
 
 
 def _module_table(ctx: Context, ev: Evidence) -> list[dict[str, Any]]:
@@ -270,31 +400,47 @@ def _sentence(text: str) -> str:
     return text if text.endswith((".", "!", "?")) else text + "."
 
 
-def _advice(r: Report, ev: Evidence) -> list[str]:
-    """Sentences, each citing the measurement behind it; only advice that was checked."""
+def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
+    """Sentences derived from the verdicts and the findings, each citing the measurement behind it."""
     out = []
     ref_loss = ev.ctx.ref_loss
     rec = r.recommended_precision
-    v = r.verdicts.get(rec, {})
-    status = v.get("status", "unsupported")
-    if not math.isfinite(ref_loss):
-        out.append(f"The fp32 run itself gives a loss of {ref_loss}: fix the model or its data first; nothing below "
-                   "can be trusted until fp32 is finite.")
+    v = r.verdicts.get(rec)
+    if d.fp32_fails:
+        first = next((f for f in r.findings if f.precision == "fp32" and f.severity == "error"), None)
+        out.append(_sentence("The fp32 run itself fails" + (f": {first.message}" if first else "")
+                             + "; no precision is judged until the fp32 run is finite"))
+        return out + _loss_side(r)
+    rank = _rank(v) if v is not None else 3
     others = "; ".join(f"{p} is {w['status']}" for p, w in r.verdicts.items() if p != rec)
-    if status in ("refused", "unsupported"):
-        states = "; ".join(f"{p} is {w['status']}" for p, w in r.verdicts.items())
-        out.append(f"No precision examined here ran clean ({states}): train in fp32 until the errors above are fixed.")
+    if rank >= 2:
+        states = "; ".join(f"{p} is {w['status']}" + (f" ({w['reason']})" if w.get("reason") else "")
+                           for p, w in r.verdicts.items())
+        out.append(f"No precision examined here ran clean ({states}): train in fp32 until the findings above are "
+                   "fixed.")
     else:
         loss = v.get("loss_with_islands", v.get("loss", math.nan))
+        how = ("" if rank == 0 or not v.master_weights else
+               " with the optimizer's state in fp32" if ev.audit is not None and ev.audit.get("fp32_master_weights")
+               else " with fp32 master weights (fp32 trainable parameters + autocast)")
         why = ("no op made inf/NaN, no module passed the error tolerance, and the output, loss and gradients match "
-               "fp32" if status == "clean" else
+               "fp32" if v.status == "clean" or (rank == 1 and not v.fp32_modules) else
                f"clean once {', '.join(quoted(n) for n in r.fp32_modules)} run in fp32 (the snippet below applies it)")
-        warned = [f for f in r.findings if f.precision in (rec, "fp32") and f.severity != "info"]
-        caveat = (f" Read the {len(warned)} error(s) and warning(s) on {rec} or every precision above first."
-                  if any(f.precision == "fp32" for f in warned) else
-                  f" Read the {len(warned)} warning(s) on {rec} above first." if warned else "")
-        out.append(f"Use {rec} autocast: {why} (loss {loss:.4g} against {ref_loss:.4g} in fp32)"
-                   + (f"; {others}" if others else "") + "." + caveat)
+        conf = v.confirmation
+        confirmed = (f"; {conf.sentence()}" if conf is not None and conf.status != "unconfirmed" else
+                     "; unconfirmed by training (steps=0: the forensic pass)" if conf is not None and not conf.reason
+                     else f"; {conf.sentence()}" if conf is not None else "")
+        tol = v.tolerances or {}
+        tol_txt = (f" Tolerances of this verdict: {', '.join(f'{k} {x:.3g}' for k, x in tol.items())} (relative)."
+                   if tol else "")
+        out.append(f"Use {rec} autocast{how}: {why} (loss {loss:.4g} against {ref_loss:.4g} in fp32){confirmed}"
+                   + (f"; {others}" if others else "") + "." + tol_txt)
+    info = r.confirmation
+    if info.get("trained"):
+        out.append(f"The confirmation trained {', '.join(info['trained'])} {info['steps']} steps each beside fp32 with "
+                   f"{info['optimizer']}, on {info['batch']}.")
+    elif info.get("error"):
+        out.append(_sentence(f"The recipes could not be confirmed by training: {info['error']}"))
     if ev.ctx.dev.type == "cpu":
         chosen = pick(ev.ctx.dev)
         if chosen.precision == "fp32":
@@ -304,18 +450,24 @@ def _advice(r: Report, ev: Evidence) -> list[str]:
             out.append(f"On this CPU ampcourse.device.pick() chooses {chosen.precision} ({chosen.units}); low "
                        "precision is only faster where the CPU has the units for it.")
     g = r.gradients
-    fp32_params = ev.model_dtype not in _LOW
-    if rec == "fp16" and status in ("clean", "islands") and "recommended_scale" in g:
+    if rec == "fp16" and rank <= 1 and "recommended_scale" in g:
         k = int(math.log2(g["recommended_scale"]))
-        if fp32_params:
-            out.append(f"Use torch.amp.GradScaler({r.device.split(':')[0]!r}, init_scale=2**{k}): max|grad| "
-                       f"{g['max']:.3g} x 2**{k} stays {rules.GRAD_MARGIN:g}x below 65504, leaving "
-                       f"{g['flush_at_recommended']:.2%} of the gradients flushed (against {g['flush_at_1']:.2%} at "
-                       f"scale 1); the fp16 backward ran at that scale here.")
+        if ev.low_trainable == "fp16" and rank == 0:
+            out.append("Do not add a GradScaler: the trainable parameters are fp16, whose gradients it refuses to "
+                       "unscale; the fp16 backward ran at scale 1 here.")
         else:
-            out.append("Do not add a GradScaler to fp16 parameters (it refuses to unscale fp16 gradients): keep fp32 "
-                       "master weights (model.float() + autocast) and use a GradScaler there.")
-    elif rec == "bf16" and status in ("clean", "islands"):
+            dflt, backoffs = 2**16, g.get("default_backoff_steps", 0)
+            ratio = g["recommended_scale"] / dflt
+            cost = (f"it costs {backoffs} skipped step(s) to back off from 2**16" if backoffs else
+                    f"from 2**16 it grows only x2 per growth_interval (2000) steps, so set init_scale" if ratio > 1
+                    else "")
+            out.append(f"Use torch.amp.GradScaler({r.device.split(':')[0]!r}, init_scale=2**{k})"
+                       + (" on the fp32 master weights" if rank == 1 else "")
+                       + f": max|grad| {g['max']:.3g} x 2**{k} stays {rules.GRAD_MARGIN:g}x below 65504, leaving "
+                       f"{g['flush_at_recommended']:.2%} of the gradients flushed (against {g['flush_at_1']:.2%} at "
+                       f"scale 1); GradScaler's default init_scale is 2**16 ({g.get('flush_at_default', 0):.2%} "
+                       f"flushed{'; ' + cost if cost else ''}); the fp16 backward ran at 2**{k} here.")
+    elif rec == "bf16" and rank <= 1:
         out.append("No GradScaler: bf16 has fp32's exponent range"
                    + (f" ({g['bf16_flush_at_1']:.3%} of the gradients flush at scale 1)." if "bf16_flush_at_1" in g
                       else "."))
@@ -324,4 +476,15 @@ def _advice(r: Report, ev: Evidence) -> list[str]:
             out.append(_sentence(f"The optimizer step ({f.kind}): {f.message}"))
         elif f.kind == "low_precision_model":
             out.append(_sentence(f.message))
-    return out
+    return out + _loss_side(r)
+
+
+def _loss_side(r: Report) -> list[str]:
+    """Advice about the loss (compute it in fp32), once, naming every precision it applies to."""
+    loss = [f for f in r.findings if f.fix == "loss_fp32" and f.severity != "info"]
+    if not loss:
+        return []
+    precs = sorted({f.precision for f in loss})
+    first = loss[0].message.rstrip(".")
+    return [f"Compute the loss in fp32 for {' and '.join(precs)} (outside autocast, on .float() outputs; it applies to "
+            f"every precision listed): {first[0].lower() + first[1:]}."]

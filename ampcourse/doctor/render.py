@@ -21,21 +21,25 @@ def _fmt_value(v: float) -> str:
 
 
 def headline(r: Report) -> str:
-    """The first line: what to use, per precision's verdict."""
-    v = r.verdicts.get(r.recommended_precision, {})
-    if v.get("status") in ("refused", "unsupported"):
-        return f"AMP doctor on {r.device}: no low precision ran clean here: train in fp32 until the findings are fixed"
+    """The first line: what to use. Derived with the verdicts from the findings (:mod:`.verdict`), stored on the
+    report; a report built by hand without one gets a plain summary of its recommendation."""
+    if r.headline:
+        return r.headline
     islands = f" with fp32 modules {', '.join(quoted(n) for n in r.fp32_modules)}" if r.fp32_modules else ""
-    scaler = (f", GradScaler(init_scale=2**{int(math.log2(r.recommended_init_scale))})"
-              if r.recommended_precision == "fp16" and (r.optimizer or {}).get("fp32_master_weights", True)
-              else ", no GradScaler")
-    return f"AMP doctor on {r.device}: use {r.recommended_precision}{islands}{scaler}"
+    return f"AMP doctor on {r.device}: use {r.recommended_precision}{islands}"
+
+
+def _verdict_line(p: str, v) -> str:
+    line = getattr(v, "line", None)
+    if callable(line):
+        return line()
+    return f"{p}: {v.get('status')}" + (f" ({v['reason']})" if v.get("reason") else "")
 
 
 def text(r: Report) -> str:
     """Plain text: the recommendation, the verdict per precision, every finding (worst first), advice and notes."""
     lines = [headline(r)]
-    lines += [f"  {p}: {v.get('status')}" + (f" ({v['reason']})" if v.get("reason") else "") for p, v in r.verdicts.items()]
+    lines += [f"  {_verdict_line(p, v)}" for p, v in r.verdicts.items()]
     n = {sev: sum(f.severity == sev for f in r.findings) for sev in SEVERITIES}
     lines.append(f"{n['error']} error(s), {n['warning']} warning(s), {n['info']} note(s):")
     lines += [f"  [{f.severity}] {f.kind} ({f.precision}, {f.phase}{', ' + quoted(f.module) if f.module else ''}"
@@ -45,22 +49,28 @@ def text(r: Report) -> str:
     return "\n".join(lines)
 
 
+def _code(text: str) -> str:
+    """A table cell's code, or nothing for an empty one (an empty <code> draws a grey box in Jupyter)."""
+    return f"<code>{html.escape(text)}</code>" if text else ""
+
+
 def html_page(r: Report) -> str:
     """An HTML summary for Jupyter: recommendation, verdicts, findings table (worst first), advice, snippets, notes."""
     colour = {"error": "#c0392b", "warning": "#d68910", "info": "#2e86c1"}
+    left = "text-align:left;vertical-align:top"  # Jupyter centres table cells; prose reads left-aligned
     rows = "".join(
-        f"<tr><td style='color:{colour[f.severity]}'><b>{f.severity}</b></td><td>{html.escape(f.kind)}</td>"
-        f"<td>{html.escape(f.precision)}</td><td>{html.escape(f.phase)}</td>"
-        f"<td><code>{html.escape(quoted(f.module))}</code></td><td><code>{html.escape(f.op)}</code></td>"
-        f"<td>{html.escape(_fmt_value(f.value))}</td><td>{html.escape(f.message)}</td></tr>" for f in r.findings)
-    verdicts = "".join(f"<li>{html.escape(p)}: <b>{html.escape(str(v.get('status')))}</b>"
-                       + (f" ({html.escape(v['reason'])})" if v.get("reason") else "") + "</li>"
-                       for p, v in r.verdicts.items())
+        f"<tr><td style='color:{colour[f.severity]};{left}'><b>{f.severity}</b></td><td style='{left}'>"
+        f"{html.escape(f.kind)}</td><td style='{left}'>{html.escape(f.precision)}</td><td style='{left}'>"
+        f"{html.escape(f.phase)}</td><td style='{left}'>{_code(f.module and quoted(f.module))}</td>"
+        f"<td style='{left}'>{_code(f.op)}</td><td style='{left}'>{html.escape(_fmt_value(f.value))}</td>"
+        f"<td style='{left}'>{html.escape(f.message)}</td></tr>" for f in r.findings)
+    verdicts = "".join(f"<li>{html.escape(_verdict_line(p, v))}</li>" for p, v in r.verdicts.items())
     advice = "".join(f"<li>{html.escape(a)}</li>" for a in r.advice)
     notes = "".join(f"<p><i>{html.escape(n)}</i></p>" for n in r.notes)
     snippet = f"<pre>{html.escape(r.policy_snippet())}</pre>"
-    return (f"<div><h4>{html.escape(headline(r))}</h4><ul>{verdicts}</ul><table><tr><th>severity</th><th>kind</th>"
-            f"<th>precision</th><th>phase</th><th>module</th><th>op</th><th>value</th><th>message</th></tr>{rows}"
+    head = "".join(f"<th style='{left}'>{h}</th>" for h in ("severity", "kind", "precision", "phase", "module", "op",
+                                                           "value", "message"))
+    return (f"<div><h4>{html.escape(headline(r))}</h4><ul>{verdicts}</ul><table><tr>{head}</tr>{rows}"
             f"</table><p><b>Advice</b></p><ul>{advice}</ul>{snippet}{notes}</div>")
 
 

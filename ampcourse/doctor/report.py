@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _args
 from ..device import parse_precision
+from .verdict import _plain
 from .vocab import KINDS, PHASES, SEVERITIES, STATUSES, quoted  # noqa: F401 (re-exported)
 
 __all__ = ["Finding", "Report", "KINDS", "SEVERITIES", "PHASES"]
@@ -35,6 +36,9 @@ class Finding:
     severity: str = "warning"
     phase: str = "forward"
     op: str = ""
+    #: what part of a recipe resolves it (:data:`ampcourse.doctor.verdict.FIXES`): "islands", "scaler",
+    #: "master_weights", "loss_fp32", "fp32_first" or "" (the code must change)
+    fix: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (inf/NaN values as strings)."""
@@ -59,8 +63,11 @@ def _sort_key(f: Finding) -> tuple:
 class Report:
     """What examine() measured and advises. Display it in Jupyter, print it, plot it or save it as JSON.
 
-    ``verdicts[p]["status"]`` is one of "clean", "islands" (clean once ``fp32_modules`` run in fp32), "refused"
-    and "unsupported" (with ``"reason"``); ``advice`` is a list of sentences.
+    ``verdicts[p]`` is a :class:`~ampcourse.doctor.verdict.Verdict` (also a mapping: ``verdicts[p]["status"]``),
+    derived from every finding by :func:`ampcourse.doctor.verdict.decide`; its status is one of "clean", "islands"
+    (clean once ``fp32_modules`` run in fp32), "refused" and "unsupported" (with ``"reason"``); its
+    ``confirmation`` says whether the recipe trained like fp32. ``headline`` is the first line; ``advice`` a list of
+    sentences; ``master_weights`` whether the recommendation needs fp32 master weights.
     """
 
     findings: list[Finding]
@@ -74,6 +81,10 @@ class Report:
     modules: list[dict[str, Any]] = field(default_factory=list)  # per module call, in the order they finish
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    headline: str = ""
+    master_weights: bool = False
+    steps: int = 0  # training steps each recipe was confirmed over (0: the forensic pass)
+    confirmation: dict[str, Any] = field(default_factory=dict)  # how the recipes were trained (optimizer, steps, ...)
 
     @property
     def warnings(self) -> list[Finding]:
@@ -91,8 +102,9 @@ class Report:
         return [f for f in self.findings if f.kind == kind and (precision is None or f.precision == precision)]
 
     def is_clean(self, precision: str) -> bool:
-        """True only when precision ran (not unsupported or refused) and no error or warning concerns it or the
-        whole model (an fp32 finding, or one with module "").
+        """True only when precision's verdict is "clean": the model as it is ran, and no error or warning concerns it
+        (its own, the optimizer's and the model's, fp32's): the verdicts are derived from the findings
+        (:func:`ampcourse.doctor.verdict.decide`). "islands" is not clean: the model needs its fp32 modules first.
 
         Args:
             precision: "fp16" or "bf16" (or the torch dtype).
@@ -103,10 +115,8 @@ class Report:
             True
         """
         p = parse_precision(precision)
-        status = self.verdicts.get(p, {}).get("status")
-        if status not in ("clean", "islands"):
-            return False
-        return not any(f.severity in ("error", "warning") and f.precision in (p, "fp32") for f in self.findings)
+        v = self.verdicts.get(p)
+        return v is not None and v.get("status") == "clean"
 
     def policy_snippet(self, precision: str | None = None) -> str:
         """Code that applies the fp32 islands for precision (default: the recommended one), with ampcourse.policy and
@@ -125,14 +135,17 @@ class Report:
                  "from ampcourse.policy import apply_policy",
                  f"apply_policy(model, {{{rules}}})",
                  "# or in plain PyTorch: run each island's forward outside autocast on fp32 inputs",
-                 "import functools, torch",
-                 "def fp32_forward(forward, *args, **kwargs):",
+                 "import functools, itertools, torch",
+                 "def fp32_forward(module, forward, *args, **kwargs):",
                  "    cast = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t",
-                 "    with torch.autocast(device_type=next(iter(args)).device.type, enabled=False):",
+                 "    # the device from the island's own parameters (keyword-only calls have no args to read it from)",
+                 "    t = next(itertools.chain(module.parameters(), module.buffers(),",
+                 "                             (a for a in (*args, *kwargs.values()) if torch.is_tensor(a))), None)",
+                 "    with torch.autocast(device_type=t.device.type if t is not None else 'cpu', enabled=False):",
                  "        return forward(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})",
                  f"for name in {list(names)!r}:",
                  "    m = model.get_submodule(name)",
-                 "    m.forward = functools.partial(fp32_forward, m.forward)"]
+                 "    m.forward = functools.partial(fp32_forward, m, m.forward)"]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,8 +154,10 @@ class Report:
             "device": self.device, "recommended_precision": self.recommended_precision,
             "recommended_init_scale": self.recommended_init_scale, "fp32_modules": self.fp32_modules,
             "findings": [f.to_dict() for f in self.findings], "advice": self.advice, "notes": self.notes,
-            "verdicts": self.verdicts, "gradients": self.gradients, "optimizer": self.optimizer,
-            "modules": self.modules}, default=_json_default))
+            "headline": self.headline, "master_weights": self.master_weights, "steps": self.steps,
+            "confirmation": self.confirmation,
+            "verdicts": {p: _plain(v) for p, v in self.verdicts.items()}, "gradients": self.gradients,
+            "optimizer": _plain(self.optimizer), "modules": self.modules}, default=_json_default))
 
     def to_json(self, path: str | None = None) -> str:
         """The report as JSON text; also written to path when given."""

@@ -17,9 +17,11 @@ import torch
 
 from .. import formats
 from ..scaling import zone_thresholds
+from .audit import BLOWUP_RATIO, LOST_WARN, second_moment_threshold  # noqa: F401 (thresholds live there)
 from .capture import Context, OpEvent, PassResult
 from .hist import Log2Hist
 from .report import Finding, quoted
+from .vocab import Quoted
 
 #: A module's own relative error under autocast (a leaf's output against the same module rerun in fp32 on the same,
 #: already-rounded inputs; a non-leaf module's with its children exact, see capture.Tracker._inline_error) that counts
@@ -43,11 +45,10 @@ GRAD_PARAM_SHARE = 2.0**-10
 MAX_PARAM_FINDINGS = 3  # per precision, the worst parameters named one by one; the rest counted
 GRAD_MARGIN = 8.0  # the recommended scale keeps max|grad| x scale this many times below fp16's max
 UNDERFLOW_WARN = 0.01  # warn when more than 1% of the nonzero gradients flush to zero
+SECOND_MOMENT_WARN = 0.5  # warn when more than half of Adam's second moment is zero in a low-precision state
 LAYER_UNDERFLOW_WARN = 0.5  # name a parameter that loses more than half of its gradient, however small the aggregate
 #: A parameter gradient whose norm is below this share of all gradients' norm is fp32 rounding noise (fp32's eps).
 NOISE = 2.0**-23
-LOST_WARN = 0.10  # warn when more than 10% of the update elements round to no change
-BLOWUP_RATIO = 4.0  # an update this many times larger than the fp32-master update is a blow-up
 MAX_ISLANDS = 4  # more fp32 modules than this, and fp16 is not worth it: use bf16 or fp32
 DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale
 _LOW = (torch.float16, torch.bfloat16)
@@ -65,6 +66,22 @@ class Evidence:
     gradients: dict[str, Any] = field(default_factory=dict)
     scale: float = DEFAULT_SCALE
     model_dtype: torch.dtype | None = None  # the model's own floating dtype when not float32
+    low_trainable: str | None = None  # "fp16"/"bf16" when what trains is in that format (core.trainable_format)
+    #: per parameter, the share of its fp32-nonzero gradient an fp16 backward at scale 1 gave back as zero
+    flushed_at_1: dict[str, float] = field(default_factory=dict)
+
+
+def tolerances(precision: str) -> dict[str, float]:
+    """The relative tolerances a "clean" verdict of precision allows, as the report prints them: each module's own
+    error, the final output's, the loss's, and the gradients' (all parameters together, and each one's).
+
+    Example::
+
+        >>> tolerances("bf16")["output"]   # 32 eps of bf16: a forward that drifts less is not a finding
+        0.25
+    """
+    return {"module": REL_TOL[precision], "output": OUTPUT_TOL[precision], "loss": LOSS_TOL[precision],
+            "gradients": GRAD_TOL[precision]}
 
 
 # -- what a pass shows ------------------------------------------------------------------------------------------
@@ -78,19 +95,32 @@ def new_origins(ev_ctx: Context, res: PassResult, phase: str) -> list[OpEvent]:
     return [e for e in mine if e.key not in ref]
 
 
+def own_tolerance(res: PassResult, module: str) -> float:
+    """The own-error tolerance of a module in this pass: REL_TOL for a leaf (one op's rounding, calibrated on
+    nn.Linear); for inline code, REL_TOL x sqrt(the fp16/bf16 compute ops it runs in one call), since independent
+    roundings add up like a random walk (healthy inline code of three bf16-rounded ops measured 0.009-0.012 in fp16,
+    against 0.0078 for one op)."""
+    p = res.precision
+    if res.records[module].leaf:
+        return REL_TOL[p]
+    ops = max((k for (m, _), k in res.watch.inline_low.items() if m == module), default=1)
+    return REL_TOL[p] * math.sqrt(max(1, ops))
+
+
 def lossy_modules(ctx: Context, res: PassResult) -> list[str]:
-    """Modules whose own relative error exceeds REL_TOL (not counting inf/NaN ones): a leaf's, or a non-leaf
+    """Modules whose own relative error exceeds their tolerance (not counting inf/NaN ones): a leaf's, or a non-leaf
     module's inline code (measured with its children exact, see capture.Tracker._inline_error)."""
     p = res.precision
     return [n for n in ctx.order if res.records[n].nonfinite.get(p, 0) == 0
-            and res.records[n].local_error.get(p, 0.0) > REL_TOL[p]]
+            and res.records[n].local_error.get(p, 0.0) > own_tolerance(res, n)]
 
 
 def inline_op(res: PassResult, module: str) -> str:
     """The first inline op of a non-leaf module whose own output is beyond REL_TOL against fp32 (where the error
     appears: the ops before it were within tolerance), or "" when no single op is."""
     p = res.precision
-    return next((op for op, err in res.records[module].inline_ops.get(p, []) if err > REL_TOL[p]), "")
+    tol = own_tolerance(res, module)
+    return next((op for op, err in res.records[module].inline_ops.get(p, []) if err > tol), "")
 
 
 def grad_error(res: PassResult) -> tuple[float, str]:
@@ -176,18 +206,44 @@ def pass_ok(ctx: Context, res: PassResult) -> bool:
 
 # -- the rules ---------------------------------------------------------------------------------------------------
 
+def fp32_nonfinite_grads(ctx: Context) -> dict[str, int]:
+    """Parameters whose fp32 reference gradient has inf/NaN, with how many (from the histograms the reference pass
+    filled: no pass over the gradients again)."""
+    return {n: h.nonfinite for n, h in ctx.param_grads.items() if h.nonfinite}
+
+
+def fp32_fails(ctx: Context) -> bool:
+    """The fp32 reference itself has an inf/NaN loss, module output or parameter gradient."""
+    return (not math.isfinite(ctx.ref_loss) or any(r.act.nonfinite for r in ctx.records.values())
+            or bool(fp32_nonfinite_grads(ctx)))
+
+
 def reference_nonfinite(ev: Evidence) -> list[Finding]:
-    """The fp32 run itself has inf/NaN: nothing else can be trusted."""
+    """The fp32 run itself has inf/NaN, in its loss, a module's output or a parameter's gradient: not a precision
+    problem, and nothing else can be trusted until it is fixed (no precision is blamed for it)."""
     ctx = ev.ctx
     bad = next((n for n in ctx.order if ctx.records[n].act.nonfinite), None)
-    if math.isfinite(ctx.ref_loss) and bad is None:
+    grads = fp32_nonfinite_grads(ctx)
+    if math.isfinite(ctx.ref_loss) and bad is None and not grads:
         return []
-    origin = next((e for e in ctx.ref_watch.origins if e.phase == "forward"), None) if ctx.ref_watch else None
-    where = bad if bad is not None else (origin.module if origin else "")
-    return [Finding("nonfinite", where, "fp32", ctx.ref_loss,
-                    f"{quoted(where).capitalize() if where else 'The model'} is already inf/NaN in fp32 (loss "
-                    f"{ctx.ref_loss}): fix the model or its data before looking at mixed precision", "error",
-                    "forward", origin.op if origin else "")]
+    fix = ("not a precision problem: fix the model or its data first (mixed precision cannot be judged while fp32 "
+           "is inf/NaN)")
+    if not math.isfinite(ctx.ref_loss) or bad is not None:
+        origin = next((e for e in ctx.ref_watch.origins if e.phase == "forward"), None) if ctx.ref_watch else None
+        where = bad if bad is not None else (origin.module if origin else "")
+        at = f" ({origin.op} in {origin.where})" if origin else ""
+        return [Finding("nonfinite", where, "fp32", ctx.ref_loss,
+                        f"{quoted(where) if where else 'The model'} is already inf/NaN in fp32{at} (loss "
+                        f"{ctx.ref_loss}): {fix}", "error", "forward", origin.op if origin else "", fix="fp32_first")]
+    origin = next((e for e in ctx.ref_watch.origins if e.phase == "backward"), None) if ctx.ref_watch else None
+    first = next(iter(grads))
+    at = (f"; the first op to make it is {origin.op} in {origin.where}" if origin else "")
+    more = f" ({len(grads) - 1} more parameter(s) too)" if len(grads) > 1 else ""
+    return [Finding("backward_nonfinite", first, "fp32", float(sum(grads.values())),
+                    f"The fp32 loss is finite ({ctx.ref_loss:.4g}) but the fp32 gradient of {quoted(first)} has "
+                    f"{grads[first]} inf/NaN value(s){more}{at} (a torch.where guard does not stop the NaN of the "
+                    f"branch it discards from flowing back): {fix}", "error", "backward",
+                    origin.op if origin else "", fix="fp32_first")]
 
 
 def _overflow_note(ctx: Context, e: OpEvent) -> str:
@@ -210,10 +266,12 @@ def forward_origins(ev: Evidence) -> list[Finding]:
             out.append(Finding("nonfinite", e.module, p, math.inf,
                                f"{e.where}: {e.op} turns finite inputs (max |x| {e.input_max:.3g}) into inf/NaN under "
                                f"{p} autocast (output {e.dtype}){_overflow_note(ev.ctx, e)}; it is the first op to "
-                               f"do so ({len(new)} in all): {fix}", "error", "forward", e.op))
+                               f"do so ({len(new)} in all): {fix}", "error", "forward", e.op,
+                               fix="loss_fp32" if e.call < 0 and not e.module else "islands" if e.module else ""))
         elif not math.isfinite(res.loss) and math.isfinite(ev.ctx.ref_loss):
             out.append(Finding("nonfinite", "", p, res.loss, f"The loss is {res.loss} under {p} autocast although no "
-                               "op turned finite inputs into inf/NaN: compute the loss in fp32", "error", "forward"))
+                               "op turned finite inputs into inf/NaN: compute the loss in fp32", "error", "forward",
+                               fix="loss_fp32"))
     return out
 
 
@@ -225,7 +283,8 @@ def backward_origins(ev: Evidence) -> list[Finding]:
         if new_origins(ev.ctx, res, "forward"):
             continue  # the backward of an inf/NaN forward follows from it
         new = new_origins(ev.ctx, res, "backward")
-        bad = {n: g["nonfinite"] for n, g in res.grads.items() if g["nonfinite"]}
+        fp32_bad = fp32_nonfinite_grads(ev.ctx)  # what fp32 already does is fp32's finding, not this precision's
+        bad = {n: g["nonfinite"] for n, g in res.grads.items() if g["nonfinite"] and n not in fp32_bad}
         scale = f" at loss scale 2**{int(math.log2(res.scale))}" if res.scale != 1 else ""
         if new:
             e = new[0]
@@ -235,7 +294,7 @@ def backward_origins(ev: Evidence) -> list[Finding]:
                                f"gradient(s) are inf/NaN, so GradScaler would skip every step: run "
                                f"{quoted(e.module)} in fp32, or give a custom autograd.Function's backward fp32 inputs "
                                "(torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32))", "error",
-                               "backward", e.op))
+                               "backward", e.op, fix="islands" if e.module else ""))
         elif bad:
             n = next(iter(bad))
             out.append(Finding("backward_nonfinite", n, p, float(sum(bad.values())),
@@ -279,12 +338,12 @@ def activation_overflow(ev: Evidence) -> list[Finding]:
         share = r.act._share("overflow", 1.0, p)
         more = f" ({len(over) - 1} module(s) after it too)" if len(over) > 1 else ""
         out.append(Finding("activation_overflow", n, p, r.act.max,
-                           f"{quoted(n).capitalize()} outputs values up to {r.act.max:.4g} in fp32 ({share:.2%} of them "
+                           f"{Quoted(n)} outputs values up to {r.act.max:.4g} in fp32 ({share:.2%} of them "
                            f"above {p}'s max {top:g}){more}{_cause(ctx, n)}"
                            + (f"; they stayed finite here (output {res.records[n].dtype.get(p, '?')}), but any {p} op "
                               "that reads them overflows" if stayed else "")
                            + ": keep it and what reads it in fp32, or use bf16", "warning" if stayed else "error",
-                           "forward"))
+                           "forward", fix="islands"))
     return out
 
 
@@ -298,17 +357,17 @@ def precision_loss(ev: Evidence) -> list[Finding]:
             sqnr = -20 * math.log10(err) if 0 < err < math.inf else math.inf
             leaf = res.records[n].leaf
             op = "" if leaf else inline_op(res, n)
-            what = (f"{quoted(n).capitalize()}'s own output" if leaf else
-                    f"{quoted(n).capitalize()} (inline in forward): its own code's output"
+            what = (f"The own output of {quoted(n)}" if leaf else
+                    f"{Quoted(n)} (inline in forward): its own code's output"
                     + (f" (from {op} on)" if op else ""))
             keep = "keep that code in fp32 (torch.autocast(..., enabled=False) on .float() inputs)"
             fix = ("run it in fp32" if leaf else f"run {quoted(n)} in fp32 (an fp32 island), or {keep}" if n
                    else keep)  # an island on the whole model would be fp32 training
             out.append(Finding("precision_loss", n, p, err,
                                f"{what} under {p} autocast differs from fp32 on the same inputs by {err:.3g} "
-                               f"(relative, SQNR {sqnr + 0.0:.1f} dB; tolerance {REL_TOL[p]:.3g})"
+                               f"(relative, SQNR {sqnr + 0.0:.1f} dB; tolerance {own_tolerance(res, n):.3g})"
                                + ("" if leaf else ", with its children run exactly") + f": {fix}",
-                               "error" if err > 0.5 else "warning", "forward", op))
+                               "error" if err > 0.5 else "warning", "forward", op, fix="islands" if n else ""))
     return out
 
 
@@ -320,12 +379,17 @@ def output_and_loss(ev: Evidence) -> list[Finding]:
         if err > OUTPUT_TOL[p]:
             out.append(Finding("output_error", "", p, err,
                                f"The model's output under {p} autocast differs from fp32 by {err:.3g} (relative; "
-                               f"tolerance {OUTPUT_TOL[p]:.3g})", "warning", "forward"))
+                               f"tolerance {OUTPUT_TOL[p]:.3g})", "warning", "forward", fix="islands"))
         gap = loss_gap(ev.ctx, res)
         if gap > LOSS_TOL[p]:
+            # the output matches fp32 and the loss does not: the loss's own code lost it (a focal loss in bf16)
+            in_loss = err <= OUTPUT_TOL[p] and math.isfinite(res.loss) and not culprits(ev.ctx, res)
             out.append(Finding("loss_gap", "", p, gap,
                                f"The loss under {p} autocast is {res.loss:.4g} against {ev.ctx.ref_loss:.4g} in fp32 "
-                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})", "warning", "forward"))
+                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})"
+                               + ("; the model's output matches fp32 (within its tolerance), so the loss's own code "
+                                  "lost it: compute the loss in fp32 (outside autocast, on .float() outputs)"
+                                  if in_loss else ""), "warning", "forward", fix="loss_fp32" if in_loss else "islands"))
     return out
 
 
@@ -348,7 +412,7 @@ def gradient_error(ev: Evidence) -> list[Finding]:
                                f"The gradient of {quoted(n)} in one {p} backward differs from fp32's by {err:.3g} "
                                f"(relative: error norm {w['num']:.3g} against its fp32 norm {w['den']:.3g}; tolerance "
                                f"{GRAD_TOL[p]:.3g})" + (f"; so do {more} more parameter(s)" if more else ""),
-                               "warning", "backward"))
+                               "warning", "backward", fix="islands"))
         err, worst = grad_error(res)
         if not bad and math.isfinite(err) and err > GRAD_TOL[p]:
             w = res.grads[worst]
@@ -356,14 +420,14 @@ def gradient_error(ev: Evidence) -> list[Finding]:
                                f"The parameter gradients of one {p} backward differ from fp32's by {err:.3g} (relative, "
                                f"all parameters together; tolerance {GRAD_TOL[p]:.3g}); the largest share of it is "
                                f"{quoted(worst)} (error norm {w['num']:.3g} against its fp32 gradient norm {w['den']:.3g})", "warning",
-                               "backward"))
+                               "backward", fix="islands"))
         tried = ev.verdicts.get(p, {}).get("tried_fp32_modules", [])
         for m in (m for m in gradient_suspects(ev.ctx, res) if bad and m in tried):
             node = res.records[m].custom_backward
             fixed = ev.verdicts[p]["status"] == "islands"
-            what = (f"{quoted(m).capitalize()} ({node} in backward): its custom backward is the one code the forward "
+            what = (f"{Quoted(m)} ({node} in backward): its custom backward is the one code the forward "
                     "measures cannot see" if node else
-                    f"{quoted(m).capitalize()} (inline in forward, and its backward): the first code the gradients of "
+                    f"{Quoted(m)} (inline in forward, and its backward): the first code the gradients of "
                     "its parameters' modules pass through on their way back")
             how = ("give the backward fp32 inputs (torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32), "
                    "or .float() in backward)" if node else "keep that code in fp32 (torch.autocast(..., "
@@ -373,7 +437,7 @@ def gradient_error(ev: Evidence) -> list[Finding]:
                                "wrong in forward; "
                                + (f"with {quoted(m)} in fp32 they match fp32: run it in fp32, or {how}" if fixed
                                   else f"{quoted(m)} in fp32 was tried and did not bring them back"),
-                               "error" if fixed else "warning", "backward"))
+                               "error" if fixed else "warning", "backward", fix="islands"))
     return out
 
 
@@ -390,12 +454,12 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
     gmax, fmax = info["max"], formats.spec("fp16").max
     over = zone_thresholds("fp16")[2]
     k = int(math.log2(scale))
-    low_params = ev.model_dtype in _LOW
-    if info["nonfinite"] or gmax >= over:
+    low_params = ev.low_trainable == "fp16"  # GradScaler cannot unscale fp16 gradients (bf16 ones need none)
+    if (info["nonfinite"] and not fp32_fails(ctx)) or (math.isfinite(gmax) and gmax >= over):
         out.append(Finding("gradient_overflow", "", "fp16", gmax,
                            f"Gradients reach {gmax:.4g} in fp32 ({info['nonfinite']} inf/NaN), beyond fp16's max {fmax:g} "
                            f"at scale 1: fp16 needs a scale below 1 (init_scale=2**{k}) or use bf16", "warning",
-                           "backward"))
+                           "backward", fix="scaler"))
     if "fp16" in ev.precisions:
         flush1, flush_rec, flush_default = info["flush_at_1"], info["flush_at_recommended"], info["flush_at_default"]
         backoffs = info["default_backoff_steps"]
@@ -410,7 +474,7 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
                                f"{flush1:.1%} of the nonzero gradients of layers that autocast runs in fp16 flush to "
                                f"zero at scale 1{worst_txt}; GradScaler's default leaves {flush_default:.2%}; at "
                                f"init_scale=2**{k} (max|grad| {gmax:.3g} x scale stays {GRAD_MARGIN:g}x below {fmax:g}) "
-                               f"{flush_rec:.2%} do: {how}", sev, "backward"))
+                               f"{flush_rec:.2%} do: {how}", sev, "backward", fix="scaler"))
         if flush_rec > UNDERFLOW_WARN:
             out.append(Finding("gradient_underflow", "", "fp16", flush_rec,
                                f"Even at init_scale=2**{k} {flush_rec:.2%} of the nonzero gradients flush to zero: the "
@@ -426,9 +490,9 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
         else:
             msg = (f"{flush1:.3%} of the nonzero gradients flush to zero in fp16 at scale 1"
                    + (f" and the largest, {gmax:.3g}, overflows it" if gmax >= over else "")
-                   + ("; use a GradScaler" if kind == "scaler_needed" else "; none flush now, but gradients shrink as "
-                      "training converges, so keep a GradScaler with fp32 parameters")
-                   + f": {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed")
+                   + (f"; use a GradScaler: {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed"
+                      if kind == "scaler_needed" else "; none flush and none overflow on this batch, so fp16 needs no "
+                      "loss scale for it (gradients shrink as training converges: examine a later checkpoint too)"))
         out.append(Finding(kind, "", "fp16", flush1, msg, "info", "backward"))
         out += _layer_underflow(ev)
     if "bf16" in ev.precisions:
@@ -452,8 +516,10 @@ def _mass_flushed(h: Log2Hist, scale: float) -> float:
 
 
 def _layer_underflow(ev: Evidence) -> list[Finding]:
-    """Parameters that lose more than half of their gradient in fp16 at scale 1 (predicted from the fp32 histogram,
-    for layers autocast runs in fp16) or at the recommended scale (measured in the fp16 backward)."""
+    """Parameters that lose more than half of their gradient in fp16, measured in the fp16 backward itself (the share
+    of fp32's nonzero gradient that came back zero), at scale 1 and at the recommended scale, whatever dtype their
+    module's output has (an Embedding's output stays fp32 under autocast, but its gradient arrives through the fp16
+    op that reads it). Every such parameter is named; with many, one finding per module prefix names them all."""
     ctx, out = ev.ctx, []
     res = ev.passes.get("fp16")
     if res is None:
@@ -462,94 +528,112 @@ def _layer_underflow(ev: Evidence) -> list[Finding]:
     norms = {n: float(torch.linalg.vector_norm(g)) for n, g in ctx.ref_grads.items()}
     total = math.sqrt(sum(v * v for v in norms.values()))
     broken = bool(res.watch.origins) or any(g["nonfinite"] for g in res.grads.values())
-    for n, h in ctx.param_grads.items():
-        owner = _owner(n)
-        low = res.records.get(owner)
-        ran_low = low is not None and low.dtype.get("fp16") == "float16" or ev.model_dtype == torch.float16
+    lost: dict[str, tuple[float, float]] = {}
+    for n in ctx.param_grads:
         # A gradient below fp32's own rounding of the whole (a conv bias before BatchNorm: mathematically zero) is
         # noise: losing it at scale 1 loses nothing. Measured losses at the recommended scale always count.
         noise = norms.get(n, 0.0) < NOISE * total
-        # Lost at scale 1: its own values flush, or the gradient reaching its module's output does (then the
-        # parameter's gradient, computed from it, is zero however large it is in fp32).
-        # A weight's gradient is a sum over the batch of (output gradient x input): what it loses is the *mass* of
-        # the output gradient that flushes, not the count of flushed values (the small ones barely count).
-        og = ctx.records[owner].grad if owner in ctx.records else Log2Hist()
-        at1 = max(h._share("underflow", 1.0), _mass_flushed(og, 1.0)) if ran_low and not noise else 0.0
-        at_rec = max(h._share("underflow", ev.scale), _mass_flushed(og, ev.scale))
-        measured = 0.0 if broken else res.grads.get(n, {}).get("flushed", 0.0)
-        if max(at1, measured) > LAYER_UNDERFLOW_WARN:
-            which = (f"{measured:.0%} of its gradient came back zero from the fp16 backward at scale 2**{k}"
-                     if measured > LAYER_UNDERFLOW_WARN else f"{at1:.0%} of its gradient flushes to zero in fp16 at "
-                     f"scale 1 ({at_rec:.0%} at the recommended 2**{k})")
-            out.append(Finding("layer_gradient_underflow", n, "fp16", max(at1, measured),
-                               f"{quoted(n).capitalize()} loses more than half of its gradient: {which}; that layer "
-                               "barely trains in fp16 however small the aggregate: use the recommended GradScaler scale"
-                               " (or a larger one), run its module in fp32, or use bf16", "warning", "backward"))
+        at1 = 0.0 if noise else ev.flushed_at_1.get(n, 0.0)
+        at_rec = 0.0 if broken else res.grads.get(n, {}).get("flushed", 0.0)
+        if max(at1, at_rec) > LAYER_UNDERFLOW_WARN:
+            lost[n] = (at1, at_rec)
+    groups: dict[str, list[str]] = {}
+    for n in lost:
+        key = n if len(lost) <= 2 * MAX_PARAM_FINDINGS else (_owner(_owner(n)) or _owner(n))
+        groups.setdefault(key, []).append(n)
+    for key, names in groups.items():
+        worst = max(names, key=lambda n: max(lost[n]))
+        at1, at_rec = lost[worst]
+        rec_bad = at_rec > LAYER_UNDERFLOW_WARN
+        which = (f"{at1:.0%} of its gradient came back zero from the fp16 backward at scale 1, {at_rec:.0%} at the "
+                 f"recommended 2**{k}")
+        who = (f"{Quoted(worst)} loses more than half of its gradient" if len(names) == 1 else
+               f"{len(names)} parameters under {quoted(key)} lose more than half of their gradient "
+               f"({', '.join(quoted(n) for n in names)}; worst {quoted(worst)})")
+        fix = ("even the recommended scale does not bring it back: run its module in fp32 or use bf16" if rec_bad else
+               f"a GradScaler at the recommended init_scale=2**{k} brings it back (measured), or use bf16")
+        out.append(Finding("layer_gradient_underflow", worst, "fp16", max(at1, at_rec),
+                           f"{who}: {which}; that layer barely trains in fp16 however small the aggregate: {fix}",
+                           "warning", "backward", fix="" if rec_bad else "scaler"))
     return out
 
 
 def optimizer(ev: Evidence) -> list[Finding]:
-    """What one step of the optimizer as it is did: inf/NaN weights, blow-ups, lost updates, eps in the state."""
+    """What the audited steps of the optimizer as it is did, one finding per outcome: inf/NaN weights, a blow-up,
+    lost updates (never a share of an update that a destroyed step did not make), eps in a low-precision state. Each
+    is tagged with the dtype it measured (the weights', or the state's for fp32 weights) and phase "optimizer", and
+    names the fp32 fix (master weights: it counts against every autocast recipe that trains these weights)."""
     a, out = ev.audit, []
     if a is None:
         return out
     if "error" in a:
         return [Finding("lost_updates", "", "fp32", math.nan, f"The optimizer could not be copied to audit its step "
                         f"({a['error']}): nothing about its step was checked", "info", "optimizer")]
-    fmt = "bf16" if "bfloat16" in a["param_dtypes"] else "fp16" if "float16" in a["param_dtypes"] else "fp32"
-    master_ok = math.isfinite(a.get("loss_after_master", math.nan))
     low_state = [d for d in a.get("state_dtypes", []) if d in ("float16", "bfloat16")]
+    weights = "bf16" if "bfloat16" in a["param_dtypes"] else "fp16" if "float16" in a["param_dtypes"] else "fp32"
+    fmt = weights if weights != "fp32" else ("fp16" if "float16" in low_state else "bf16" if low_state else "fp32")
+    master_ok = math.isfinite(a.get("loss_after_master", math.nan))
     if a["fp32_master_weights"] and low_state:
-        # fp32 weights, low-precision state (fmt stays "fp32": the step is the same whatever the autocast precision)
         fix = (f"keep the optimizer's state in fp32: {a['class']} keeps it in {', '.join(low_state)} (use torch.optim's "
                "own optimizers, or that optimizer's fp32-state option)")
     else:
-        fix = ("keep fp32 master weights: fp32 parameters + autocast, so the optimizer's state is fp32 too"
+        fix = ("keep fp32 master weights: fp32 trainable parameters + autocast, so the optimizer's state is fp32 too"
                + (" (or ampcourse.optim.BF16AdamW for bf16 weights)" if fmt == "bf16" else ""))
-    checked = (f" (checked: the same step with fp32 master weights and fp32 state gives loss "
+    checked = (f" (checked: the same steps with fp32 master weights and fp32 state give loss "
                f"{a['loss_after_master']:.4g})" if master_ok and not a["fp32_master_weights"] else
-               f" (checked: the same step with its state cast to fp32 gives loss {a['loss_after_master']:.4g})"
+               f" (checked: the same steps with the state cast to fp32 give loss {a['loss_after_master']:.4g})"
                if master_ok and a.get("master_reference") and low_state else "")
-    if a["nonfinite_after"]:
+    n = a.get("steps") or 1
+    steps = "one step" if n == 1 else f"{n} steps"
+    outcome = a.get("outcome", "ok")
+    sq = a.get("second_moment_underflow")
+    why = (f"; {sq:.0%} of Adam's second moment underflowed to zero in the {fmt} state, so m/(sqrt(v)+eps) "
+           "divides by eps alone" if sq else "")
+    if outcome == "nonfinite":
         worst = max(a["params"], key=lambda n: a["params"][n]["nonfinite_after"])
         out.append(Finding("optimizer_nonfinite", worst, fmt, float(a["nonfinite_after"]),
-                           f"One {a['class']} step makes {a['nonfinite_after']} weight(s) inf/NaN (first "
-                           f"{quoted(worst)}): {fix}{checked}", "error", "optimizer"))
-    after, before = a.get("loss_after", math.nan), a.get("loss_before", math.nan)
+                           f"{steps.capitalize()} of {a['class']} make {a['nonfinite_after']} weight(s) inf/NaN (first "
+                           f"{quoted(worst)}){why}: {fix}{checked}", "error", "optimizer", fix="master_weights"))
     ratios = {n: r["update_ratio"] for n, r in a["params"].items()
               if "update_ratio" in r and a.get("master_reference", True)}
     worst_ratio = max(ratios, key=ratios.get, default=None)
-    # without an fp32-state step to compare with, the loss after the step is judged on its own
-    reference_ok = master_ok or not a.get("master_reference", True)
-    blown = (math.isfinite(before) and reference_ok and (not math.isfinite(after) or after > max(2 * abs(before),
-                                                                                                 before + 1.0)))
-    if not a["nonfinite_after"] and (blown or (worst_ratio and ratios[worst_ratio] > BLOWUP_RATIO)):
-        sq = a.get("second_moment_underflow")
-        why = (f"; {sq:.0%} of Adam's second moment underflowed to zero in the {fmt} state, so m/(sqrt(v)+eps) "
-               "divides by eps alone" if sq else "")
+    after, before = a.get("loss_after", math.nan), a.get("loss_before", math.nan)
+    if outcome == "blowup":
         out.append(Finding("optimizer_blowup", worst_ratio or "", fmt,
                            ratios.get(worst_ratio, math.inf) if worst_ratio else after,
-                           f"One {a['class']} step takes the loss from {before:.4g} to {after:.4g}"
-                           + (f" and moves {quoted(worst_ratio)} {ratios[worst_ratio]:.3g}x as far as the fp32-master "
-                              "step" if worst_ratio else "") + f"{why}: {fix}{checked}", "error", "optimizer"))
+                           f"{steps.capitalize()} of {a['class']} take the loss from {before:.4g} to {after:.4g}"
+                           + (f" and move {quoted(worst_ratio)} {ratios[worst_ratio]:.3g}x as far as the fp32-master "
+                              "steps" if worst_ratio else "") + f"{why}: {fix}{checked}", "error", "optimizer",
+                           fix="master_weights"))
     share = a.get("lost_update_share", 0.0)
-    if share > LOST_WARN:
+    if outcome == "lost_updates":
         worst = max(a["params"], key=lambda n: a["params"][n].get("lost_share", 0.0))
         out.append(Finding("lost_updates", worst, fmt, share,
-                           f"{share:.1%} of one step's update elements round to no change in the {fmt} parameters "
+                           f"{share:.1%} of the update of {steps} rounds to no change in the {fmt} parameters "
                            f"(worst {quoted(worst)}: {a['params'][worst]['lost_share']:.0%}); the update is below half "
-                           f"an ulp of the weight: {fix}{checked}", "warning", "optimizer"))
+                           f"an ulp of the weight: {fix}{checked}", "warning", "optimizer", fix="master_weights"))
+    if sq is not None and sq > SECOND_MOMENT_WARN and outcome not in ("nonfinite", "blowup"):
+        worst = max((n for n, r in a["params"].items() if "second_moment_underflow" in r),
+                    key=lambda n: a["params"][n]["second_moment_underflow"], default="")
+        out.append(Finding("second_moment_underflow", worst, fmt, sq,
+                           f"After {steps} of {a['class']}, {sq:.0%} of Adam's second moment is zero in the {fmt} "
+                           f"state (worst {quoted(worst)}): (1-beta2)*g**2 rounds to zero when stored once |g| is below "
+                           f"{second_moment_threshold(fmt):.2g}; a step computed in fp32 registers (fused) is right "
+                           "the first time and reads the zeros back from then on, so m/(sqrt(v)+eps) grows step by "
+                           f"step toward m/eps: {fix}{checked}", "warning", "optimizer", fix="master_weights"))
     for e in a.get("eps", []):
         f = formats.spec(e["format"])
-        sq = a.get("second_moment_underflow")
-        measured = f" (measured: {sq:.0%} of the second moment underflowed in one step)" if sq is not None else ""
+        measured = f" (measured: {sq:.0%} of the second moment underflowed in {steps})" if sq is not None else ""
+        beta2 = e.get("beta2", 0.999)
         out.append(Finding("eps_underflow", e["first"], e["format"], e["eps"],
                            f"eps={e['eps']:g} rounds to 0 in the {e['format']} optimizer state of {e['params']} "
                            f"parameter(s) ({e['format']}'s smallest subnormal is {f.min_subnormal:.3g}); the main "
-                           "cause of low-precision Adam blow-ups is the second moment (g**2) underflowing once |g| is "
-                           f"below about {math.sqrt(f.min_subnormal / 0.001):.1g}{measured}, and then lr*m/eps wrecks "
-                           "the weights whatever eps is: raising eps just past the smallest subnormal does not help. "
-                           "Keep the optimizer state in fp32 (fp32 parameters + autocast)", "warning", "optimizer"))
+                           f"cause of low-precision Adam blow-ups is the second moment: (1-beta2)*g**2 rounds to zero "
+                           f"once it is below half the smallest subnormal, |g| < "
+                           f"{second_moment_threshold(e['format'], beta2):.2g} at beta2={beta2:g}{measured}, and then "
+                           "lr*m/eps wrecks the weights whatever eps is: raising eps just past the smallest subnormal "
+                           "does not help. Keep the optimizer state in fp32 (fp32 trainable parameters + autocast)",
+                           "warning", "optimizer", fix="master_weights"))
     return out
 
 
@@ -558,11 +642,19 @@ def model_precision(ev: Evidence) -> list[Finding]:
     in low precision (a float64 model)."""
     out = []
     dt = ev.model_dtype
-    if dt in _LOW:
+    if dt in _LOW and ev.low_trainable is None:
+        # what trains is fp32 (a frozen half-precision base with fp32 adapters): that is the point, nothing to change
         name = "fp16" if dt == torch.float16 else "bf16"
         n = sum(1 for p in ev.ctx.model.parameters() if p.dtype == dt)
         out.append(Finding("low_precision_model", "", name, float(n),
-                           f"The model's own weights are {name} ({n} parameter tensors): the fp32 reference ran on an "
+                           f"{n} parameter tensor(s) are {name} and frozen; what trains is fp32 (the trainable "
+                           "parameters and the optimizer's param groups): no master weights needed, and the frozen "
+                           "ones stay as they are", "info", "model"))
+    elif dt in _LOW:
+        name = ev.low_trainable
+        n = sum(1 for p in ev.ctx.model.parameters() if p.dtype in _LOW and p.requires_grad)
+        out.append(Finding("low_precision_model", "", name, float(n),
+                           f"The model's trainable weights are {name} ({n} parameter tensors): the fp32 reference ran on an "
                            f"fp32 copy, and each precision ran on the model as it is. To train, keep fp32 master weights "
                            f"(model.float() + autocast) or a low-precision optimizer such as ampcourse.optim.BF16AdamW "
                            "(bf16)", "info", "model"))
@@ -582,7 +674,7 @@ def raises(ev: Evidence) -> list[Finding]:
         if not r:
             continue
         m = r["module"]
-        at = (f"{quoted(m).capitalize()}" + (" (inline in forward)" if r["inline"] and r["phase"] == "forward" else "")
+        at = (f"{Quoted(m)}" + (" (inline in forward)" if r["inline"] and r["phase"] == "forward" else "")
               + (f" ({r['node']} in backward)" if r["phase"] == "backward" and r["node"] else "")
               if m is not None else "The model")
         op = f": {r['op']}" if r["op"] else ""
@@ -593,7 +685,7 @@ def raises(ev: Evidence) -> list[Finding]:
         out.append(Finding("raises", m or "", p, math.inf,
                            f"{at}{op} raises under {p} autocast, where fp32 ran: {r['error']}; {fix} (a constant "
                            f"{p} holds, such as torch.finfo(t.dtype).min instead of -1e9, or an explicit .float())",
-                           "error", r["phase"], r["op"]))
+                           "error", r["phase"], r["op"], fix="islands" if runs else ""))
     return out
 
 

@@ -22,9 +22,17 @@ def check_init_scale(scale: Any, max_grad: float, margin: float = 8.0) -> None:
         s = float(scale)
     except (TypeError, ValueError):
         failed(title, "a number such as 2.0**10", repr(scale)[:80], "answer with a power of two")
-    if not (math.isfinite(s) and s > 0) or math.frexp(s)[0] != 0.5:
-        failed(title, "a positive power of two", s, "GradScaler's scales are powers of two: write 2.0**k")
     want = 2.0 ** math.floor(math.log2(top / (max_grad * margin)))
+    k = int(math.log2(want))
+    if math.isfinite(s) and s == int(s) and int(s) == k:
+        # the exponent itself (14 for 2**14): right number, wrong quantity
+        failed(title, f"the scale 2.0**{k} = {want:g}", f"{s:g}", f"{s:g} is the exponent k, not the scale: "
+               f"init_scale is 2.0**k, here 2.0**{k}")
+    if not (math.isfinite(s) and s > 0) or math.frexp(s)[0] != 0.5:
+        hint = ("GradScaler's scales are powers of two: write 2.0**k" if not (math.isfinite(s) and s == int(s)
+                                                                             and 0 < s < 128)
+                else f"{s:g} looks like an exponent: the scale is 2.0**k (2.0**{int(s)} = {2.0 ** int(s):g})")
+        failed(title, "a positive power of two", s, hint)
     if max_grad * s * margin > top:
         failed(title, f"max_grad x scale x {margin:g} <= {top:g}", f"{max_grad:.4g} x {s:g} x {margin:g} = "
                f"{max_grad * s * margin:.4g}", "too large: the largest gradient would overflow once it grows a little")

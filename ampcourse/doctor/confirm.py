@@ -1,0 +1,220 @@
+"""Confirmation by training: before the doctor recommends a recipe (precision, fp32 islands, init_scale, fp32 master
+weights, the learner's own optimizer and loss), it trains it ``steps`` steps beside fp32 on the learner's batch with
+:func:`ampcourse.trial.trial`, and says "confirmed over N steps" or names the step and measure where it departed.
+
+One trial serves every recipe: one fp32 reference run, then one run per precision, each from a copy of the model as
+it is (never the model itself: it, its optimizer, the inputs and every RNG stream are left bit-identical). The
+recipe's islands are applied by the copy itself, for the autocast dtype it finds itself running under, so one
+factory serves every precision. Every step trains on the same batch, the one examine() was given.
+
+"Departs" (:func:`departure`): a non-finite loss, or a loss further from fp32's than ``max(LOSS_DEPARTS, fp32's
+own step-to-step noise)``, the largest relative change of fp32's loss from one step to the next: a recipe that
+lags fp32 by less than one step of its progress is not a departure (calibrated on the gallery's healthy models:
+tests/test_doctor_confirm.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ..policy import apply_policy, remove_policy
+from .capture import Context, call, fresh_copy, scalar_loss
+from .verdict import Confirmation, Decision, _rank
+
+__all__ = ["confirm", "departure", "loss_tolerance", "LOSS_DEPARTS", "DEFAULT_LR"]
+
+#: The smallest relative loss gap to fp32 that counts as a departure (the issue's 5%).
+LOSS_DEPARTS = 0.05
+#: The learning rate of the AdamW that trains a recipe when examine() got no optimizer.
+DEFAULT_LR = 1e-3
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class _Recipe(nn.Module):
+    """The learner's model on its one batch, returning the loss: what ampcourse.trial trains. Under autocast it runs
+    the fp32 islands of the recipe for that autocast dtype (applied to itself, so each deep copy has its own)."""
+
+    def __init__(self, model: nn.Module, inputs, targets, loss_fn, islands: Mapping[str, Sequence[str]],
+                 policy: Mapping[str, str], device_type: str, rng: tuple) -> None:
+        super().__init__()
+        self.model = model
+        self._batch = (inputs, targets)  # plain attributes: deep copies take them along, parameters() does not
+        self._loss_fn, self._islands, self._policy = loss_fn, dict(islands), dict(policy)
+        self._device_type, self._rng, self._applied = device_type, rng, None
+
+    def _precision(self) -> str:
+        if not torch.is_autocast_enabled(self._device_type):
+            return "fp32"
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(torch.get_autocast_dtype(self._device_type), "fp32")
+
+    def forward(self, _index: torch.Tensor) -> torch.Tensor:
+        # examine() runs inside a disabled autocast context, so autocast's cache of fp16/bf16 weight casts would
+        # outlive each step's own autocast context: last step's weights, forever. Each step casts afresh.
+        torch.clear_autocast_cache()
+        p = self._precision()
+        if self._applied != p:
+            rules = {**self._policy, **{n: "fp32" for n in self._islands.get(p, ())}}
+            remove_policy(self.model)
+            if rules:
+                apply_policy(self.model, rules)
+            self._applied = p
+        # Python's and NumPy's streams as the caller left them, at every step of every run (torch's stream is the
+        # trial's own, per run): inline randomness draws the same numbers in fp32 and in each precision
+        random.setstate(self._rng[0])
+        np.random.set_state(self._rng[1])
+        inputs, targets = self._batch
+        return scalar_loss(call(self.model, fresh_copy(inputs)), targets, self._loss_fn)
+
+
+def _loss_of_output(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def _master_copy(model: nn.Module, trainable: set[int]) -> nn.Module:
+    """A copy of the model whose trainable parameters are fp32 (fp32 master weights; frozen ones stay as they are)."""
+    ids = {id(p): n for n, p in model.named_parameters()}
+    net = copy.deepcopy(model)
+    names = {ids[i] for i in trainable if i in ids}
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if n in names and p.dtype in _LOW:
+                p.data = p.data.float()
+    return net
+
+
+def _optimizer_factory(model: nn.Module, optimizer: torch.optim.Optimizer | None, master: bool):
+    """(callable(params) -> optimizer for a copy of the model, what it is in words): the learner's optimizer class and
+    per-group options, rebuilt on the copy's parameters (fresh state); AdamW(lr=DEFAULT_LR) without one."""
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    if optimizer is None:
+        def default(params):
+            return torch.optim.AdamW([p for p in params if p.requires_grad], lr=DEFAULT_LR)
+        return default, f"AdamW(lr={DEFAULT_LR:g}), the default (no optimizer= was given: pass yours to confirm with it)"
+    groups = [({k: v for k, v in g.items() if k != "params"}, [order[id(p)] for p in g["params"] if id(p) in order])
+              for g in optimizer.param_groups]
+
+    def rebuild(params):
+        params = list(params)
+        spec = [{**opts, "params": [params[i] for i in idx]} for opts, idx in groups]
+        try:
+            return type(optimizer)(spec)
+        except (TypeError, ValueError):  # its constructor refuses the recipe's weights (BF16AdamW on fp32 masters)
+            return torch.optim.AdamW(spec, lr=groups[0][0].get("lr", DEFAULT_LR))
+    name = type(optimizer).__name__
+    return rebuild, f"{name} with your param groups' options" + (" (AdamW where it refuses fp32 master weights)"
+                                                                 if master else "")
+
+
+def loss_tolerance(ref: Sequence[float]) -> float:
+    """max(LOSS_DEPARTS, fp32's own step-to-step noise): the largest relative change of the fp32 loss from one step
+    to the next.
+
+    Example::
+
+        >>> loss_tolerance([2.0, 1.0, 0.9])   # fp32 halves its loss in one step: a 100% gap is within its noise
+        1.0
+    """
+    noise = max((abs(ref[k] - ref[k - 1]) / max(abs(ref[k]), 1e-12) for k in range(1, len(ref))
+                 if math.isfinite(ref[k]) and math.isfinite(ref[k - 1])), default=0.0)
+    return max(LOSS_DEPARTS, noise)
+
+
+def departure(loss: Sequence[float], ref: Sequence[float]) -> tuple[int, str, float, float] | None:
+    """(step, measure, gap, tolerance) of the first step where a run departs from the fp32 reference, or None.
+
+    measure: "non-finite" (its loss is inf/NaN where fp32's is finite) or "loss" (relative gap beyond
+    :func:`loss_tolerance`).
+
+    Example::
+
+        >>> departure([2.0, 1.9, 1.81], [2.0, 1.9, 1.8]) is None
+        True
+        >>> departure([2.0, 1.9, float("nan")], [2.0, 1.9, 1.8])[:2]
+        (2, 'non-finite')
+    """
+    tol = loss_tolerance(ref)
+    for k, (a, b) in enumerate(zip(loss, ref)):
+        if not math.isfinite(a) and math.isfinite(b):
+            return k, "non-finite", math.inf, tol
+        if math.isfinite(a) and math.isfinite(b) and abs(a - b) / max(abs(b), 1e-12) > tol:
+            return k, "loss", abs(a - b) / max(abs(b), 1e-12), tol
+    return None
+
+
+def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimizer | None,
+            steps: int) -> tuple[dict[str, Confirmation], dict[str, Any]]:
+    """Train every recipe the decision could recommend (rank 0 or 1) ``steps`` steps beside one fp32 reference.
+
+    Returns (per precision its Confirmation, what was trained: steps, optimizer, master weights, islands, scale).
+    """
+    from ..trial import trial  # the trial module imports the training stack: only when confirming
+
+    candidates = [p for p, v in decision.verdicts.items() if _rank(v) <= 1]
+    out = {p: Confirmation("unconfirmed", steps, reason="not a candidate: its verdict is "
+                           f"{decision.verdicts[p].status}") for p in decision.verdicts if p not in candidates}
+    if not candidates:
+        return out, {"steps": steps, "trained": []}
+    master = any(decision.verdicts[p].master_weights for p in candidates)
+    trainable = ({id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None
+                 else {id(p) for p in ctx.model.parameters() if p.requires_grad})
+    try:
+        net = _master_copy(ctx.model, trainable) if master else copy.deepcopy(ctx.model)
+    except Exception as err:  # noqa: BLE001 (a model deepcopy refuses: it holds non-leaf tensors, a lock, ...)
+        why = f"the model cannot be copied to train it ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})"
+        out.update({p: Confirmation("unconfirmed", steps, reason=why) for p in candidates})
+        return out, {"steps": steps, "trained": [], "error": why}
+    remove_policy(net)
+    inputs = fresh_copy(ctx.inputs, torch.float32) if master and any(
+        p.dtype in _LOW for p in ctx.model.parameters() if id(p) in trainable) else ctx.inputs
+    islands = {p: list(decision.verdicts[p].fp32_modules) for p in candidates}
+    rng = (random.getstate(), np.random.get_state())
+    recipe = _Recipe(net, inputs, ctx.targets, ctx.loss_fn, islands, ctx.snapshot.policy, ctx.dev.type, rng)
+    make_opt, opt_text = _optimizer_factory(ctx.model, optimizer, master)
+    fp16_scaled = ev.low_trainable != "fp16" or master  # GradScaler refuses fp16 gradients
+    labels = {p: ("fp16" if fp16_scaled else "fp16-noscaler") if p == "fp16" else p for p in candidates}
+    info: dict[str, Any] = {"steps": steps, "trained": candidates, "optimizer": opt_text, "master_weights": master,
+                            "fp32_modules": islands, "init_scale": ev.scale if fp16_scaled else None,
+                            "batch": "the batch examine() was given, at every step"}
+    data = (torch.zeros(1, 1), torch.zeros(1, dtype=torch.long))
+    try:
+        t = trial(lambda: recipe, data, precisions=tuple(labels.values()), steps=steps, optimizer_factory=make_opt,
+                  monitors=[], batch_size=1, loss_fn=_loss_of_output, tolerance=1e30, device=ctx.dev,
+                  scaler_kwargs={"init_scale": ev.scale} if fp16_scaled and "fp16" in labels else None)
+    except Exception as err:  # noqa: BLE001 (the learner's model or optimizer may refuse to train: say so)
+        why = f"training it failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+        out.update({p: Confirmation("unconfirmed", steps, reason=why) for p in candidates})
+        info["error"] = why
+        return out, info
+    ref = t.series["reference"]["loss"]
+    for p, label in labels.items():
+        s = t.series[label]
+        dep = departure(s["loss"], ref)
+        skipped = int(sum(s.get("skipped", [])))
+        common = {"steps": steps, "loss": s["loss"][-1], "ref_loss": ref[-1], "skipped": skipped,
+                  "recipe": _recipe_text(p, islands[p], master, ev.scale if p == "fp16" and fp16_scaled else None)}
+        if dep is None:
+            out[p] = Confirmation("confirmed", tolerance=loss_tolerance(ref), **common)
+        else:
+            k, measure, gap, tol = dep
+            out[p] = Confirmation("departed", step=k, measure=measure, gap=gap, tolerance=tol, **common)
+    return out, info
+
+
+def _recipe_text(p: str, islands: Sequence[str], master: bool, scale: float | None) -> str:
+    """'fp16 autocast, GradScaler(init_scale=2**15), fp32 modules 'norm', fp32 master weights'."""
+    parts = [f"{p} autocast"]
+    if scale is not None:
+        parts.append(f"GradScaler(init_scale=2**{int(math.log2(scale))})")
+    if islands:
+        parts.append("fp32 modules " + ", ".join(f"'{n}'" for n in islands))
+    if master:
+        parts.append("fp32 master weights")
+    return ", ".join(parts)
