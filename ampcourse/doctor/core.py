@@ -45,7 +45,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
 
 def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = None,
             optimizer: torch.optim.Optimizer | None = None, device: str | torch.device | None = None,
-            precisions: Sequence[str] = ("fp16", "bf16")) -> Report:
+            precisions: Sequence[str] = ("fp16", "bf16"), policy: str | None = None) -> Report:
     """Measure the model in fp32 and under autocast in each precision, forward and backward, audit one optimizer
     step, and advise; leaves the model, the optimizer, the inputs and every RNG stream as they were.
 
@@ -57,6 +57,8 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         optimizer: its step is audited on copies (never stepped itself); None skips the audit.
         device: must name the model's own device, if given (examine never moves a model).
         precisions: which of "fp16" and "bf16" to examine (default both).
+        policy: whose autocast lists to measure under: None (the device's own) or ``"cuda"`` on a CPU (CUDA's,
+            through ``ampcourse.emulate``); ``report.policy`` names it.
 
     Returns:
         A :class:`Report`: ``report.is_clean("bf16")``, ``report.verdicts``, ``report.findings``, ``report.advice``.
@@ -82,8 +84,26 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     precs = check_precisions(precisions)
     dev = resolve_device(model, device)
-    with known_state(dev):
-        return _examine(model, inputs, targets, loss_fn, optimizer, dev, precs)
+    session, name = _policy_session(policy, dev)
+    with session, known_state(dev):  # the emulation outside: known_state's autocast-off regions then switch it off
+        report = _examine(model, inputs, targets, loss_fn, optimizer, dev, precs)
+    report.policy = name
+    if name != dev.type:  # measured under CUDA's lists: the note on CPU's lists does not apply
+        report.notes = [f"Measured under CUDA's autocast lists (emulated on {dev.type}: CUDA's casts, this CPU's "
+                        "arithmetic; ampcourse.emulate.LIMITS)."] + report.notes[1:]
+    return report
+
+
+def _policy_session(policy: str | None, dev: torch.device):
+    """(the context examine runs in, the policy's name): CUDA's lists on a CPU through one outer emulation."""
+    if policy is None or policy == dev.type:
+        return contextlib.nullcontext(), dev.type
+    if policy != "cuda" or dev.type != "cpu":
+        raise ValueError(f"policy must be None (the device's own) or 'cuda' (emulated on a CPU), got {policy!r} "
+                         f"on {dev.type}")
+    from .. import emulate
+
+    return emulate.autocast("cuda", enabled=False), "cuda (emulated on cpu)"
 
 
 def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, precs: tuple[str, ...]) -> Report:
@@ -242,7 +262,8 @@ def _notes(dev: torch.device) -> list[str]:
     """What the learner should know about where the measurement ran."""
     if dev.type == "cpu":
         return ["Measured with CPU autocast, whose op lists differ from CUDA's (on CPU, layer_norm and softmax of a "
-                "low-precision input stay low; CUDA runs them in fp32): run the doctor on the GPU you train on too."]
+                "low-precision input stay low; CUDA runs them in fp32): run the doctor on the GPU you train on too, or "
+                "examine(..., policy='cuda') (--policy cuda) for CUDA's lists from this CPU."]
     return [f"Measured with {dev.type} autocast."]
 
 

@@ -74,6 +74,7 @@ class Report:
     modules: list[dict[str, Any]] = field(default_factory=list)  # per module call, in the order they finish
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    policy: str | None = None  # whose autocast lists it measured under: "cpu", "cuda", "cuda (emulated on cpu)"
 
     @property
     def warnings(self) -> list[Finding]:
@@ -138,7 +139,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready Python values."""
         return json.loads(json.dumps({
-            "device": self.device, "recommended_precision": self.recommended_precision,
+            "device": self.device, "policy": self.policy, "recommended_precision": self.recommended_precision,
             "recommended_init_scale": self.recommended_init_scale, "fp32_modules": self.fp32_modules,
             "findings": [f.to_dict() for f in self.findings], "advice": self.advice, "notes": self.notes,
             "verdicts": self.verdicts, "gradients": self.gradients, "optimizer": self.optimizer,
