@@ -47,8 +47,8 @@ registers), the CPU autocast key is switched on (and added to the thread's dispa
 which carry no autocast key, reach it too), and each kernel reads CUDA's autocast state. A
 ``TorchDispatchMode`` would be the wrong level: it sees the pieces (``addmm`` for ``linear``, ``_softmax``,
 ``nll_loss_forward``), after autograd. A ``TorchFunctionMode`` would see the Python call but not the
-registered ops reached inside C++ composites (``cross_entropy_loss`` -> ``log_softmax`` + ``nll_loss``, both
-fp32 on CUDA). At the autocast key both are right, and autograd records the casts, so backward runs in the
+registered ops reached inside C++ composites (``cross_entropy_loss``, on no list, calls ``log_softmax`` and
+``nll_loss``, which are: on CUDA ``nll_loss`` runs in fp32). At the autocast key both are right, and autograd records the casts, so backward runs in the
 dtypes CUDA's would.
 
 While any thread emulates, real CPU autocast in other threads is suspended (the kernels are process-wide).
