@@ -504,7 +504,7 @@ def _in_child(fn: Callable, *args):
 
 
 @dataclass(frozen=True)
-class Policy:  # noqa: D101 - documented below
+class Policy:
     """What device_type's autocast does to one aten overload, as probed.
 
     ``category`` is a key of :data:`CATEGORIES`; ``kind`` the fp32 flavour (see :class:`OpRow`);
@@ -522,9 +522,6 @@ class Policy:  # noqa: D101 - documented below
 
     def __post_init__(self):
         object.__setattr__(self, "outputs", tuple(self.outputs))  # a list, when read back from the JSON cache
-
-
-_Policy = Policy
 
 
 def _overload(name: str):
@@ -617,9 +614,9 @@ def _classify(name: str, dtype: torch.dtype, fake_mode) -> Policy:
     low_casts, low_dtype_calls, err_l, n_l, out_l = _record(op, (low, low), dtype, fake_mode)
     mixed_casts, _, _, _, out_m = _record(op, (low, f32), dtype, fake_mode)
     outputs = tuple(None if o is None else _name(o) for o in (out_f, out_l, out_m))
-    Policy = functools.partial(_Policy, outputs=outputs)
+    found = functools.partial(Policy, name, outputs=outputs)  # every verdict carries what the calls returned
     if any(to == low for _, to in up_casts):
-        return Policy(name, "lower")
+        return found("lower")
     # cast up, called with dtype=float32, or (fp16 softmax: _softmax(half_to_float=True)) fp32 out of low in
     if any(to == f32 for _, to in low_casts) or low_dtype_calls or out_l == f32:
         has_dtype_arg = any(a.name == "dtype" for a in op._schema.arguments)
@@ -627,14 +624,14 @@ def _classify(name: str, dtype: torch.dtype, fake_mode) -> Policy:
         packet = name.split(".")[0]
         appended = any(c != name and c.split(".")[0] == packet for c in low_dtype_calls)
         kind = "fp32_set_opt_dtype" if has_dtype_arg else "fp32_append_dtype" if appended else "fp32"
-        return Policy(name, "fp32", kind=kind)
+        return found("fp32", kind=kind)
     if any(to == f32 for _, to in mixed_casts):
-        return Policy(name, "promote")
+        return found("promote")
     if err_f and n_f == 0 and err_l and n_l == 0:  # raised before anything was dispatched: autocast's own error?
         _, _, err_off, _, _ = _record(op, (f32, f32), None, fake_mode)
         if err_off != err_f:
-            return Policy(name, "unsupported", reason=f"CUDA autocast raises: {err_f}")
-    return Policy(name, "unsupported", reason="not probeable: no cast seen on the inputs built from its schema"
+            return found("unsupported", reason=f"CUDA autocast raises: {err_f}")
+    return found("unsupported", reason="not probeable: no cast seen on the inputs built from its schema"
                   + (f" ({err_l[:60]})" if err_l else ""))
 
 

@@ -52,6 +52,21 @@ def test_meta_tensors_get_the_casts_too():
     assert (y.device.type, y.dtype, p.dtype) == ("meta", torch.bfloat16, torch.float32)
 
 
+def test_a_model_built_on_meta_runs_forward_and_backward():
+    """What a planner needs: shapes and CUDA's dtypes of a whole model without memory."""
+    from ampcourse import models
+
+    with torch.device("meta"):
+        model = models.TinyTransformer()
+    idx = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    with emulate.autocast(dtype=torch.bfloat16, trace=True) as emu:
+        out = model(idx)
+    assert (out.device.type, out.dtype) == ("meta", torch.bfloat16)
+    assert {c.op for c in emu.calls} >= {"aten::linear", "aten::layer_norm"}
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
 def test_banned_ops_raise_as_on_cuda():
     with emulate.autocast(dtype=torch.float16), pytest.raises(RuntimeError, match="unsafe to autocast"):
         F.binary_cross_entropy(torch.rand(3), torch.rand(3))
