@@ -246,13 +246,30 @@ def op_table(device_type: str, dtype: torch.dtype, ops: Sequence[OpSpec] = OPS) 
     if device.type == "cuda" and not torch.cuda.is_available():
         return _fake_cuda_table(dtype, tuple(ops))
     low = _name(dtype)
+    pol = policy("cuda", dtype) if device.type == "cuda" else None  # on a GPU: the fp32 kinds, as without one
     rows = []
     for spec in ops:
         fp32, lowp, mixed = _three_probes(spec, lambda s, d: _probe(s, d, device, dtype), dtype)
         category = _categorise(low, fp32, lowp, mixed)
         reason = _reason(fp32, lowp) if category == "unsupported" else None
-        rows.append(OpRow(spec.name, category, fp32, lowp, mixed, reason=reason))
+        entered = _entered_real(spec, dtype, device) if pol is not None and category != "unsupported" else None
+        kind = _kind_of(entered, pol) if pol is not None and category == "fp32" else None
+        rows.append(OpRow(spec.name, category, fp32, lowp, mixed, kind=kind, reason=reason, entered=entered))
     return rows
+
+
+def _entered_real(spec: OpSpec, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The aten op a low-precision call of spec enters on a real device, from a profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = [(torch.rand(s) + 0.5).to(device=device, dtype=dtype) for s in spec.shapes]
+    try:
+        with torch.amp.autocast(device.type, dtype=dtype), profile(activities=[ProfilerActivity.CPU]) as prof:
+            spec.call(*inputs)
+    except Exception:  # noqa: BLE001 - the row keeps entered=None
+        return None
+    top = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    return top[-1] if top else None
 
 
 def _three_probes(spec: OpSpec, run: Callable, dtype: torch.dtype) -> tuple[Probe, Probe, Probe | None]:
