@@ -111,7 +111,7 @@ class _Local(threading.local):
 
     def __init__(self):
         self.depth = 0
-        self.cache: dict[int, tuple] = {}
+        self.cache: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its low-precision cast)
         self.traces: list[list[Call]] = []
         self.fallbacks: set[str] = set()
 
@@ -156,11 +156,13 @@ def _cast_one(t: torch.Tensor, to: torch.dtype, low: torch.dtype) -> torch.Tenso
                  and not t._is_view() and torch.is_autocast_cache_enabled())
     if not cacheable:
         return t.to(to)
+    # as torch's cached_cast: keyed by the tensor, no version check (a weight changed in place inside the region
+    # keeps its old cast there, on CUDA too), dropped when the outermost region exits
     hit = _local.cache.get(id(t))
-    if hit is not None and hit[0]() is t and hit[2] == t._version and hit[1].dtype == to:
+    if hit is not None and hit[0]() is t and hit[1].dtype == to:  # (a nested region of the other dtype: cast anew)
         return hit[1]
     out = t.to(to)
-    _local.cache[id(t)] = (weakref.ref(t), out, t._version)
+    _local.cache[id(t)] = (weakref.ref(t), out)
     return out
 
 
