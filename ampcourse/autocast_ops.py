@@ -29,6 +29,10 @@ import hashlib
 import json
 import os
 import pickle
+import select
+import signal
+import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -485,15 +489,20 @@ def _silence_fds() -> None:
     os.close(null)
 
 
-def _in_child(fn: Callable, *args):
-    """fn(*args) in a forked child process: (result, None), or (None, why) when the child died.
+_CHILD_TIMEOUT = 600.0  # seconds: every probe measured here takes under 15 s, on a busy 2-core machine
+
+
+def _in_child(fn: Callable, *args, timeout: float = _CHILD_TIMEOUT):
+    """fn(*args) in a forked child process: (result, None), or (None, why) when the child died or hung.
 
     Without fork (Windows), fn runs in this process: a probe that aborts then takes the caller down.
     """
     if not hasattr(os, "fork"):
         return fn(*args), None
     read, write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python >= 3.12 warns on fork() with threads alive (a Jupyter kernel has some):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the child runs only the probe, bounded by `timeout`
+        pid = os.fork()
     if pid == 0:  # the child: run, send the pickled result, leave without running the parent's atexit hooks
         code = 0
         try:
@@ -506,8 +515,18 @@ def _in_child(fn: Callable, *args):
         finally:
             os._exit(code)
     os.close(write)
-    with os.fdopen(read, "rb") as inp:
-        data = inp.read()
+    data, deadline = b"", time.monotonic() + timeout
+    with os.fdopen(read, "rb", buffering=0) as inp:
+        while True:  # read until the child closes the pipe, or give up at the deadline (a child that hangs)
+            ready, _, _ = select.select([inp], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return None, f"the probe process took longer than {timeout:.0f} s and was stopped"
+            chunk = inp.read(1 << 16)
+            if not chunk:
+                break
+            data += chunk
     _, status = os.waitpid(pid, 0)
     if data and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
         return pickle.loads(data), None

@@ -180,3 +180,11 @@ def test_the_op_a_call_enters_on_a_real_device():
     assert enters == {"softmax": "aten::softmax", "cross_entropy": "aten::cross_entropy_loss", "linear": "aten::linear"}
     pol = autocast_ops.policy("cuda", torch.bfloat16)
     assert autocast_ops._kind_of("aten::softmax", pol) == "fp32_set_opt_dtype"
+
+
+def test_a_probe_that_hangs_is_stopped():
+    import time
+
+    result, why = autocast_ops._in_child(time.sleep, 30, timeout=1.0)
+    assert result is None and "longer than 1 s" in why
+    assert autocast_ops._in_child(sum, [1, 2]) == (3, None)
