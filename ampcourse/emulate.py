@@ -304,8 +304,10 @@ def _trace(name: str, category: str, args, kwargs, out, low: torch.dtype | None)
 
 def _register() -> torch.library.Library:
     """Register CUDA's policy at the AutocastCPU key: a kernel per CUDA overload, a fallthrough for CPU-only ones."""
-    cuda = autocast_ops.registered_ops("cuda")
-    cpu_only = sorted(set(autocast_ops.registered_ops("cpu")) - set(cuda))
+    # aten's overloads only: an extension's ops (a library imported later may register autocast kernels of its own)
+    # would need a Library of their namespace; they run as called
+    cuda = [n for n in autocast_ops.registered_ops("cuda") if n.startswith("aten::")]
+    cpu_only = sorted({n for n in autocast_ops.registered_ops("cpu") if n.startswith("aten::")} - set(cuda))
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - overriding aten's autocast kernels is the point
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended, and undone on exit
