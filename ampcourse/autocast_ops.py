@@ -29,6 +29,10 @@ import hashlib
 import json
 import os
 import pickle
+import select
+import signal
+import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -246,13 +250,30 @@ def op_table(device_type: str, dtype: torch.dtype, ops: Sequence[OpSpec] = OPS) 
     if device.type == "cuda" and not torch.cuda.is_available():
         return _fake_cuda_table(dtype, tuple(ops))
     low = _name(dtype)
+    pol = policy("cuda", dtype) if device.type == "cuda" else None  # on a GPU: the fp32 kinds, as without one
     rows = []
     for spec in ops:
         fp32, lowp, mixed = _three_probes(spec, lambda s, d: _probe(s, d, device, dtype), dtype)
         category = _categorise(low, fp32, lowp, mixed)
         reason = _reason(fp32, lowp) if category == "unsupported" else None
-        rows.append(OpRow(spec.name, category, fp32, lowp, mixed, reason=reason))
+        entered = _entered_real(spec, dtype, device) if pol is not None and category != "unsupported" else None
+        kind = _kind_of(entered, pol) if pol is not None and category == "fp32" else None
+        rows.append(OpRow(spec.name, category, fp32, lowp, mixed, kind=kind, reason=reason, entered=entered))
     return rows
+
+
+def _entered_real(spec: OpSpec, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The aten op a low-precision call of spec enters on a real device, from a profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = [(torch.rand(s) + 0.5).to(device=device, dtype=dtype) for s in spec.shapes]
+    try:
+        with torch.amp.autocast(device.type, dtype=dtype), profile(activities=[ProfilerActivity.CPU]) as prof:
+            spec.call(*inputs)
+    except Exception:  # noqa: BLE001 - the row keeps entered=None
+        return None
+    top = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    return top[-1] if top else None
 
 
 def _three_probes(spec: OpSpec, run: Callable, dtype: torch.dtype) -> tuple[Probe, Probe, Probe | None]:
@@ -468,15 +489,20 @@ def _silence_fds() -> None:
     os.close(null)
 
 
-def _in_child(fn: Callable, *args):
-    """fn(*args) in a forked child process: (result, None), or (None, why) when the child died.
+_CHILD_TIMEOUT = 600.0  # seconds: every probe measured here takes under 15 s, on a busy 2-core machine
+
+
+def _in_child(fn: Callable, *args, timeout: float = _CHILD_TIMEOUT):
+    """fn(*args) in a forked child process: (result, None), or (None, why) when the child died or hung.
 
     Without fork (Windows), fn runs in this process: a probe that aborts then takes the caller down.
     """
     if not hasattr(os, "fork"):
         return fn(*args), None
     read, write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python >= 3.12 warns on fork() with threads alive (a Jupyter kernel has some):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the child runs only the probe, bounded by `timeout`
+        pid = os.fork()
     if pid == 0:  # the child: run, send the pickled result, leave without running the parent's atexit hooks
         code = 0
         try:
@@ -489,8 +515,18 @@ def _in_child(fn: Callable, *args):
         finally:
             os._exit(code)
     os.close(write)
-    with os.fdopen(read, "rb") as inp:
-        data = inp.read()
+    data, deadline = b"", time.monotonic() + timeout
+    with os.fdopen(read, "rb", buffering=0) as inp:
+        while True:  # read until the child closes the pipe, or give up at the deadline (a child that hangs)
+            ready, _, _ = select.select([inp], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return None, f"the probe process took longer than {timeout:.0f} s and was stopped"
+            chunk = inp.read(1 << 16)
+            if not chunk:
+                break
+            data += chunk
     _, status = os.waitpid(pid, 0)
     if data and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
         return pickle.loads(data), None
@@ -504,7 +540,7 @@ def _in_child(fn: Callable, *args):
 
 
 @dataclass(frozen=True)
-class Policy:  # noqa: D101 - documented below
+class Policy:
     """What device_type's autocast does to one aten overload, as probed.
 
     ``category`` is a key of :data:`CATEGORIES`; ``kind`` the fp32 flavour (see :class:`OpRow`);
@@ -522,9 +558,6 @@ class Policy:  # noqa: D101 - documented below
 
     def __post_init__(self):
         object.__setattr__(self, "outputs", tuple(self.outputs))  # a list, when read back from the JSON cache
-
-
-_Policy = Policy
 
 
 def _overload(name: str):
@@ -617,9 +650,9 @@ def _classify(name: str, dtype: torch.dtype, fake_mode) -> Policy:
     low_casts, low_dtype_calls, err_l, n_l, out_l = _record(op, (low, low), dtype, fake_mode)
     mixed_casts, _, _, _, out_m = _record(op, (low, f32), dtype, fake_mode)
     outputs = tuple(None if o is None else _name(o) for o in (out_f, out_l, out_m))
-    Policy = functools.partial(_Policy, outputs=outputs)
+    found = functools.partial(Policy, name, outputs=outputs)  # every verdict carries what the calls returned
     if any(to == low for _, to in up_casts):
-        return Policy(name, "lower")
+        return found("lower")
     # cast up, called with dtype=float32, or (fp16 softmax: _softmax(half_to_float=True)) fp32 out of low in
     if any(to == f32 for _, to in low_casts) or low_dtype_calls or out_l == f32:
         has_dtype_arg = any(a.name == "dtype" for a in op._schema.arguments)
@@ -627,14 +660,14 @@ def _classify(name: str, dtype: torch.dtype, fake_mode) -> Policy:
         packet = name.split(".")[0]
         appended = any(c != name and c.split(".")[0] == packet for c in low_dtype_calls)
         kind = "fp32_set_opt_dtype" if has_dtype_arg else "fp32_append_dtype" if appended else "fp32"
-        return Policy(name, "fp32", kind=kind)
+        return found("fp32", kind=kind)
     if any(to == f32 for _, to in mixed_casts):
-        return Policy(name, "promote")
+        return found("promote")
     if err_f and n_f == 0 and err_l and n_l == 0:  # raised before anything was dispatched: autocast's own error?
         _, _, err_off, _, _ = _record(op, (f32, f32), None, fake_mode)
         if err_off != err_f:
-            return Policy(name, "unsupported", reason=f"CUDA autocast raises: {err_f}")
-    return Policy(name, "unsupported", reason="not probeable: no cast seen on the inputs built from its schema"
+            return found("unsupported", reason=f"CUDA autocast raises: {err_f}")
+    return found("unsupported", reason="not probeable: no cast seen on the inputs built from its schema"
                   + (f" ({err_l[:60]})" if err_l else ""))
 
 

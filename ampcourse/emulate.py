@@ -47,8 +47,8 @@ registers), the CPU autocast key is switched on (and added to the thread's dispa
 which carry no autocast key, reach it too), and each kernel reads CUDA's autocast state. A
 ``TorchDispatchMode`` would be the wrong level: it sees the pieces (``addmm`` for ``linear``, ``_softmax``,
 ``nll_loss_forward``), after autograd. A ``TorchFunctionMode`` would see the Python call but not the
-registered ops reached inside C++ composites (``cross_entropy_loss`` -> ``log_softmax`` + ``nll_loss``, both
-fp32 on CUDA). At the autocast key both are right, and autograd records the casts, so backward runs in the
+registered ops reached inside C++ composites (``cross_entropy_loss``, on no list, calls ``log_softmax`` and
+``nll_loss``, which are: on CUDA ``nll_loss`` runs in fp32). At the autocast key both are right, and autograd records the casts, so backward runs in the
 dtypes CUDA's would.
 
 While any thread emulates, real CPU autocast in other threads is suspended (the kernels are process-wide).
@@ -111,7 +111,7 @@ class _Local(threading.local):
 
     def __init__(self):
         self.depth = 0
-        self.cache: dict[int, tuple] = {}
+        self.cache: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its low-precision cast)
         self.traces: list[list[Call]] = []
         self.fallbacks: set[str] = set()
 
@@ -156,11 +156,13 @@ def _cast_one(t: torch.Tensor, to: torch.dtype, low: torch.dtype) -> torch.Tenso
                  and not t._is_view() and torch.is_autocast_cache_enabled())
     if not cacheable:
         return t.to(to)
+    # as torch's cached_cast: keyed by the tensor, no version check (a weight changed in place inside the region
+    # keeps its old cast there, on CUDA too), dropped when the outermost region exits
     hit = _local.cache.get(id(t))
-    if hit is not None and hit[0]() is t and hit[2] == t._version and hit[1].dtype == to:
+    if hit is not None and hit[0]() is t and hit[1].dtype == to:  # (a nested region of the other dtype: cast anew)
         return hit[1]
     out = t.to(to)
-    _local.cache[id(t)] = (weakref.ref(t), out, t._version)
+    _local.cache[id(t)] = (weakref.ref(t), out)
     return out
 
 
@@ -302,8 +304,10 @@ def _trace(name: str, category: str, args, kwargs, out, low: torch.dtype | None)
 
 def _register() -> torch.library.Library:
     """Register CUDA's policy at the AutocastCPU key: a kernel per CUDA overload, a fallthrough for CPU-only ones."""
-    cuda = autocast_ops.registered_ops("cuda")
-    cpu_only = sorted(set(autocast_ops.registered_ops("cpu")) - set(cuda))
+    # aten's overloads only: an extension's ops (a library imported later may register autocast kernels of its own)
+    # would need a Library of their namespace; they run as called
+    cuda = [n for n in autocast_ops.registered_ops("cuda") if n.startswith("aten::")]
+    cpu_only = sorted({n for n in autocast_ops.registered_ops("cpu") if n.startswith("aten::")} - set(cuda))
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - overriding aten's autocast kernels is the point
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended, and undone on exit

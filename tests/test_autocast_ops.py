@@ -170,3 +170,21 @@ def test_policy_is_cached_on_disk_per_torch_build(tmp_path, monkeypatch):
     monkeypatch.setattr(autocast_ops, "_POLICIES", {})
     with pytest.raises(AssertionError, match="probed again"):
         autocast_ops.policy("cuda", torch.bfloat16)
+
+
+def test_the_op_a_call_enters_on_a_real_device():
+    """What a GPU's table uses to name the fp32 kind: the aten op the call enters (here on CPU tensors)."""
+    specs = {s.name: s for s in autocast_ops.OPS}
+    enters = {op: autocast_ops._entered_real(specs[op], torch.bfloat16, torch.device("cpu"))
+              for op in ("softmax", "cross_entropy", "linear")}
+    assert enters == {"softmax": "aten::softmax", "cross_entropy": "aten::cross_entropy_loss", "linear": "aten::linear"}
+    pol = autocast_ops.policy("cuda", torch.bfloat16)
+    assert autocast_ops._kind_of("aten::softmax", pol) == "fp32_set_opt_dtype"
+
+
+def test_a_probe_that_hangs_is_stopped():
+    import time
+
+    result, why = autocast_ops._in_child(time.sleep, 30, timeout=1.0)
+    assert result is None and "longer than 1 s" in why
+    assert autocast_ops._in_child(sum, [1, 2]) == (3, None)

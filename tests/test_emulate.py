@@ -52,6 +52,21 @@ def test_meta_tensors_get_the_casts_too():
     assert (y.device.type, y.dtype, p.dtype) == ("meta", torch.bfloat16, torch.float32)
 
 
+def test_a_model_built_on_meta_runs_forward_and_backward():
+    """What a planner needs: shapes and CUDA's dtypes of a whole model without memory."""
+    from ampcourse import models
+
+    with torch.device("meta"):
+        model = models.TinyTransformer()
+    idx = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    with emulate.autocast(dtype=torch.bfloat16, trace=True) as emu:
+        out = model(idx)
+    assert (out.device.type, out.dtype) == ("meta", torch.bfloat16)
+    assert {c.op for c in emu.calls} >= {"aten::linear", "aten::layer_norm"}
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
 def test_banned_ops_raise_as_on_cuda():
     with emulate.autocast(dtype=torch.float16), pytest.raises(RuntimeError, match="unsafe to autocast"):
         F.binary_cross_entropy(torch.rand(3), torch.rand(3))
@@ -220,3 +235,12 @@ def test_an_nn_module_trains_under_the_emulator():
             opt.step()
             losses.append(loss.item())
     assert losses[-1] < losses[0] and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_an_op_without_a_low_precision_cpu_kernel_runs_in_fp32_and_comes_out_low():
+    """CUDA runs it low; a CPU without the fp16/bf16 kernel computes it in fp32 and casts the result (said in .fallbacks)."""
+    err = RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
+    assert emulate._low_kernel_missing(err) and not emulate._low_kernel_missing(RuntimeError("shape mismatch"))
+    a, b = torch.randn(4, 8).half(), torch.randn(8, 3).half()
+    out = emulate._fp32_then_low(torch.ops.aten.mm.default, [a, b], {}, torch.float16)
+    assert out.dtype == torch.float16 and torch.equal(out, (a.float() @ b.float()).half())

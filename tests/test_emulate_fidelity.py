@@ -4,9 +4,10 @@
   emulator's output dtype on CPU tensors equals the fake-CUDA probe's (fp16 and bf16);
 - per overload: every aten overload with an AutocastCUDA kernel, called with the arguments the policy probe
   built from its schema, gives the same output dtype on CPU under the emulator as on fake CUDA;
-- per model: the course's models and Hugging Face GPT-2, BERT, T5 and Llama (tiny configs, random weights,
-  no download): every autocast op the forward reaches is replayed, as called, on CUDA's kernels and must
-  give the dtype the emulator gave; backward runs, and the weights' gradients are fp32.
+- per model: the course's models, Hugging Face GPT-2, BERT, T5 and Llama (tiny configs, random weights,
+  no download) and every case of the doctor's gallery (tests/doctor_gallery.py): every autocast op the forward
+  reaches is replayed, as called, on CUDA's kernels and must give the dtype the emulator gave; backward runs
+  (and for the models above, the weights' gradients are fp32).
 
 ``python tests/test_emulate_fidelity.py`` prints the counts recorded in benchmarks/README.md.
 """
@@ -123,6 +124,24 @@ def _run(name, low):
 MODELS = ["mlp", "cnn", "transformer", "gpt2", "bert", "t5", "llama"]
 
 
+def gallery_agreement(name, low):
+    """(calls replayed, disagreements) for one case of the doctor's gallery (tests/doctor_gallery.py), as built."""
+    from doctor_gallery import call_model, case, model_loss
+
+    s = case(name).build(0)
+    with emulate.autocast(dtype=low, trace=True) as emu:
+        loss = model_loss(call_model(s.model, s.inputs), s.targets, s.loss_fn)
+    loss.float().backward()
+    calls = [c for c in emu.calls if c.category != "off"]
+    return calls, [(c.op, c.output, r) for c, r in zip(calls, autocast_ops.replay(calls)) if c.output != r]
+
+
+def _gallery_names():
+    from doctor_gallery import CASES
+
+    return [c.name for c in CASES]
+
+
 def model_agreement(name, low):
     """(calls replayed, disagreements) for one model's forward."""
     calls, _ = _run(name, low)
@@ -160,6 +179,13 @@ def test_models_forward_dtypes_match_cudas_kernels_and_backward_runs(name, low):
     assert grads and all(g.dtype == torch.float32 for g in grads)
 
 
+@pytest.mark.parametrize("name", _gallery_names())
+def test_the_doctors_gallery_forward_dtypes_match_cudas_kernels(name):
+    for low in LOW:
+        calls, disagree = gallery_agreement(name, low)
+        assert disagree == [], (name, low)
+
+
 if __name__ == "__main__":  # the counts for benchmarks/README.md
     print(f"torch {torch.__version__}")
     for low in LOW:
@@ -171,3 +197,7 @@ if __name__ == "__main__":  # the counts for benchmarks/README.md
         for name in MODELS:
             calls, d = model_agreement(name, low)
             print(f"{low}: {name}: {len(calls)} autocast calls replayed on CUDA's kernels, {len(d)} disagree")
+        names = _gallery_names()
+        results = [gallery_agreement(name, low) for name in names]
+        print(f"{low}: doctor's gallery, {len(names)} cases: {sum(len(c) for c, _ in results)} autocast calls "
+              f"replayed, {sum(len(d) for _, d in results)} disagree")

@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"a reference model ({', '.join(MODELS)}) or 'package.module:factory', a callable returning "
                          "(model, inputs, targets, loss_fn) or (..., optimizer)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    ap.add_argument("--policy", default=None, choices=["cuda"], help="cuda: CUDA's autocast lists on a CPU (emulated)")
     ap.add_argument("--precisions", default="fp16,bf16", help="comma-separated, from fp16 and bf16 (default: both)")
     ap.add_argument("--batch", type=int, default=16, help="batch size for a reference model (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="seed for a reference model (default 0)")
@@ -119,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         precisions = [p for p in args.precisions.split(",") if p.strip()]
         steps = {} if args.steps is None else {"steps": args.steps}
         report = examine(model, inputs, targets, loss_fn=loss_fn, optimizer=opt, device=dev, precisions=precisions,
-                         **steps)
+                         policy=args.policy, **steps)
         print(report.summary())
         if args.out:
             report.to_json(args.out)

@@ -88,7 +88,8 @@ def _to_fp32_inputs(module, args, kwargs):
 
 def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = None,
             optimizer: torch.optim.Optimizer | None = None, device: str | torch.device | None = None,
-            precisions: Sequence[str] = ("fp16", "bf16"), steps: int = DEFAULT_STEPS) -> Report:
+            precisions: Sequence[str] = ("fp16", "bf16"), steps: int = DEFAULT_STEPS,
+            policy: str | None = None) -> Report:
     """Measure the model in fp32 and under autocast in each precision, forward and backward, audit the optimizer's
     step, derive each precision's verdict from the findings, confirm the recipes it would recommend by training them
     ``steps`` steps beside fp32 (:mod:`.confirm`), and advise; leaves the model, the optimizer, the inputs and every
@@ -104,6 +105,8 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         precisions: which of "fp16" and "bf16" to examine (default both).
         steps: training steps that confirm each recipe (default 10), on copies, with ``ampcourse.trial``; 0 gives
             the quick forensic pass, whose verdicts say "unconfirmed".
+        policy: whose autocast lists to measure under: None (the device's own) or ``"cuda"`` on a CPU (CUDA's,
+            through ``ampcourse.emulate``); ``report.policy`` names it.
 
     Returns:
         A :class:`Report`: ``report.is_clean("bf16")``, ``report.verdicts``, ``report.findings``, ``report.advice``.
@@ -131,8 +134,26 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int >= 0 (0: the forensic pass, unconfirmed), got {steps!r}")
     dev = resolve_device(model, device)
-    with known_state(dev):
-        return _examine(model, inputs, targets, loss_fn, optimizer, dev, precs, steps)
+    session, name = _policy_session(policy, dev)
+    with session, known_state(dev):  # the emulation outside: known_state's autocast-off regions then switch it off
+        report = _examine(model, inputs, targets, loss_fn, optimizer, dev, precs, steps)
+    report.policy = name
+    if name != dev.type:  # measured under CUDA's lists: the note on CPU's lists does not apply
+        report.notes = [f"Measured under CUDA's autocast lists (emulated on {dev.type}: CUDA's casts, this CPU's "
+                        "arithmetic; ampcourse.emulate.LIMITS)."] + [n for n in report.notes if not _is_cpu_lists_note(n)]
+    return report
+
+
+def _policy_session(policy: str | None, dev: torch.device):
+    """(the context examine runs in, the policy's name): CUDA's lists on a CPU through one outer emulation."""
+    if policy is None or policy == dev.type:
+        return contextlib.nullcontext(), dev.type
+    if policy != "cuda" or dev.type != "cpu":
+        raise ValueError(f"policy must be None (the device's own) or 'cuda' (emulated on a CPU), got {policy!r} "
+                         f"on {dev.type}")
+    from .. import emulate
+
+    return emulate.autocast("cuda", enabled=False), "cuda (emulated on cpu)"
 
 
 def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, precs: tuple[str, ...],
@@ -369,11 +390,21 @@ def _module_table(ctx: Context, ev: Evidence) -> list[dict[str, Any]]:
     return rows
 
 
+#: The start of _notes' CPU sentence: replaced when the report was measured under CUDA's lists.
+_CPU_LISTS_NOTE = "Measured with CPU autocast, whose op lists differ from CUDA's"
+
+
+def _is_cpu_lists_note(note: str) -> bool:
+    """Whether a note is _notes' sentence on CPU autocast's lists (wrong for a report measured under CUDA's)."""
+    return note.startswith(_CPU_LISTS_NOTE)
+
+
 def _notes(dev: torch.device) -> list[str]:
     """What the learner should know about where the measurement ran."""
     if dev.type == "cpu":
-        return ["Measured with CPU autocast, whose op lists differ from CUDA's (on CPU, layer_norm and softmax of a "
-                "low-precision input stay low; CUDA runs them in fp32): run the doctor on the GPU you train on too."]
+        return [_CPU_LISTS_NOTE + " (on CPU, layer_norm and softmax of a "
+                "low-precision input stay low; CUDA runs them in fp32): run the doctor on the GPU you train on too, or "
+                "examine(..., policy='cuda') (--policy cuda) for CUDA's lists from this CPU."]
     return [f"Measured with {dev.type} autocast."]
 
 

@@ -85,6 +85,7 @@ class Report:
     master_weights: bool = False
     steps: int = 0  # training steps each recipe was confirmed over (0: the forensic pass)
     confirmation: dict[str, Any] = field(default_factory=dict)  # how the recipes were trained (optimizer, steps, ...)
+    policy: str | None = None  # whose autocast lists it measured under: "cpu", "cuda", "cuda (emulated on cpu)"
 
     @property
     def warnings(self) -> list[Finding]:
@@ -151,7 +152,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready Python values."""
         return json.loads(json.dumps({
-            "device": self.device, "recommended_precision": self.recommended_precision,
+            "device": self.device, "policy": self.policy, "recommended_precision": self.recommended_precision,
             "recommended_init_scale": self.recommended_init_scale, "fp32_modules": self.fp32_modules,
             "findings": [f.to_dict() for f in self.findings], "advice": self.advice, "notes": self.notes,
             "headline": self.headline, "master_weights": self.master_weights, "steps": self.steps,

@@ -46,6 +46,16 @@ def test_per_op_output_dtypes_equal_real_cuda(amp, low):
     assert disagree == []
 
 
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_the_fake_cuda_probe_agrees_with_the_gpu(amp, low):
+    """op_table('cuda') on real CUDA tensors and the fake-CUDA probe (what a laptop gets) give the same rows."""
+    if low == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("bf16 autocast needs compute capability >= 8.0")
+    real = {r.op: (r.category, r.kind) for r in autocast_ops.op_table("cuda", low)}
+    fake = {r.op: (r.category, r.kind) for r in autocast_ops._fake_cuda_table(low, autocast_ops.OPS)}
+    assert real == fake
+
+
 def _hf_gpt2():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
