@@ -341,14 +341,23 @@ def _patch() -> tuple:
             return cast(cast(value, "cpu", dtype), "meta", dtype)
         return cast(value, device_type, dtype)
 
-    mode.autocast.__init__, mode._cast = autocast_init, cast_inputs
-    return init, cast
+    clear = torch.clear_autocast_cache
+
+    def clear_autocast_cache():
+        # The emulated weight-cast cache is torch's as far as callers can tell: code that clears torch's after
+        # changing weights in place (ampcourse.train.train_step after the optimizer step) clears this one too, or
+        # inside one outer emulation every later step would run on the first step's low-precision weights.
+        clear()
+        _local.cache.clear()
+
+    mode.autocast.__init__, mode._cast, torch.clear_autocast_cache = autocast_init, cast_inputs, clear_autocast_cache
+    return init, cast, clear
 
 
 def _unpatch(saved: tuple) -> None:
-    """Put torch.autocast's __init__ and custom_fwd's _cast back."""
+    """Put torch.autocast's __init__, custom_fwd's _cast and torch.clear_autocast_cache back."""
     mode = torch.amp.autocast_mode
-    mode.autocast.__init__, mode._cast = saved
+    mode.autocast.__init__, mode._cast, torch.clear_autocast_cache = saved
 
 
 def _acquire() -> None:
