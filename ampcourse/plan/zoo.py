@@ -8,7 +8,8 @@
 50257, tied head, ``scaled_dot_product_attention``); ``nanogpt-eager`` is the same network as nanoGPT's
 first version wrote its attention (``q @ k.T``, a causal mask, softmax, ``@ v``: the T x T matrices in
 memory); ``bert-base``/``bert-large`` are Hugging Face ``BertForMaskedLM`` from a config (no weights, no
-download; they return their own loss from ``labels``); ``resnet50`` is torchvision's ResNet-50 v1.5 written
+download; they return their own loss from ``labels``); ``vit-b16`` is Hugging Face ``ViTForImageClassification``
+at ViT-B/16's shape, built the same way; ``resnet50`` is torchvision's ResNet-50 v1.5 written
 out (torchvision is not a dependency of the course).
 """
 
@@ -131,6 +132,20 @@ def _bert(size: str, batch: int, seq: int) -> Setup:
     return Setup(model, {"input_ids": ids, "labels": ids})
 
 
+def _vit(batch: int, image: int) -> Setup:
+    """Hugging Face ViTForImageClassification at ViT-B/16's shape (ViTConfig's defaults: width 768, 12 layers, 12
+    heads, 16 x 16 patches), 1000 classes, from a config on meta, with labels (it returns its loss)."""
+    try:
+        from transformers import ViTConfig, ViTForImageClassification
+    except ImportError as err:  # an optional dependency of this one entry
+        raise ValueError(f"vit-b16 needs the transformers package ({err})") from None
+    cfg = ViTConfig(image_size=image, patch_size=16, num_labels=1000, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = ViTForImageClassification(cfg)
+    images = torch.empty(batch, 3, image, image, device="meta")
+    return Setup(model, {"pixel_values": images, "labels": torch.zeros(batch, dtype=torch.long, device="meta")})
+
+
 def build(name: str, batch: int, seq: int = 1024, image: int = 224) -> Setup:
     """A model of :data:`ZOO` on the meta device with inputs of the given batch and sequence length (or image size).
 
@@ -138,7 +153,7 @@ def build(name: str, batch: int, seq: int = 1024, image: int = 224) -> Setup:
         name: a key of :data:`ZOO`.
         batch: the batch size.
         seq: tokens per sequence (language models).
-        image: image side in pixels (resnet50).
+        image: image side in pixels (resnet50, vit-b16).
 
     Example:
         >>> build("resnet50", batch=256).inputs.shape
@@ -148,6 +163,8 @@ def build(name: str, batch: int, seq: int = 1024, image: int = 224) -> Setup:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ZOO)}")
     if name.startswith("bert-"):
         return _bert(name.removeprefix("bert-"), batch, seq)
+    if name == "vit-b16":
+        return _vit(batch, image)
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     with torch.device("meta"):
         if name == "gpt2":
@@ -168,4 +185,5 @@ ZOO = {
     "bert-base": "Hugging Face BertForMaskedLM, 110M (needs transformers)",
     "bert-large": "Hugging Face BertForMaskedLM, 335M (needs transformers)",
     "resnet50": "ResNet-50 v1.5, 25.6M, 224 x 224 images",
+    "vit-b16": "Hugging Face ViTForImageClassification at ViT-B/16 size, 86M, 224 x 224 images (needs transformers)",
 }
