@@ -73,7 +73,7 @@ import torch
 from . import _args, autocast_ops
 from .autocast_ops import Policy
 
-__all__ = ["autocast", "is_active", "policy", "Call", "LIMITS"]
+__all__ = ["autocast", "is_active", "policy", "session", "Call", "LIMITS"]
 
 #: What the emulator does not reproduce: dtypes and casts are CUDA's, the arithmetic inside each op is the CPU's.
 LIMITS: tuple[str, ...] = (
@@ -450,3 +450,27 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - named like torch.au
         torch._C._dispatch_tls_set_dispatch_key_included(_KEY, included)
         torch.set_autocast_cache_enabled(cache_on)
         _release()
+
+
+def session(policy: str | None, device_type: str) -> tuple[contextlib.AbstractContextManager, str]:
+    """The context a tool's whole run goes inside for ``policy=``, and the policy's name for its report.
+
+    The one reading of the ``policy=`` argument of ``trial``, ``examine`` and their ``--policy`` flags.
+
+    Args:
+        policy: None (or the device's own type): the device's own autocast lists; ``"cuda"`` on a CPU device: CUDA's,
+            through one outer ``autocast("cuda", enabled=False)``, inside which the tool's own
+            ``torch.autocast("cpu", ...)`` regions apply CUDA's lists (and the kernels stay registered across steps).
+        device_type: the type of the device the tool runs on ("cpu", "cuda", ...).
+
+    Example:
+        >>> context, name = session("cuda", "cpu")
+        >>> name
+        'cuda (emulated on cpu)'
+    """
+    if policy is None or policy == device_type:
+        return contextlib.nullcontext(), device_type
+    if policy != "cuda" or device_type != "cpu":
+        raise ValueError(f"policy must be None (the device's own) or 'cuda' (emulated on a CPU device), got "
+                         f"{_args.shown(policy)} on {device_type}")
+    return autocast("cuda", enabled=False), "cuda (emulated on cpu)"

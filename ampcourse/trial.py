@@ -38,7 +38,6 @@ How to read a departure: ``series`` names what crossed the tolerance (``loss``, 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -54,7 +53,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from . import _args, _scaler, formats, models
+from . import _args, _scaler, emulate, formats, models
 from . import inputs as _inputs
 from . import train as _train
 from .device import AmpSetup, parse_precision, pick
@@ -630,22 +629,6 @@ def _start_run(label: str, model: nn.Module, device, make_opt, scaler_kwargs: di
     return run
 
 
-def _policy_session(policy: str | None, device_type: str) -> tuple[Any, str]:
-    """The context the training runs inside, and the policy's name for the report.
-
-    ``"cuda"`` on a CPU: one outer ``emulate.autocast(enabled=False)``, inside which each step's
-    ``torch.autocast("cpu", ...)`` region applies CUDA's policy (and the kernels stay registered across steps).
-    """
-    if policy is None or policy == device_type:
-        return contextlib.nullcontext(), device_type
-    if policy != "cuda" or device_type != "cpu":
-        raise ValueError(f"policy must be None (the device's own) or 'cuda' (emulated on a CPU device), got "
-                         f"{_args.shown(policy)} on {device_type}")
-    from . import emulate
-
-    return emulate.autocast("cuda", enabled=False), "cuda (emulated on cpu)"
-
-
 def _check_precisions(precisions) -> tuple[str, ...]:
     """Precision names, each once, from PRECISIONS, read by the front door as train() reads one (``ampcourse.inputs``)."""
     return _inputs.precision_names(precisions, "precisions", allowed=("fp32", "bf16", "fp16"), extra=("fp16-noscaler",))
@@ -744,7 +727,7 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     loss = loss_fn or models.loss_fn
 
     ref_amp = pick(device, "fp32")
-    session, policy = _policy_session(policy, ref_amp.device_type)
+    session, policy = emulate.session(policy, ref_amp.device_type)
     labels, _ = _layers(model)
     if chunk is None:
         weights = sum(p.numel() for p in model.parameters() if p.requires_grad)

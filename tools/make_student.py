@@ -49,6 +49,7 @@ import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nbtool import KERNELSPEC, NAV_END, kernel_language_info  # noqa: E402
+from nbtool import notebook_title as chapter_title  # noqa: E402  (one reader of a chapter's title)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / "workspace"
@@ -302,16 +303,6 @@ def note_cell(name: str, has_exercises: bool = True) -> nbformat.NotebookNode:
         f"**Your copy** (in `workspace/`, which git ignores: your edits and outputs stay yours, and "
         f"`make lab` never overwrites them). {where} {FRESH_COPY}",
         metadata={"tags": [NOTE_TAG]})
-
-
-def chapter_title(nb: nbformat.NotebookNode) -> str:
-    """A notebook's title: its first markdown heading without the '# ' (or '')."""
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.startswith("# "):
-                    return line[2:].strip()
-    return ""
 
 
 def next_chapter_markdown(name: str, title: str) -> str:

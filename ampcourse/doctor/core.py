@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import emulate
 from .. import inputs as _inputs
 from ..device import AmpSetup, pick
 from . import rules
@@ -134,7 +135,7 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int >= 0 (0: the forensic pass, unconfirmed), got {steps!r}")
     dev = resolve_device(model, device)
-    session, name = _policy_session(policy, dev)
+    session, name = emulate.session(policy, dev.type)
     with session, known_state(dev):  # the emulation outside: known_state's autocast-off regions then switch it off
         report = _examine(model, inputs, targets, loss_fn, optimizer, dev, precs, steps)
     report.policy = name
@@ -142,18 +143,6 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         report.notes = [f"Measured under CUDA's autocast lists (emulated on {dev.type}: CUDA's casts, this CPU's "
                         "arithmetic; ampcourse.emulate.LIMITS)."] + [n for n in report.notes if not _is_cpu_lists_note(n)]
     return report
-
-
-def _policy_session(policy: str | None, dev: torch.device):
-    """(the context examine runs in, the policy's name): CUDA's lists on a CPU through one outer emulation."""
-    if policy is None or policy == dev.type:
-        return contextlib.nullcontext(), dev.type
-    if policy != "cuda" or dev.type != "cpu":
-        raise ValueError(f"policy must be None (the device's own) or 'cuda' (emulated on a CPU), got {policy!r} "
-                         f"on {dev.type}")
-    from .. import emulate
-
-    return emulate.autocast("cuda", enabled=False), "cuda (emulated on cpu)"
 
 
 def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, precs: tuple[str, ...],
