@@ -855,20 +855,23 @@ class SoftmaxThenLog(nn.Module):
 
 
 class ConfidentNet(nn.Module):
-    """stem -> ReLU -> head (a bias that puts most classes ~40 below the first) -> logp (softmax, then log)."""
+    """stem -> ReLU -> head (a bias that spreads the classes over 20 below the first) -> logp (softmax, then
+    log)."""
 
     def __init__(self, d_in: int = 16, dim: int = 32, classes: int = 10):
         super().__init__()
         self.stem, self.head, self.logp = nn.Linear(d_in, dim), nn.Linear(dim, classes), SoftmaxThenLog()
         with torch.no_grad():
-            self.head.bias.copy_(torch.linspace(0.0, -40.0, classes))
+            self.head.bias.copy_(torch.linspace(0.0, -20.0, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.logp(self.head(torch.relu(self.stem(x))))
 
 
 def build_softmax_log(seed: int) -> Setup:
-    """ConfidentNet, SGD: probabilities down to e^-40 (fine in fp32, 0 in fp16)."""
+    """ConfidentNet, SGD: probabilities down to e^-20 = 2e-9 (fine in fp32, 0 in fp16). A wider spread (30)
+    makes the doctor warn under both policies that head.weight's gradients for those classes flush in fp16 (true
+    and harmless: fp16 still tracks fp32 under CUDA's lists)."""
     seed_all(seed)
     model = ConfidentNet()
     x, y = _classify(seed, 64, 16)
@@ -929,7 +932,7 @@ POLICY_DIFFERS: dict[str, dict[str, Case]] = {
         "pow_rmsnorm", 1, "naive RMSNorm written inline with h.pow(2)", build_pow_rmsnorm,
         {"cpu": ("fp16",), "cuda": ()}, ("block",), ("aten::pow",), "forward", _islands("block")),
     "softmax_log": _per_policy(
-        "softmax_log", 1, "log(softmax(x)) as two calls on logits spread over 40", build_softmax_log,
+        "softmax_log", 1, "log(softmax(x)) as two calls on logits spread over 20", build_softmax_log,
         {"cpu": ("fp16",), "cuda": ()}, ("logp",), ("aten::log", "aten::_softmax", "aten::softmax"), "forward",
         _islands("logp")),
     "matvec_overflow": _per_policy(
