@@ -294,6 +294,21 @@ def test_the_peers_benchmark_builds_its_table_and_totals(tmp_path, monkeypatch):
     assert s["debug_underflow_overflow"] == {"right": 1, "found": 1, "named": 1, "false_alarms": 0}
     table = peers.markdown(data["rows"], s)
     assert "| multi_call | 6 | `fc2` |" in table and "| ref_mlp | - | healthy | " in table
+    # issue 26: one case under both policies, side by side, each judged against its own policy's truth.
+    monkeypatch.setattr(sys, "argv", ["doctor_peers.py", "--policy", "both", "--cases", "matvec_overflow",
+                                      "--out", str(out)])
+    try:
+        peers.main()
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads(out.read_text())
+    assert data["policy"] == "both" and [(r["case"], r["policy"]) for r in data["rows"]] == [
+        ("matvec_overflow", "cpu"), ("matvec_overflow", "cuda")]
+    both = peers.policy_markdown(data["rows"])
+    assert "| matvec_overflow | healthy | right: quiet | broken in fp16 | right: nonfinite@mid/fp16/aten::mv |" in both
+    assert "right on 2 of 2" in both
+    wrong = [dict(r, doctor=dict(r["doctor"], quiet=False, loud=["nonfinite@mid/fp16"])) for r in data["rows"][:1]]
+    assert "**false alarm**" in peers.policy_markdown(wrong)  # a doctor loud on the healthy side is scored wrong
 
 
 # -- issue 26: cases whose truth differs between CPU's and CUDA's autocast lists -------------------------------------
