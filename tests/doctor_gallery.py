@@ -20,6 +20,16 @@ forward / backward / optimizer / model), how a learner would train it (:class:`R
 (``fix(model, optimizer) -> Regimen``). ``tests/test_doctor_gallery.py`` proves that every planted case really
 diverges from fp32 and that its fix tracks fp32; ``benchmarks/doctor_peers.py`` judges the AMP doctor,
 ``torch.autograd.detect_anomaly`` and transformers' ``DebugUnderflowOverflow`` on it.
+
+A case's truth holds under the autocast lists named by its ``policy``: "cpu" for every entry of ``CASES``. Issue 26's
+cases (``POLICY_DIFFERS``) are a problem under one policy's lists only, so each has a second entry, in
+``POLICY_CASES``, with its truth under CUDA's lists; those entries train inside ``ampcourse.emulate`` and are
+examined with ``policy="cuda"``:
+
+    >>> case("matvec_overflow").planted, case("matvec_overflow", "cuda").planted   # torch.mv: low on CUDA only
+    (False, True)
+    >>> truth("pow_rmsnorm")                      # the precisions it breaks under each policy's lists
+    {'cpu': ('fp16',), 'cuda': ()}
 """
 
 from __future__ import annotations
