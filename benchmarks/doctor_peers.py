@@ -4,6 +4,12 @@ the healthy ones.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/doctor_peers.py --out benchmarks/cpu/doctor_peers.json
     PYTHONPATH=/path/to/other/checkout .venv/bin/python benchmarks/doctor_peers.py      # judge another doctor
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/doctor_peers.py --policy both   # issue 26: per-policy truths
+
+``--policy cuda`` judges the cases whose truth differs between CPU's and CUDA's autocast lists
+(``doctor_gallery.POLICY_CASES``) with their truth under CUDA's lists: the doctor with ``examine(..., policy="cuda")``,
+the peers and every training run under ``ampcourse.emulate``. ``--policy both`` judges each of those cases under
+both policies (the CPU's own lists: ``examine`` without a policy, i.e. ``policy=None``) and prints them side by side.
 
 It judges whichever ``ampcourse`` Python imports. Scores (tests/doctor_gallery.py has the rules):
 
@@ -41,20 +47,30 @@ def mark(ok: bool | None) -> str:
     return "-" if ok is None else ("yes" if ok else "**no**")
 
 
-def judge_all(names: list[str] | None = None) -> list[dict]:
-    """Every tool on every case (or on the named ones): one row per case."""
+def cases_for(policy: str) -> list:
+    """The gallery entries judged for --policy: CASES (cpu), POLICY_CASES (cuda), or both entries of each case
+    whose truth differs between the policies (both)."""
+    if policy == "cpu":
+        return list(gallery.CASES)
+    if policy == "cuda":
+        return list(gallery.POLICY_CASES)
+    return [c for by in gallery.POLICY_DIFFERS.values() for c in (by["cpu"], by["cuda"])]
+
+
+def judge_all(names: list[str] | None = None, cases: list | None = None) -> list[dict]:
+    """Every tool on every case (or on the named ones) of cases (default: gallery.CASES): one row per case."""
     rows = []
-    for c in gallery.CASES:
+    for c in gallery.CASES if cases is None else cases:
         if names and c.name not in names:
             continue
         t0 = time.perf_counter()
-        row = {"case": c.name, "class": c.klass, "what": c.what, "hf": c.hf, "precisions": list(c.precisions),
+        row = {"case": c.name, "policy": c.policy, "class": c.klass, "what": c.what, "hf": c.hf, "precisions": list(c.precisions),
                "culprit": c.culprit, "culprits": list(c.culprits), "ops": list(c.ops), "phase": c.phase,
                "doctor": gallery.judge_doctor(c), "detect_anomaly": gallery.judge_anomaly(c),
                "debug_underflow_overflow": gallery.judge_debug_overflow(c)}
         row["seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
-        print(f"  {c.name}: {row['seconds']} s", file=sys.stderr)
+        print(f"  {c.name} ({c.policy}): {row['seconds']} s", file=sys.stderr)
     return rows
 
 
@@ -99,7 +115,8 @@ def markdown(rows: list[dict], s: dict) -> str:
             culprit = "healthy"
             cells = ["crash" if d["crash"] else ("quiet" if d["quiet"] else "**false alarm**")] + [
                 "quiet" if x["quiet"] else "**false alarm**" for x in (a, u)]
-        lines.append(f"| {r['case']}{' (HF)' if r['hf'] else ''} | {r['class'] or '-'} | {culprit} | "
+        where = f" ({r['policy']})" if r.get("policy", "cpu") != "cpu" else ""
+        lines.append(f"| {r['case']}{where}{' (HF)' if r['hf'] else ''} | {r['class'] or '-'} | {culprit} | "
                      + " | ".join(cells) + " |")
     n = s["planted"]
     lines += ["", f"Planted cases fully right (found + named + advice works for the doctor; found + named for the "
@@ -117,23 +134,62 @@ def markdown(rows: list[dict], s: dict) -> str:
     return "\n".join(lines)
 
 
+def _doctor_cell(r: dict) -> str:
+    """What the doctor concluded on one row, judged against that row's truth."""
+    d = r["doctor"]
+    if d["crash"]:
+        return "crash"
+    if r["class"] > 0:
+        right = d["found"] and d["named"] and d["advice_works"]
+        return ("right: " if right else "**wrong**: ") + (", ".join(d["loud"][:1]) or "quiet")
+    return "right: quiet" if d["quiet"] else "**false alarm**: " + ", ".join(d["loud"][:2])
+
+
+def policy_markdown(rows: list[dict]) -> str:
+    """The cases judged under both policies, side by side: per policy, the truth and what the doctor said."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["case"], {})[r["policy"]] = r
+    lines = ["| case | CPU's lists: truth | `examine(...)` (policy=None) | CUDA's lists: truth "
+             "| `examine(..., policy=\"cuda\")` |", "|---|---|---|---|---|"]
+    right = 0
+    for name, pols in by.items():
+        cells = []
+        for pol in ("cpu", "cuda"):
+            r = pols.get(pol)
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            truth = f"broken in {', '.join(r['precisions'])}" if r["class"] > 0 else "healthy"
+            cells += [truth, _doctor_cell(r)]
+            right += cells[-1].startswith("right")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"The doctor is right on {right} of {sum(len(p) for p in by.values())} (case, policy) pairs."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--out", default=None, help="write the rows and totals as JSON here")
+    ap.add_argument("--policy", choices=("cpu", "cuda", "both"), default="cpu",
+                    help="whose autocast lists the truths are for (see the module docstring)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     import ampcourse
     import transformers
-    rows = judge_all([n for n in args.cases.split(",") if n] or None)
+    rows = judge_all([n for n in args.cases.split(",") if n] or None, cases_for(args.policy))
     s = summary(rows)
     print(f"ampcourse from {os.path.dirname(ampcourse.__file__)}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}\n")
     print(markdown(rows, s))
+    if args.policy == "both":
+        print("\n" + policy_markdown(rows))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "summary": s,
+            json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "policy": args.policy,
+                       "summary": s,
                        "rows": rows}, fh, indent=1, default=str)
             fh.write("\n")
 

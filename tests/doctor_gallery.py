@@ -20,6 +20,16 @@ forward / backward / optimizer / model), how a learner would train it (:class:`R
 (``fix(model, optimizer) -> Regimen``). ``tests/test_doctor_gallery.py`` proves that every planted case really
 diverges from fp32 and that its fix tracks fp32; ``benchmarks/doctor_peers.py`` judges the AMP doctor,
 ``torch.autograd.detect_anomaly`` and transformers' ``DebugUnderflowOverflow`` on it.
+
+A case's truth holds under the autocast lists named by its ``policy``: "cpu" for every entry of ``CASES``. Issue 26's
+cases (``POLICY_DIFFERS``) are a problem under one policy's lists only, so each has a second entry, in
+``POLICY_CASES``, with its truth under CUDA's lists; those entries train inside ``ampcourse.emulate`` and are
+examined with ``policy="cuda"``:
+
+    >>> case("matvec_overflow").planted, case("matvec_overflow", "cuda").planted   # torch.mv: low on CUDA only
+    (False, True)
+    >>> truth("pow_rmsnorm")                      # the precisions it breaks under each policy's lists
+    {'cpu': ('fp16',), 'cuda': ()}
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["Setup", "Regimen", "Case", "Trace", "Verdict", "CASES", "STEPS", "case", "planted", "healthy", "train",
-           "reference", "run_steps", "tracks", "lost_at_scale_1", "call_model", "model_loss", "is_clean",
+           "reference", "run_steps", "POLICY_CASES", "POLICY_DIFFERS", "truth", "policy_region", "tracks", "lost_at_scale_1", "call_model", "model_loss", "is_clean",
            "names_culprit", "advised_regimen", "judge_doctor", "judge_anomaly", "judge_debug_overflow"]
 
 STEPS = 6  # optimizer steps per training run: enough to see a divergence, few enough for seconds on a CPU
@@ -104,6 +114,9 @@ class Case:
             is 0, such as a bias before a norm, moves by rounding noise alone, and AdamW magnifies that noise).
         innocents: modules about which any error or warning is wrong (they only pass on what the culprit made, or
             do something exact): blaming one is the mistake a case tests.
+        policy: whose autocast lists the truth above holds under: "cpu" (this machine's, ``examine(policy=None)``)
+            or "cuda" (CUDA's, emulated on the CPU through ampcourse.emulate, ``examine(policy="cuda")``). A case
+            whose truth differs between them has one entry per policy (same name; see POLICY_CASES).
     """
 
     name: str
@@ -119,6 +132,7 @@ class Case:
     hf: bool = False
     watch: tuple[str, ...] = ()
     innocents: tuple[str, ...] = ()
+    policy: str = "cpu"
 
     @property
     def planted(self) -> bool:
@@ -810,6 +824,134 @@ def build_embedding_underflow(seed: int) -> Setup:
                  torch.optim.SGD(model.parameters(), lr=0.5 * 2.0**20))
 
 
+# -- issue 26: problems whose truth depends on whose autocast lists run the model --------------------------------
+#
+# CPU autocast and CUDA autocast cast different ops (measured on torch 2.13; ampcourse.autocast_ops.differences):
+# pow, softmax, log ... of a low-precision input stay low on CPU and run in fp32 on CUDA; mv, addmv ... run low on
+# CUDA and as called on CPU. Each case below is a problem under one policy's lists and healthy under the other's;
+# POLICY_CASES holds its CUDA entry, CASES its CPU entry.
+
+class PowNormBlock(InlineNormBlock):
+    """InlineNormBlock with the square written h.pow(2): pow is on CUDA's fp32 list, not on CPU's, so the same
+    naive RMSNorm overflows fp16 under CPU's lists only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class PowNormNet(InlineNormNet):
+    """stem -> block (inline RMSNorm with pow(2)) -> head."""
+
+    def __init__(self, d_in: int = 16, dim: int = 32, classes: int = 10):
+        super().__init__(d_in, dim, classes)
+        self.block = PowNormBlock(dim)
+
+
+def build_pow_rmsnorm(seed: int) -> Setup:
+    """As build_inline_rmsnorm (activations ~400, max ~2000), with h.pow(2): inf in fp16 under CPU's lists."""
+    seed_all(seed)
+    model = PowNormNet()
+    x, y = _classify(seed, 64, 16, scale=2000.0)
+    return Setup(model, x, y, _xent, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+
+class SoftmaxThenLog(nn.Module):
+    """log(softmax(x)) written as two calls: on CPU a fp16 softmax flushes probabilities below 6e-8 to 0 and log
+    makes -inf of them (NaN in backward); CUDA runs softmax and log in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(x, dim=-1))
+
+
+class ConfidentNet(nn.Module):
+    """stem -> ReLU -> head (a bias that spreads the classes over 20 below the first) -> logp (softmax, then
+    log)."""
+
+    def __init__(self, d_in: int = 16, dim: int = 32, classes: int = 10):
+        super().__init__()
+        self.stem, self.head, self.logp = nn.Linear(d_in, dim), nn.Linear(dim, classes), SoftmaxThenLog()
+        with torch.no_grad():
+            self.head.bias.copy_(torch.linspace(0.0, -20.0, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logp(self.head(torch.relu(self.stem(x))))
+
+
+def build_softmax_log(seed: int) -> Setup:
+    """ConfidentNet, SGD: probabilities down to e^-20 = 2e-9 (fine in fp32, 0 in fp16). A wider spread (30)
+    makes the doctor warn under both policies that head.weight's gradients for those classes flush in fp16 (true
+    and harmless: fp16 still tracks fp32 under CUDA's lists)."""
+    seed_all(seed)
+    model = ConfidentNet()
+    x, y = _classify(seed, 64, 16)
+    return Setup(model, x, y, _nll, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+
+class MatVec(nn.Module):
+    """A matrix-vector product per sample whose values pass fp16's range before a rescale. The author upcast the
+    vector (row.float()), which keeps it fp32 under CPU's lists (mv is on none); mv is on CUDA's lower-precision
+    list, so CUDA autocast casts both arguments back to fp16 and the product overflows."""
+
+    def __init__(self, n: int, scale: float = 2e4):
+        super().__init__()
+        self.scale = scale
+        self.weight = nn.Parameter(torch.randn(n, n) / n ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.mv(self.weight * self.scale, row.float()) for row in x]) / self.scale
+
+
+class MatVecNet(nn.Module):
+    """stem -> ReLU -> mid (per-sample mv, fp16-overflowing under CUDA's lists) -> head."""
+
+    def __init__(self, d_in: int = 16, dim: int = 16, classes: int = 10):
+        super().__init__()
+        self.stem, self.mid, self.head = nn.Linear(d_in, dim), MatVec(dim), nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(torch.relu(self.stem(x))))
+
+
+def build_matvec_overflow(seed: int) -> Setup:
+    """MatVecNet on inputs of size ~4: mid's product ~1e5 before its rescale, past fp16's max."""
+    seed_all(seed)
+    model = MatVecNet()
+    x, y = _classify(seed, 32, 16, scale=4.0)
+    return Setup(model, x, y, _xent, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+
+def _per_policy(name: str, klass: int, what: str, build: Callable[[int], Setup], broken: Mapping[str, tuple[str, ...]],
+                culprits: tuple[str, ...], ops: tuple[str, ...], phase: str, fix, **kw) -> dict[str, Case]:
+    """One case per policy from its truth per policy: broken[policy] = the precisions it breaks there (empty: healthy
+    there, judged like a healthy case in fp16 and bf16)."""
+    out = {}
+    for pol in ("cpu", "cuda"):
+        where = {"cpu": "CPU's", "cuda": "CUDA's"}[pol]
+        if broken[pol]:
+            out[pol] = Case(name, klass, f"{what} (a problem under {where} autocast lists)", build, broken[pol],
+                            culprits, ops, phase, fix=fix, policy=pol, **kw)
+        else:
+            out[pol] = Case(name, 0, f"{what} (healthy under {where} autocast lists)", build, ("fp16", "bf16"),
+                            policy=pol)
+    return out
+
+
+POLICY_DIFFERS: dict[str, dict[str, Case]] = {
+    "pow_rmsnorm": _per_policy(
+        "pow_rmsnorm", 1, "naive RMSNorm written inline with h.pow(2)", build_pow_rmsnorm,
+        {"cpu": ("fp16",), "cuda": ()}, ("block",), ("aten::pow",), "forward", _islands("block")),
+    "softmax_log": _per_policy(
+        "softmax_log", 1, "log(softmax(x)) as two calls on logits spread over 20", build_softmax_log,
+        {"cpu": ("fp16",), "cuda": ()}, ("logp",), ("aten::log", "aten::_softmax", "aten::softmax"), "forward",
+        _islands("logp")),
+    "matvec_overflow": _per_policy(
+        "matvec_overflow", 1, "torch.mv on an upcast vector, products past fp16's max before a rescale",
+        build_matvec_overflow, {"cpu": (), "cuda": ("fp16",)}, ("mid",), ("aten::mv", "aten::addmv"), "forward",
+        _islands("mid")),
+}
+
+
 # -- the gallery ---------------------------------------------------------------------------------------------------
 
 CASES: tuple[Case, ...] = (
@@ -869,6 +1011,7 @@ CASES: tuple[Case, ...] = (
     Case("embedding_underflow", 6, "issue 25: an Embedding whose output stays fp32 loses its whole gradient through "
          "the fp16 Linear that reads it (scale 1)", build_embedding_underflow, ("fp16",), ("emb",), (), "backward",
          regimen=_no_scaler, fix=_with_scaler(2.0**24), watch=("emb.",)),
+    *(by["cpu"] for by in POLICY_DIFFERS.values()),  # issue 26: CPU's truth here, CUDA's in POLICY_CASES
     Case("ref_mlp", 0, "ampcourse's reference MLP", _reference("mlp"), ("fp16", "bf16")),
     Case("ref_cnn", 0, "ampcourse's reference CNN (batch norm)", _reference("cnn"), ("fp16", "bf16")),
     Case("ref_transformer", 0, "ampcourse's reference transformer", _reference("transformer"), ("fp16", "bf16")),
@@ -886,12 +1029,23 @@ CASES: tuple[Case, ...] = (
 )
 
 
-def case(name: str) -> Case:
-    """The gallery case called name."""
-    for c in CASES:
+#: The CUDA entries of the cases whose truth differs between CPU's and CUDA's autocast lists (issue 26).
+POLICY_CASES: tuple[Case, ...] = tuple(by["cuda"] for by in POLICY_DIFFERS.values())
+
+
+def case(name: str, policy: str = "cpu") -> Case:
+    """The gallery case called name, with its truth under policy's autocast lists ("cpu" or "cuda"; only the cases
+    of POLICY_DIFFERS have a "cuda" entry)."""
+    pool = CASES if policy == "cpu" else POLICY_CASES
+    for c in pool:
         if c.name == name:
             return c
-    raise KeyError(f"no gallery case {name!r}; names: {[c.name for c in CASES]}")
+    raise KeyError(f"no gallery case {name!r} under policy {policy!r}; names: {[c.name for c in pool]}")
+
+
+def truth(name: str) -> dict[str, tuple[str, ...]]:
+    """Per policy, the precisions case name breaks (empty: healthy there), for a case of POLICY_DIFFERS."""
+    return {pol: (c.precisions if c.planted else ()) for pol, c in POLICY_DIFFERS[name].items()}
 
 
 def planted() -> list[Case]:
@@ -922,8 +1076,28 @@ class Trace:
                                                                    for u in self.updates.values())
 
 
-def run_steps(s: Setup, reg: Regimen, steps: int = STEPS) -> Trace:
-    """Train s for steps on its one batch under regimen reg (inputs cloned every step)."""
+def policy_region(policy: str = "cpu"):
+    """A region in which torch.autocast("cpu", ...) applies policy's lists: CPU's own (nothing to do) or CUDA's
+    (one outer ampcourse.emulate.autocast(enabled=False): autocast regions opened inside it get CUDA's casts)."""
+    if policy == "cpu":
+        return contextlib.nullcontext()
+    from ampcourse import emulate
+    return emulate.autocast(policy, enabled=False)
+
+
+def examine_policy(c: Case) -> str | None:
+    """The policy argument of examine for case c: None (the CPU's own lists) or "cuda"."""
+    return None if c.policy == "cpu" else c.policy
+
+
+def run_steps(s: Setup, reg: Regimen, steps: int = STEPS, policy: str = "cpu") -> Trace:
+    """Train s for steps on its one batch under regimen reg (inputs cloned every step), under policy's autocast
+    lists ("cpu", or "cuda" emulated)."""
+    with policy_region(policy):
+        return _run_steps(s, reg, steps)
+
+
+def _run_steps(s: Setup, reg: Regimen, steps: int) -> Trace:
     model, opt = s.model, s.optimizer
     if reg.weights != "fp32":
         model.to(DTYPES[reg.weights])
@@ -939,6 +1113,9 @@ def run_steps(s: Setup, reg: Regimen, steps: int = STEPS) -> Trace:
                else torch.autocast(device, enabled=False))
         with ctx:
             loss = model_loss(call_model(model, clone_inputs(inputs)), s.targets, s.loss_fn)
+        # Inside an outer emulation (policy "cuda") the autocast nesting never returns to 0, so the weight-cast cache
+        # would keep step 1's low-precision weights: clear it per step, as leaving a top-level autocast does.
+        torch.clear_autocast_cache()
         losses.append(float(loss.detach()))
         if scaler is not None:
             scaler.scale(loss.float()).backward()
@@ -964,7 +1141,7 @@ def train(c: Case, precision: str, fixed: bool = False, seed: int = 0, steps: in
         reg = c.fix(s.model, s.optimizer)
     else:
         reg = c.regimen(precision)
-    return run_steps(s, reg, steps)
+    return run_steps(s, reg, steps, c.policy)
 
 
 def reference(c: Case, seed: int = 0, steps: int = STEPS) -> Trace:
@@ -972,7 +1149,7 @@ def reference(c: Case, seed: int = 0, steps: int = STEPS) -> Trace:
     s = c.build(seed)
     s.model.float()
     s.inputs = cast_inputs(s.inputs, torch.float32)
-    return run_steps(s, Regimen(), steps)
+    return run_steps(s, Regimen(), steps, c.policy)
 
 
 NOISE = 1e-6  # a parameter whose largest fp32 gradient is below this times the median parameter's is rounding noise
@@ -987,10 +1164,11 @@ def lost_at_scale_1(c: Case, precision: str = "fp16", seed: int = 0) -> dict[str
         s = c.build(seed)
         s.model.float()
         ctx = torch.autocast("cpu", dtype=DTYPES[ac]) if ac else torch.autocast("cpu", enabled=False)
-        with ctx:
-            loss = model_loss(call_model(s.model, clone_inputs(cast_inputs(s.inputs, torch.float32))), s.targets,
-                              s.loss_fn)
-        loss.float().backward()
+        with policy_region(c.policy):
+            with ctx:
+                loss = model_loss(call_model(s.model, clone_inputs(cast_inputs(s.inputs, torch.float32))),
+                                  s.targets, s.loss_fn)
+            loss.float().backward()
         grads[ac] = {n: p.grad.detach().clone() for n, p in s.model.named_parameters() if p.grad is not None}
     ref = grads[None]
     tops = sorted(float(g.abs().max()) for g in ref.values())
@@ -1177,7 +1355,9 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
 
     Args:
         c: a gallery case.
-        examine: the function to judge (default: ampcourse.doctor.examine as imported now).
+        examine: the function to judge (default: ampcourse.doctor.examine as imported now); for a case of
+            policy "cuda" it is called with policy="cuda" (CUDA's lists, emulated), else without a policy argument
+            (the CPU's own lists, as policy=None).
         seed, steps: as for train().
 
     Example:
@@ -1186,13 +1366,14 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
     """
     if examine is None:
         from ampcourse.doctor import examine
+    kw = {"policy": examine_policy(c)} if c.policy != "cpu" else {}  # an older doctor has no policy argument
     s = c.build(seed)
     kept = clone_inputs(s.inputs)
     state = _state(s)
     modules = {n for n, _ in s.model.named_modules()}
     out: dict[str, Any] = {"case": c.name, "planted": c.planted, "crash": None}
     try:
-        report = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer)
+        report = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer, **kw)
     except Exception as err:  # a crash is a result: the learner gets no diagnosis
         out.update(crash=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", found=False, named=False,
                    advice_works=False, quiet=False, inputs_kept=_inputs_equal(kept, s.inputs),
@@ -1200,7 +1381,7 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
         return out
     out["inputs_kept"] = _inputs_equal(kept, s.inputs)
     out["state_kept"] = _inputs_equal(state, _state(s))
-    again = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer)
+    again = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer, **kw)
     out["same_twice"] = _signature(report) == _signature(again)
     loud = [f for f in getattr(report, "findings", []) if getattr(f, "severity", "") in ("error", "warning")]
     out["clean"] = {p: is_clean(report, p) for p in ("fp16", "bf16")}
@@ -1229,7 +1410,7 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
                 tried.append(f"{p}->{used} islands {islands}: {err}")
                 works = False
                 continue
-        verdict = tracks(run_steps(fresh, reg, steps), ref, c.watch)
+        verdict = tracks(run_steps(fresh, reg, steps, c.policy), ref, c.watch)
         tried.append(f"{p}->{used} islands {islands} scale {reg.scale}: {verdict}")
         works = works and verdict.ok
     if c.planted:
@@ -1278,7 +1459,7 @@ def judge_anomaly(c: Case, seed: int = 0, steps: int = 3) -> dict[str, Any]:
             warnings.simplefilter("always")
             try:
                 with torch.autograd.detect_anomaly(check_nan=True):
-                    run_steps(s, reg, steps)
+                    run_steps(s, reg, steps, c.policy)
             except RuntimeError as err:
                 trace = "\n".join(str(w.message) for w in caught if "Traceback of forward call" in str(w.message))
                 out.update(found=True, message=f"{p}: {str(err).splitlines()[0][:160]}")
@@ -1303,7 +1484,7 @@ def judge_debug_overflow(c: Case, seed: int = 0, steps: int = 3) -> dict[str, An
         buf = io.StringIO()
         try:
             with contextlib.redirect_stdout(buf):
-                run_steps(s, reg, steps)
+                run_steps(s, reg, steps, c.policy)
         except ValueError as err:
             if "DebugUnderflowOverflow" not in str(err):
                 raise

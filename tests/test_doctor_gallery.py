@@ -61,7 +61,12 @@ def test_a_case_builds_the_same_model_and_batch_from_a_seed(name):
 
 @pytest.mark.parametrize("name", PLANTED)
 def test_a_planted_problem_is_real_and_its_fix_trains_like_fp32(name):
-    c = G.case(name)
+    check_planted(G.case(name))
+
+
+def check_planted(c):
+    """Case c (planted under c.policy's lists) diverges from fp32 in each planted precision; its fix tracks fp32."""
+    name = f"{c.name} ({c.policy})"
     ref = G.reference(c)
     assert ref.finite and ref.skipped == 0
     for p in c.precisions:
@@ -76,7 +81,12 @@ def test_a_planted_problem_is_real_and_its_fix_trains_like_fp32(name):
 
 @pytest.mark.parametrize("name", HEALTHY)
 def test_a_healthy_model_trains_like_fp32_in_fp16_and_bf16(name):
-    c = G.case(name)
+    check_healthy(G.case(name))
+
+
+def check_healthy(c):
+    """Case c (healthy under c.policy's lists) tracks fp32 in fp16 and bf16 and loses little gradient at scale 1."""
+    name = f"{c.name} ({c.policy})"
     ref = G.reference(c)
     for p in ("fp16", "bf16"):
         v = G.tracks(G.train(c, p), ref)
@@ -237,21 +247,27 @@ def test_doctor_on_gallery():
     pytest.importorskip("transformers")
     wrong = []
     for c in G.CASES:
-        r = G.judge_doctor(c)
-        if c.planted and r.get("blames_innocent"):
-            wrong.append(f"{c.name}: errors or warnings on innocent {r['blames_innocent']}")
-        if c.planted and not (r["found"] and r["named"] and r["advice_works"]):
-            wrong.append(f"{c.name}: found {r['found']}, named {r['named']}, advice {r['advice_works']} "
-                         f"{r.get('crash') or r.get('loud')} {r.get('advice_tried', '')}")
-        if not c.planted and not r["quiet"]:
-            wrong.append(f"{c.name} (healthy): {r.get('crash') or r.get('loud')}")
-        if not r["inputs_kept"]:
-            wrong.append(f"{c.name}: the caller's inputs changed")
-        if not r["state_kept"]:
-            wrong.append(f"{c.name}: the model's or optimizer's state changed")
-        if not r.get("same_twice", False):
-            wrong.append(f"{c.name}: two calls conclude differently (or crash)")
+        wrong += doctor_wrong(c, G.judge_doctor(c))
     assert not wrong, "\n".join(wrong)
+
+
+def doctor_wrong(c, r):
+    """What judge_doctor's result r on case c shows the doctor got wrong (an empty list when it is right)."""
+    wrong = []
+    if c.planted and r.get("blames_innocent"):
+        wrong.append(f"{c.name}: errors or warnings on innocent {r['blames_innocent']}")
+    if c.planted and not (r["found"] and r["named"] and r["advice_works"]):
+        wrong.append(f"{c.name}: found {r['found']}, named {r['named']}, advice {r['advice_works']} "
+                     f"{r.get('crash') or r.get('loud')} {r.get('advice_tried', '')}")
+    if not c.planted and not r["quiet"]:
+        wrong.append(f"{c.name} (healthy): {r.get('crash') or r.get('loud')}")
+    if not r["inputs_kept"]:
+        wrong.append(f"{c.name}: the caller's inputs changed")
+    if not r["state_kept"]:
+        wrong.append(f"{c.name}: the model's or optimizer's state changed")
+    if not r.get("same_twice", False):
+        wrong.append(f"{c.name}: two calls conclude differently (or crash)")
+    return wrong
 
 
 def test_the_peers_benchmark_builds_its_table_and_totals(tmp_path, monkeypatch):
@@ -278,3 +294,89 @@ def test_the_peers_benchmark_builds_its_table_and_totals(tmp_path, monkeypatch):
     assert s["debug_underflow_overflow"] == {"right": 1, "found": 1, "named": 1, "false_alarms": 0}
     table = peers.markdown(data["rows"], s)
     assert "| multi_call | 6 | `fc2` |" in table and "| ref_mlp | - | healthy | " in table
+    # issue 26: one case under both policies, side by side, each judged against its own policy's truth.
+    monkeypatch.setattr(sys, "argv", ["doctor_peers.py", "--policy", "both", "--cases", "matvec_overflow",
+                                      "--out", str(out)])
+    try:
+        peers.main()
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads(out.read_text())
+    assert data["policy"] == "both" and [(r["case"], r["policy"]) for r in data["rows"]] == [
+        ("matvec_overflow", "cpu"), ("matvec_overflow", "cuda")]
+    both = peers.policy_markdown(data["rows"])
+    assert "| matvec_overflow | healthy | right: quiet | broken in fp16 | right: nonfinite@mid/fp16/aten::mv |" in both
+    assert "right on 2 of 2" in both
+    wrong = [dict(r, doctor=dict(r["doctor"], quiet=False, loud=["nonfinite@mid/fp16"])) for r in data["rows"][:1]]
+    assert "**false alarm**" in peers.policy_markdown(wrong)  # a doctor loud on the healthy side is scored wrong
+
+
+# -- issue 26: cases whose truth differs between CPU's and CUDA's autocast lists -------------------------------------
+
+def test_a_policy_case_has_one_entry_per_policy_with_different_truths():
+    assert set(G.POLICY_DIFFERS) == {c.name for c in G.POLICY_CASES}
+    cpu_names = {c.name for c in G.CASES}
+    for name, by in G.POLICY_DIFFERS.items():
+        assert set(by) == {"cpu", "cuda"} and by["cpu"].policy == "cpu" and by["cuda"].policy == "cuda", name
+        assert G.case(name) is by["cpu"] and G.case(name, "cuda") is by["cuda"] and name in cpu_names
+        assert by["cpu"].build is by["cuda"].build  # the same model and batch: only the lists differ
+        t = G.truth(name)
+        assert t["cpu"] != t["cuda"] and (t["cpu"] or t["cuda"]), (name, t)
+    truths = [G.truth(n) for n in G.POLICY_DIFFERS]
+    assert any(t["cpu"] and not t["cuda"] for t in truths)  # a problem only under CPU's lists ...
+    assert any(t["cuda"] and not t["cpu"] for t in truths)  # ... and one only under CUDA's (unseen from a laptop before)
+    with pytest.raises(KeyError, match="under policy 'cuda'"):
+        G.case("inline_rmsnorm", "cuda")  # no CUDA truth recorded for the other cases
+
+
+@pytest.mark.parametrize("name", list(G.POLICY_DIFFERS))
+def test_a_policy_case_is_real_under_cudas_lists(name):
+    """The CUDA entry's truth, trained under the emulator (its CPU entry is checked with the rest of CASES)."""
+    c = G.case(name, "cuda")
+    check_planted(c) if c.planted else check_healthy(c)
+
+
+def test_training_under_cudas_lists_casts_as_cuda_and_refreshes_the_weight_casts():
+    c = G.case("pow_rmsnorm", "cuda")
+    zeroed = {}  # whether some sample's normed row is all zeros: fp16 h.pow(2) = inf, so rsqrt(mean) = 0
+
+    def watch(pol):
+        def hook(module, args, out) -> None:  # (a hook that returns something replaces the output)
+            zeroed.setdefault(pol, bool((out.abs().amax(-1) == 0).any()))
+        return hook
+    for pol in ("cuda", "cpu"):
+        s = c.build(0)
+        s.model.block.register_forward_hook(watch(pol))
+        G.run_steps(s, G.standard("fp16"), steps=1, policy=pol)
+    assert zeroed == {"cuda": False, "cpu": True}  # h.pow(2) runs in fp32 under CUDA's lists, in fp16 under CPU's
+    # A learning run: the loss after step 2 differs from after step 1 only if step 2's forward saw step 1's update
+    # (inside one outer emulation the weight-cast cache would otherwise keep step 1's fp16 weights).
+    fp32 = G.reference(c, steps=3)
+    run = G.run_steps(c.build(0), G.standard("fp16"), steps=3, policy="cuda")
+    assert G.tracks(run, fp32).ok, G.tracks(run, fp32)
+
+
+def test_doctor_on_the_policy_cases_under_both_policies():
+    """Each case whose truth differs is judged under CPU's lists (examine without policy, i.e. policy=None) and
+    CUDA's (policy="cuda"): the doctor is right under each, so it reports each problem only where it exists."""
+    wrong, loud = [], {}
+    for name, by in G.POLICY_DIFFERS.items():
+        for pol, c in by.items():
+            r = G.judge_doctor(c)
+            wrong += [f"[{pol}] {w}" for w in doctor_wrong(c, r)]
+            loud[name, pol] = r["loud"]
+    assert not wrong, "\n".join(wrong)
+    assert any("aten::pow" in f for f in loud["pow_rmsnorm", "cpu"]) and loud["pow_rmsnorm", "cuda"] == []
+    assert any("aten::log" in f for f in loud["softmax_log", "cpu"]) and loud["softmax_log", "cuda"] == []
+    assert loud["matvec_overflow", "cpu"] == [] and any("aten::mv" in f for f in loud["matvec_overflow", "cuda"])
+
+
+def test_the_doctor_judge_passes_the_policy_only_for_cudas_entries():
+    seen = []
+
+    def examine(*a, **k):
+        seen.append(k.get("policy", "absent"))
+        return FakeReport([], {"fp16": {"status": "clean"}, "bf16": {"status": "clean"}})
+    r = G.judge_doctor(G.case("matvec_overflow", "cuda"), examine)
+    assert not r["found"] and seen == ["cuda", "cuda"]  # a clean report on CUDA's truth finds nothing
+    assert G.judge_doctor(G.case("matvec_overflow"), examine)["quiet"] and seen[2:] == ["absent", "absent"]

@@ -3,52 +3,24 @@
 import json
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from ampcourse import emulate
 from ampcourse.doctor import examine
 from ampcourse.doctor.cli import main
 
-
-class PowNorm(nn.Module):
-    """A hand-written RMSNorm with the square as pow(2): pow is on CUDA's fp32 list, not on CPU's."""
-
-    def forward(self, h):
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+import doctor_gallery as G
 
 
-class MatVec(nn.Module):
-    """A matrix-vector product per sample (torch.mv) whose values exceed fp16's range before a rescale: mv is on
-    CUDA's lower-precision list, not on CPU's."""
-
-    def __init__(self, n, scale=2e4):
-        super().__init__()
-        self.scale = scale
-        self.weight = nn.Parameter(torch.randn(n, n) / n ** 0.5)
-
-    def forward(self, x):
-        return torch.stack([torch.mv(self.weight * self.scale, row) for row in x]) / self.scale
-
-
-def _patient(middle, n=16, gain=300.0):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, n), middle, nn.Linear(n, 4))
-    with torch.no_grad():
-        model[0].weight.mul_(gain)
-    return model
-
-
-def _data():
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+def _examine(name: str, policy: str | None):
+    """examine on gallery case name (tests/doctor_gallery.py's POLICY_DIFFERS) in fp16, forensics only (steps=0)."""
+    s = G.case(name).build(0)
+    return examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, precisions=("fp16",), steps=0, policy=policy)
 
 
 def test_a_problem_only_under_cpus_lists_is_gone_under_cudas():
-    model, (x, y) = _patient(PowNorm()), _data()
-    on_cpu = examine(model, x, y, loss_fn=F.cross_entropy, precisions=("fp16",))
-    on_cuda = examine(model, x, y, loss_fn=F.cross_entropy, precisions=("fp16",), policy="cuda")
-    assert any(f.kind == "nonfinite" and "pow" in f.message for f in on_cpu.findings)
+    # h.pow(2) in an inline RMSNorm: pow is on CUDA's fp32 list, not on CPU's.
+    on_cpu, on_cuda = _examine("pow_rmsnorm", None), _examine("pow_rmsnorm", "cuda")
+    assert any(f.kind == "nonfinite" and f.module == "block" and f.op == "aten::pow" for f in on_cpu.findings)
     assert not any(f.kind == "nonfinite" for f in on_cuda.findings) and on_cuda.is_clean("fp16")
     assert (on_cpu.policy, on_cuda.policy) == ("cpu", "cuda (emulated on cpu)")
     assert "policy='cuda'" in on_cpu.notes[0] and "CUDA's autocast lists" in on_cuda.notes[0]
@@ -57,11 +29,10 @@ def test_a_problem_only_under_cpus_lists_is_gone_under_cudas():
 
 
 def test_a_problem_only_under_cudas_lists_is_found_from_a_cpu():
-    model, (x, y) = _patient(MatVec(16), gain=4.0), _data()
-    on_cpu = examine(model, x, y, loss_fn=F.cross_entropy, precisions=("fp16",))
-    on_cuda = examine(model, x, y, loss_fn=F.cross_entropy, precisions=("fp16",), policy="cuda")
-    assert not any(f.kind == "nonfinite" for f in on_cpu.findings)
-    assert any(f.kind == "nonfinite" and "mv" in f.message for f in on_cuda.findings)
+    # torch.mv on an upcast vector: mv is on CUDA's lower-precision list, on none of CPU's.
+    on_cpu, on_cuda = _examine("matvec_overflow", None), _examine("matvec_overflow", "cuda")
+    assert not any(f.kind == "nonfinite" for f in on_cpu.findings) and on_cpu.is_clean("fp16")
+    assert any(f.kind == "nonfinite" and f.module == "mid" and f.op == "aten::mv" for f in on_cuda.findings)
 
 
 def test_cli_policy_flag(tmp_path, capsys):
