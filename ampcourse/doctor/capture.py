@@ -59,6 +59,8 @@ _NO_COMPUTE = frozenset(f"aten::{n}" for n in (
     "ones_like", "fill_", "fill", "full", "full_like", "empty", "empty_like", "new_empty", "new_zeros", "new_ones",
     "zero_", "detach", "lift_fresh", "scalar_tensor", "neg", "relu", "abs", "split", "split_with_sizes", "unbind",
     "chunk", "select", "slice", "narrow"))
+#: Ops whose output is uninitialised memory: an inf/NaN bit pattern in it is not a value any module computed.
+_UNINITIALISED = frozenset(("empty", "new_empty", "empty_like", "empty_strided"))
 _NO_ORIGIN = ("empty", "new_empty", "empty_like", "empty_strided", "full", "full_like", "fill", "scalar_tensor",
               "lift_fresh", "detach", "alias")
 
@@ -181,8 +183,9 @@ def sample(t: torch.Tensor) -> torch.Tensor:
 
 
 def count_nonfinite(t: torch.Tensor) -> int:
-    """How many values of t are inf or NaN (the max |x| first: a bool mask only when one is there)."""
-    if t.numel() == 0 or math.isfinite(float(_abs_max(t.detach()))):
+    """How many values of t are inf or NaN (a finite float32 sum first, one reduction; the max |x| next: a bool mask
+    only when one is there)."""
+    if t.numel() == 0 or _sum_finite(t) or math.isfinite(float(_abs_max(t.detach()))):
         return 0
     return int((~torch.isfinite(t)).sum())
 
@@ -456,6 +459,8 @@ class OpWatch(TorchDispatchMode):
             return out  # no limit to compare with and all finite: nothing to record
         tops = [float(_abs_max(t.detach())) for t in outs]
         if not all(math.isfinite(v) for v in tops):
+            if name.split("::")[-1] in _UNINITIALISED:
+                return out  # garbage bits, not values: the op that fills it is watched (dropout's empty_like)
             self.seen_nonfinite = True
             if len(self.origins) >= self.MAX_EVENTS or name.split("::")[-1].rstrip("_") in _NO_ORIGIN:
                 return out

@@ -256,8 +256,10 @@ def _may_flush_at_1(ctx: Context) -> bool:
     """Whether any fp32 gradient (a parameter's, or a module output's on its way back) lies where fp16 flushes at
     scale 1: if none does, an fp16 backward at scale 1 has nothing to lose and is not run."""
     from .hist import Log2Hist
-    hists = [*ctx.param_grads.values(), *(r.grad for r in ctx.records.values())]
-    return Log2Hist.merged(hists)._share("underflow", 1.0) > 0
+    if getattr(ctx, "_may_flush_at_1", None) is None:  # asked once per fp16 pass: merged once per examine
+        hists = [*ctx.param_grads.values(), *(r.grad for r in ctx.records.values())]
+        ctx._may_flush_at_1 = Log2Hist.merged(hists)._share("underflow", 1.0) > 0
+    return ctx._may_flush_at_1
 
 
 def _wants_at_1(ctx: Context, ev: Evidence | None, p: str, scale: float | None = None) -> bool:
