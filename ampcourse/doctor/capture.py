@@ -1184,18 +1184,19 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
     refs = [r for _, _, r in pairs]
     dens, lives, mask, ends = _ref_layout(ctx, names, refs)
     grads = [g.float() if g.dtype != torch.float32 else g for _, g, _ in pairs]
-    grads = torch._foreach_mul(grads, 1.0 / scale) if scale != 1.0 else grads
-    diffs = torch._foreach_sub(grads, refs)
+    # g / scale - ref, as (g - scale * ref) / scale: the same roundings (scale is a power of two), one copy fewer
+    diffs = torch._foreach_sub(grads, refs, alpha=scale) if scale != 1.0 else torch._foreach_sub(grads, refs)
     flat = torch.cat([g.reshape(-1) for g in grads])
-    flushed = _per_segment(((flat == 0) & mask).nonzero().reshape(-1), ends)
-    nums = torch.stack(torch._foreach_norm(diffs)).double().cpu().tolist()
+    zeros = (flat == 0).nonzero().reshape(-1)  # few: fp32's own zeros (unused embedding rows) and the flushed
+    flushed = _per_segment(zeros[mask[zeros]], ends)
+    nums = [x / scale for x in torch.stack(torch._foreach_norm(diffs)).double().cpu().tolist()]
     for i, (n, num, n_flushed) in enumerate(zip(names, nums, flushed)):
         den, n_live = dens[i], lives[i]
         # a gradient with an inf/NaN makes the norm of its difference inf/NaN (fp32's is finite where this is asked)
         bad = 0 if math.isfinite(num) else int((~torch.isfinite(grads[i])).sum())
         if not bad and not (math.isfinite(num) and math.isfinite(den)):
-            # finite gradients whose squares pass float32's range (|g| ~ 1e20 and up): their norms in float64
-            num = float(torch.linalg.vector_norm(diffs[i], dtype=torch.float64))
+            # finite gradients whose squares (or scale x fp32's) pass float32's range: their norms in float64
+            num = float(torch.linalg.vector_norm(grads[i].double() / scale - refs[i].double()))
             den = float(torch.linalg.vector_norm(refs[i], dtype=torch.float64))
         num = num if not bad and math.isfinite(num) else math.inf
         out[n] = {"error": num / den if den else (0.0 if num == 0 else math.inf), "num": num, "den": den,
