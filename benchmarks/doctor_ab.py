@@ -9,12 +9,16 @@ The path given (the doctor package's folder, or the single module it was before)
 ampcourse.doctor, named ampcourse.doctor_before (its relative imports resolve to this checkout's ampcourse). For each
 precision set, one fp32 forward + backward, examine() from that copy and examine() from this checkout run in turn,
 ``--repeats`` times; medians of this process's CPU time (one torch thread), and examine / (fp32 forward + backward).
+``--steps`` (default 0: the forensic pass) is passed to both copies' examine() where it takes one (the doctor before
+issue 25 had no confirmation); ``--sets`` picks the precision sets.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import inspect
 import statistics
 import sys
 import time
@@ -42,35 +46,45 @@ def load_before(path: str):
     return module
 
 
+def with_steps(examine, steps: int):
+    """examine with steps= bound, where its signature has that parameter (a doctor from before issue 25 has not)."""
+    if "steps" in inspect.signature(examine).parameters:
+        return functools.partial(examine, steps=steps)
+    return examine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("before", help="a copy of ampcourse/doctor (the package folder) or of the old ampcourse/doctor.py")
     ap.add_argument("--model", default="transformer", choices=MODELS)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=0, help="examine(steps=) where it takes one (0: the forensic pass)")
+    ap.add_argument("--sets", default=",".join(PRECISION_SETS), help="precision sets, comma-separated")
     args = ap.parse_args()
+    sets = {k: PRECISION_SETS[k] for k in args.sets.split(",")}
     torch.set_num_threads(1)
     before = load_before(args.before)
     model, x, y, loss_fn = setup(args.model, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fwd_bwd(model, x, y, loss_fn)
-    versions = {"before": before, "after": after}
-    for m in versions.values():  # warm-up
-        for precs in PRECISION_SETS.values():
-            m.examine(model, x, y, loss_fn=loss_fn, optimizer=opt, precisions=precs)
+    versions = {"before": with_steps(before.examine, args.steps), "after": with_steps(after.examine, args.steps)}
+    for examine in versions.values():  # warm-up
+        for precs in sets.values():
+            examine(model, x, y, loss_fn=loss_fn, optimizer=opt, precisions=precs)
     samples: dict[str, list[float]] = {"fp32 fwd+bwd": []}
     for _ in range(args.repeats):
-        for key, precs in PRECISION_SETS.items():
+        for key, precs in sets.items():
             t0 = time.process_time()
             fwd_bwd(model, x, y, loss_fn)
             samples["fp32 fwd+bwd"].append(time.process_time() - t0)
-            for label, m in versions.items():
+            for label, examine in versions.items():
                 t0 = time.process_time()
-                m.examine(model, x, y, loss_fn=loss_fn, optimizer=opt, precisions=precs)
+                examine(model, x, y, loss_fn=loss_fn, optimizer=opt, precisions=precs)
                 samples.setdefault(f"{label} {key}", []).append(time.process_time() - t0)
     med = {k: statistics.median(v) for k, v in samples.items()}
     base = med["fp32 fwd+bwd"]
     print(f"{args.model}: fp32 fwd+bwd {base * 1e3:.2f} ms (median of {len(samples['fp32 fwd+bwd'])})")
-    for key, precs in PRECISION_SETS.items():
+    for key in sets:
         cells = [f"{label} {med[f'{label} {key}'] * 1e3:7.1f} ms ({med[f'{label} {key}'] / base:.1f}x fp32 fwd+bwd)"
                  for label in versions]
         print(f"  {key:10s} " + "   ".join(cells))

@@ -59,6 +59,8 @@ _NO_COMPUTE = frozenset(f"aten::{n}" for n in (
     "ones_like", "fill_", "fill", "full", "full_like", "empty", "empty_like", "new_empty", "new_zeros", "new_ones",
     "zero_", "detach", "lift_fresh", "scalar_tensor", "neg", "relu", "abs", "split", "split_with_sizes", "unbind",
     "chunk", "select", "slice", "narrow"))
+#: Ops whose output is uninitialised memory: an inf/NaN bit pattern in it is not a value any module computed.
+_UNINITIALISED = frozenset(("empty", "new_empty", "empty_like", "empty_strided"))
 _NO_ORIGIN = ("empty", "new_empty", "empty_like", "empty_strided", "full", "full_like", "fill", "scalar_tensor",
               "lift_fresh", "detach", "alias")
 
@@ -181,20 +183,26 @@ def sample(t: torch.Tensor) -> torch.Tensor:
 
 
 def count_nonfinite(t: torch.Tensor) -> int:
-    """How many values of t are inf or NaN (the max |x| first: a bool mask only when one is there)."""
-    if t.numel() == 0 or math.isfinite(float(_abs_max(t.detach()))):
+    """How many values of t are inf or NaN (a finite float32 sum first, one reduction; the max |x| next: a bool mask
+    only when one is there)."""
+    if t.numel() == 0 or _sum_finite(t) or math.isfinite(float(_abs_max(t.detach()))):
         return 0
     return int((~torch.isfinite(t)).sum())
 
 
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """||got - ref|| / ||ref|| in float64 (0 when both are 0, inf when got is not finite or ref is 0)."""
+    """||got - ref|| / ||ref|| (0 when both are 0, inf when got is not finite or ref is 0): the norms in float32, a
+    quarter of float64's cost on a CPU (its copies, not its arithmetic, cost the time), and again in float64 when a
+    float32 norm is not finite (an inf/NaN, or finite values whose squares pass float32's range)."""
     got, ref = (t.detach().reshape(-1) for t in (got, ref))
     got, ref = (t.float() if t.dtype == torch.float64 else t for t in (got, ref))  # compared as float32 values
     if got.shape != ref.shape:
         return math.inf
-    num = float(torch.linalg.vector_norm(got.double().sub_(ref)))
-    den = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
+    num = float(torch.linalg.vector_norm(got.float() - ref.float()))
+    den = float(torch.linalg.vector_norm(ref.float()))
+    if not (math.isfinite(num) and math.isfinite(den)):
+        num = float(torch.linalg.vector_norm(got.double().sub_(ref)))
+        den = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
     if not math.isfinite(num) and (math.isfinite(den) or not bool(torch.isfinite(got).all())):
         return math.inf
     if den == 0:
@@ -369,6 +377,13 @@ def _finite(x) -> bool:
     return True
 
 
+def _sum_finite(t: torch.Tensor) -> bool:
+    """Whether a non-empty floating tensor surely has no inf/NaN, in one reduction (an op watcher's test per op): its
+    float32 sum is finite. A non-finite sum may still come from finite values past float32's range: then the caller
+    looks again with the exact max."""
+    return math.isfinite(float(t.detach().sum(dtype=torch.float32)))
+
+
 def _input_max(args) -> float:
     """max |x| over the floating tensors in args (0.0 without any)."""
     top = 0.0
@@ -440,8 +455,12 @@ class OpWatch(TorchDispatchMode):
         key = (phase, module, ncall, name, node)
         index = self._seen.get(key, 0)
         self._seen[key] = index + 1
+        if self.overflow_at is None and all(_sum_finite(t) for t in outs):
+            return out  # no limit to compare with and all finite: nothing to record
         tops = [float(_abs_max(t.detach())) for t in outs]
         if not all(math.isfinite(v) for v in tops):
+            if name.split("::")[-1] in _UNINITIALISED:
+                return out  # garbage bits, not values: the op that fills it is watched (dropout's empty_like)
             self.seen_nonfinite = True
             if len(self.origins) >= self.MAX_EVENTS or name.split("::")[-1].rstrip("_") in _NO_ORIGIN:
                 return out
@@ -911,6 +930,7 @@ class Context:
     ref_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 gradients of the reference pass
     ref_loss: float = math.nan
     ref_watch: OpWatch | None = None
+    ref_layout: tuple | None = None  # _ref_layout's per-examine cache of what fp32's gradients alone determine
     host_rng: bool = True  # the fp32 reference drew from Python's random or NumPy's global stream
     overflow_at: float = 65504.0  # fp32 op outputs beyond this (fp16's max) are recorded by the reference op watch
 
@@ -1012,14 +1032,20 @@ class PassResult:
     scale: float
     grads: dict[str, dict[str, float]] = field(default_factory=dict)  # per parameter: error, flushed share, nonfinite
     error: str = ""  # the exception's first line, when the pass could not run
+    islands: tuple[str, ...] = ()  # the fp32 islands it ran with
+    #: fp16 with at_1: the same per-parameter comparison for the backward at scale 1 (no GradScaler); None if not run
+    grads_at_1: dict[str, dict[str, float]] | None = None
 
 
 def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0,
-                  backward: bool = True, tag: bool = False) -> PassResult:
+                  backward: bool = True, tag: bool = False, at_1: bool = False) -> PassResult:
     """One forward (and backward) pass of the model as it is under autocast, with fp32 islands if given.
 
     fp16's backward runs through a real ``torch.amp.GradScaler`` at ``scale`` (its scale(), as a training step's);
     the gradients are divided by the scale (exact: a power of two) and compared with fp32's, parameter by parameter.
+    With ``at_1`` (and a scale other than 1) the same forward's graph is also run backward at scale 1 first,
+    unwatched (no op watch, no tags: only the parameter gradients count), into ``result.grads_at_1``: what a
+    separate :func:`gradient_pass` at scale 1 gives, without a second forward.
     """
     ctx.snapshot.reset_rng()
     ctx.snapshot.reset_buffers()
@@ -1039,7 +1065,8 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
     watch = OpWatch(tracker)
     tracker.watch = watch
     inputs = fresh_copy(ctx.inputs)
-    result = PassResult(amp.precision, math.nan, records, watch, scale)
+    result = PassResult(amp.precision, math.nan, records, watch, scale, islands=tuple(islands))
+    at_1_grads = None
     # Autocast caches its casts of the weights until the outermost autocast context exits; examine() runs inside a
     # disabled one (the caller's autocast off), so the cache would carry fp16 weights into the bf16 pass: clear it.
     torch.clear_autocast_cache()
@@ -1052,6 +1079,7 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
             if backward and loss.requires_grad:
                 if tracker.tagging:
                     tracker.tag([loss], ("", -1))
+                at_1_grads = _backward_at_1(params, loss) if at_1 and scale != 1.0 else None
                 scaler = torch.amp.GradScaler(ctx.dev.type, init_scale=scale, enabled=scale != 1.0)
                 scaled = scaler.scale(loss)
                 # The backward's only use of the op watch is an inf/NaN's origin: it runs watched (and tagged) only
@@ -1066,13 +1094,32 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
         if backward and not tag and (not math.isfinite(result.loss)
                                      or any(g["nonfinite"] for g in result.grads.values())):
             remove_policy(model)
-            return autocast_pass(ctx, amp, islands, scale, backward, tag=True)
+            return autocast_pass(ctx, amp, islands, scale, backward, tag=True, at_1=at_1)
+        if backward and at_1_grads is not None:
+            for n, p in params:
+                p.grad = at_1_grads.get(n)
+            result.grads_at_1 = _compare_grads(ctx, params, 1.0)
     finally:
         torch.clear_autocast_cache()
         remove_policy(model)
         for _, p in params:
             p.grad = None
     return result
+
+
+def _backward_at_1(params, loss: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The parameter gradients of one unwatched backward at scale 1 through loss's graph (kept for the scaled
+    backward after it), taken off the parameters; None when it raises (the watched passes report what raises)."""
+    try:
+        loss.backward(retain_graph=True)
+    except Exception:  # noqa: BLE001
+        for _, p in params:
+            p.grad = None
+        return None
+    grads = {n: p.grad for n, p in params if p.grad is not None}
+    for _, p in params:
+        p.grad = None
+    return grads
 
 
 def gradient_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0
@@ -1121,7 +1168,9 @@ def _raising_as(watch: OpWatch):
 def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, float]]:
     """Per parameter: relative error against fp32's gradient, the share of fp32's nonzero entries that came back
     zero (flushed), and the inf/NaN count, after dividing by the scale (a handful of batched reductions and one
-    read-back for all parameters: a loop of small reductions per parameter cost more than the backward)."""
+    read-back for all parameters: a loop of small reductions per parameter cost more than the backward). What
+    depends on fp32's gradients alone (their norms, where they are nonzero) is computed once per examine
+    (:func:`_ref_layout`); the flushed counts come from one flat comparison of all parameters at once."""
     out = {}
     pairs = [(n, p.grad.detach(), ctx.ref_grads[n]) for n, p in params if n in ctx.ref_grads and p.grad is not None]
     for n, p in params:
@@ -1133,18 +1182,45 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
         return out
     names = [n for n, _, _ in pairs]
     refs = [r for _, _, r in pairs]
-    grads = [(g.float() if g.dtype != torch.float32 else g) * (1.0 / scale) for _, g, _ in pairs]
-    diffs = torch._foreach_sub(grads, refs)
-    stats = torch.stack([torch.stack(row) for row in zip(
-        torch._foreach_norm(diffs), torch._foreach_norm(refs),
-        [(r != 0).sum().float() for r in refs], [((r != 0) & (g == 0)).sum().float() for r, g in zip(refs, grads)],
-        [(~torch.isfinite(g)).sum().float() for g in grads])]).double().cpu().tolist()
-    for i, (n, (num, den, n_live, n_flushed, bad)) in enumerate(zip(names, stats)):
+    dens, lives, mask, ends = _ref_layout(ctx, names, refs)
+    grads = [g.float() if g.dtype != torch.float32 else g for _, g, _ in pairs]
+    # g / scale - ref, as (g - scale * ref) / scale: the same roundings (scale is a power of two), one copy fewer
+    diffs = torch._foreach_sub(grads, refs, alpha=scale) if scale != 1.0 else torch._foreach_sub(grads, refs)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    zeros = (flat == 0).nonzero().reshape(-1)  # few: fp32's own zeros (unused embedding rows) and the flushed
+    flushed = _per_segment(zeros[mask[zeros]], ends)
+    nums = [x / scale for x in torch.stack(torch._foreach_norm(diffs)).double().cpu().tolist()]
+    for i, (n, num, n_flushed) in enumerate(zip(names, nums, flushed)):
+        den, n_live = dens[i], lives[i]
+        # a gradient with an inf/NaN makes the norm of its difference inf/NaN (fp32's is finite where this is asked)
+        bad = 0 if math.isfinite(num) else int((~torch.isfinite(grads[i])).sum())
         if not bad and not (math.isfinite(num) and math.isfinite(den)):
-            # finite gradients whose squares pass float32's range (|g| ~ 1e20 and up): their norms in float64
-            num = float(torch.linalg.vector_norm(diffs[i], dtype=torch.float64))
+            # finite gradients whose squares (or scale x fp32's) pass float32's range: their norms in float64
+            num = float(torch.linalg.vector_norm(grads[i].double() / scale - refs[i].double()))
             den = float(torch.linalg.vector_norm(refs[i], dtype=torch.float64))
         num = num if not bad and math.isfinite(num) else math.inf
         out[n] = {"error": num / den if den else (0.0 if num == 0 else math.inf), "num": num, "den": den,
-                  "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": int(bad), "live": int(n_live)}
+                  "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": bad, "live": int(n_live)}
     return out
+
+
+def _ref_layout(ctx: Context, names: list[str], refs: list[torch.Tensor]
+                ) -> tuple[list[float], list[int], torch.Tensor, torch.Tensor]:
+    """(norm of each fp32 gradient, its count of nonzero values, where all of them are nonzero as one flat mask, the
+    flat end of each parameter) for these parameters, computed once per examine and kept on ctx."""
+    key = tuple(names)
+    if ctx.ref_layout is None or ctx.ref_layout[0] != key:
+        flat = torch.cat([r.reshape(-1) for r in refs])
+        mask = flat != 0
+        sizes = [r.numel() for r in refs]
+        ends = torch.tensor(sizes, device=flat.device).cumsum(0)
+        zeros = _per_segment((~mask).nonzero().reshape(-1), ends)  # a gradient is mostly nonzero: count the zeros
+        lives = [n - z for n, z in zip(sizes, zeros)]
+        dens = torch.stack(torch._foreach_norm(refs)).double().cpu().tolist()
+        ctx.ref_layout = (key, dens, lives, mask, ends)
+    return ctx.ref_layout[1:]
+
+
+def _per_segment(index: torch.Tensor, ends: torch.Tensor) -> list[int]:
+    """How many of the flat positions in index fall in each segment (segment i ends before ends[i])."""
+    return torch.bincount(torch.searchsorted(ends, index, right=True), minlength=ends.numel()).tolist()

@@ -245,16 +245,30 @@ def _may_flush_at_1(ctx: Context) -> bool:
     """Whether any fp32 gradient (a parameter's, or a module output's on its way back) lies where fp16 flushes at
     scale 1: if none does, an fp16 backward at scale 1 has nothing to lose and is not run."""
     from .hist import Log2Hist
-    hists = [*ctx.param_grads.values(), *(r.grad for r in ctx.records.values())]
-    return Log2Hist.merged(hists)._share("underflow", 1.0) > 0
+    if getattr(ctx, "_may_flush_at_1", None) is None:  # asked once per fp16 pass: merged once per examine
+        hists = [*ctx.param_grads.values(), *(r.grad for r in ctx.records.values())]
+        ctx._may_flush_at_1 = Log2Hist.merged(hists)._share("underflow", 1.0) > 0
+    return ctx._may_flush_at_1
+
+
+def _wants_at_1(ctx: Context, ev: Evidence | None, p: str, scale: float | None = None) -> bool:
+    """Whether precision p's passes should also run their backward at scale 1 (:func:`_flushed_at_1` reads it): fp16
+    at a scale other than 1, fp32 finite, and some fp32 gradient where fp16 flushes at scale 1."""
+    scale = ev.scale if scale is None else scale
+    return p == "fp16" and scale != 1.0 and not rules.fp32_fails(ctx) and _may_flush_at_1(ctx)
 
 
 def _flushed_at_1(ctx: Context, ev: Evidence) -> dict[str, float]:
     """Per parameter, the share of its fp32-nonzero gradient that one fp16 backward at scale 1 (no GradScaler) gave
     back as zero: measured, whatever dtype the module's output has (an Embedding's output stays fp32, but its
     gradient arrives through the fp16 op that reads it)."""
+    islands = list(ev.verdicts["fp16"].get("fp32_modules", []))
+    res = ev.passes.get("fp16")
+    if res is not None and res.grads_at_1 is not None and list(res.islands) == islands:
+        grads = res.grads_at_1  # measured in the verdict's own pass, off its forward's graph
+        return {n: g["flushed"] for n, g in grads.items() if not g["nonfinite"]}
     try:
-        grads = gradient_pass(ctx, pick(ctx.dev, "fp16"), list(ev.verdicts["fp16"].get("fp32_modules", [])), 1.0)
+        grads = gradient_pass(ctx, pick(ctx.dev, "fp16"), islands, 1.0)
     except Exception:  # noqa: BLE001 (the watched passes already reported what raises; nothing more to measure)
         return {}
     return {n: g["flushed"] for n, g in grads.items() if not g["nonfinite"]}
@@ -267,8 +281,9 @@ def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:
     except ValueError as err:
         return {"status": "unsupported", "reason": str(err), "fp32_modules": []}
     scale = ev.scale if p == "fp16" else 1.0
+    at_1 = _wants_at_1(ctx, ev, p)
     try:
-        res = autocast_pass(ctx, amp, scale=scale)
+        res = autocast_pass(ctx, amp, scale=scale, at_1=at_1)
     except PassFailed as fail:
         if _missing_kernel(fail.error):  # this device or torch has no such kernel: nothing about the model
             return {"status": "unsupported", "fp32_modules": [],
@@ -303,6 +318,7 @@ def _islands_for(ctx: Context, amp: AmpSetup, res: PassResult, scale: float,
     # Islands over half of the leaves autocast runs low are fp32 training in disguise: refuse instead.
     limit = min(MAX_ISLANDS, sum(r.leaf and r.dtype.get(p) == low for r in res.records.values()) // 2)
     islands: list[str] = list(start)
+    at_1 = _wants_at_1(ctx, None, p, scale)
     for _ in range(MAX_ISLANDS + 1):
         if rules.pass_ok(ctx, res):
             return ("islands" if islands else "clean"), islands, res.loss
@@ -311,7 +327,7 @@ def _islands_for(ctx: Context, amp: AmpSetup, res: PassResult, scale: float,
             return "refused", islands + [n for n in new if n], res.loss
         islands += new
         try:
-            res = autocast_pass(ctx, amp, islands, scale=scale)
+            res = autocast_pass(ctx, amp, islands, scale=scale, at_1=at_1)
         except PassFailed:  # these islands make it raise: no set found
             return "refused", islands, math.nan
     return "refused", islands, res.loss
@@ -346,7 +362,7 @@ def _raised(ctx: Context, ev: Evidence, amp: AmpSetup, scale: float, fail: PassF
     if not (where and where.module):
         return refused  # not inside a module's call (the loss, or the model's own top level): no island can fix it
     try:
-        res = autocast_pass(ctx, amp, [where.module], scale=scale)
+        res = autocast_pass(ctx, amp, [where.module], scale=scale, at_1=_wants_at_1(ctx, None, p, scale))
     except PassFailed:
         return {**refused, "tried_fp32_modules": [where.module]}
     ev.passes[p] = res
