@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-__all__ = ["InputError", "INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
+__all__ = ["InputError", "INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "first_line", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
            "flag", "as_path", "writable_file", "OneLineParser", "cli_error"]
 
 
@@ -58,6 +58,22 @@ def shown(value: Any, limit: int = 60) -> str:
     """repr(value), shortened: a 400-digit int in an error message helps nobody."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def first_line(err: BaseException | str, limit: int | None = None, default: str = "") -> str:
+    """The first line of an error's message (torch's span many lines), at most `limit` characters.
+
+    Args:
+        err: the exception (or its message).
+        limit: cut the line to this many characters (None: the whole line).
+        default: what an empty message reads as (e.g. the exception's type name).
+
+    Example:
+        >>> first_line(RuntimeError("mat1 and mat2 shapes cannot be multiplied\nmore"))
+        'mat1 and mat2 shapes cannot be multiplied'
+    """
+    line = (str(err).strip().splitlines() or [default])[0]
+    return line if limit is None else line[:limit]
 
 
 def scalar(value: Any) -> Any:

@@ -364,7 +364,7 @@ def _fake_probe(spec: OpSpec, dtypes: Sequence[torch.dtype], fake_mode, amp_dtyp
             out = spec.call(*inputs)
         result = _name(out.dtype)
     except Exception as err:  # noqa: BLE001 - any failure of a probe is a reported row, never a crash
-        result = "error: " + (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        result = "error: " + _args.first_line(err, 200, type(err).__name__)
     return Probe(tuple(_name(d) for d in dtypes), result)
 
 
@@ -638,7 +638,7 @@ def _record(op, dtypes: Sequence[torch.dtype], amp_dtype: torch.dtype | None, fa
             first = result[0] if isinstance(result, (tuple, list)) and result else result
             out = first.dtype if isinstance(first, torch.Tensor) else None
         except Exception as e:  # noqa: BLE001 - the error is part of what the probe learns
-            err = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            err = _args.first_line(e, default=type(e).__name__)
     return rec.casts, rec.dtype_calls, err, rec.count, out
 
 
@@ -717,7 +717,7 @@ def _replay_calls(calls: Sequence) -> list[str]:
             first = result[0] if isinstance(result, (tuple, list)) else result
             out.append(_name(first.dtype) if isinstance(first, torch.Tensor) else "no tensor")
         except Exception as err:  # noqa: BLE001 - a call fake CUDA cannot run is reported
-            out.append("error: " + (str(err).strip().splitlines() or [type(err).__name__])[0][:80])
+            out.append("error: " + _args.first_line(err, 80, type(err).__name__))
     return out
 
 

@@ -847,7 +847,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as err:
         ap.error(str(err))
     except RuntimeError as err:  # out of memory, a driver error: one line, not a traceback
-        ap.error(f"the benchmark failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
+        ap.error(f"the benchmark failed: {type(err).__name__}: {_args.first_line(err)}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(report).savefig(args.out / "bench.png")

@@ -274,7 +274,7 @@ def data_errors(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None
             batch += f", targets {_describe(y) if isinstance(y, torch.Tensor) else type(y).__name__}"
         expected = expected_data(model)
         raise ValueError(f"{type(model).__name__} cannot run on this data (a batch of {batch}): {type(err).__name__}: "
-                         f"{(str(err).splitlines() or [''])[0]}" + (f"; it takes {expected}" if expected else "")) from err
+                         f"{_args.first_line(err)}" + (f"; it takes {expected}" if expected else "")) from err
 
 
 @dataclass

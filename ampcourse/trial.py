@@ -979,7 +979,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             matplotlib.use("Agg")
             t.plot().savefig(args.plot)
     except (ValueError, TypeError, OSError) as err:
-        print(f"ampcourse.trial: error: {(str(err).splitlines() or [''])[0]}", file=sys.stderr)
+        print(f"ampcourse.trial: error: {_args.first_line(err)}", file=sys.stderr)
         return 2
     return 0
 

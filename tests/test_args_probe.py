@@ -37,3 +37,11 @@ def test_an_unwritable_path_is_still_refused(tmp_path: Path) -> None:
         assert "folder does not exist" in str(err)
     else:
         raise AssertionError("a path in a missing folder was accepted")
+
+
+def test_first_line_is_the_one_reading_of_an_error_message():
+    from ampcourse._args import first_line
+    assert first_line(RuntimeError("\n  mat1 and mat2 shapes cannot be multiplied\n(4x8 and 3x8)")) == \
+        "mat1 and mat2 shapes cannot be multiplied"
+    assert first_line(ValueError(""), default="ValueError") == "ValueError"
+    assert first_line("abcdef", 3) == "abc"

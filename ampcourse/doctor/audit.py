@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from dataclasses import dataclass
 
-from .. import formats
+from .. import _args, formats
 from ..scaling import range_counts
 from .capture import Context, fresh_copy, scalar_loss
 from .verdict import _FieldMapping
@@ -200,7 +200,7 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     try:
         actual, opt_a = step_copy(optimizer, params, grads, steps=AUDIT_STEPS)
     except Exception as err:  # noqa: BLE001 (an optimizer we cannot copy: say so, never rebuild it differently)
-        out["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        out["error"] = f"{type(err).__name__}: {_args.first_line(err)}"
         return out
     out["stepped"], out["steps"] = True, AUDIT_STEPS
     out["state_dtypes"] = sorted({_dt(v) for st in opt_a.state.values() for v in st.values()
@@ -215,7 +215,7 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         try:
             master, opt_m = step_copy(optimizer, params, grads, torch.float32, steps=AUDIT_STEPS)
         except Exception as err:  # noqa: BLE001
-            out["master_error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+            out["master_error"] = f"{type(err).__name__}: {_args.first_line(err)}"
             master, opt_m = None, None
     moved = lost = 0.0
     nonfinite = 0

@@ -889,7 +889,7 @@ def _stateful_copy(obj):
 
 def _first_line(err: BaseException) -> str:
     """The first line of an exception's message, at most 120 characters."""
-    text = (str(err).strip().splitlines() or [""])[0]
+    text = _args.first_line(err)
     return text if len(text) <= 120 else text[:117] + "..."
 
 

@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ampcourse.doctor: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 (the learner's model can raise anything: one line, not a traceback)
-        first = (str(err).splitlines() or [""])[0]
+        first = _args.first_line(err)
         print(f"ampcourse.doctor: error: examining {args.model!r} failed with {type(err).__name__}: {first} "
               "(call ampcourse.doctor.examine in Python to see the traceback)", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .. import _args
 from ..policy import apply_policy, remove_policy
 from .capture import Context, call, fresh_copy, scalar_loss
 from .verdict import Confirmation, Decision, _rank
@@ -168,7 +169,7 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
     try:
         net = _master_copy(ctx.model, trainable) if master else copy.deepcopy(ctx.model)
     except Exception as err:  # noqa: BLE001 (a model deepcopy refuses: it holds non-leaf tensors, a lock, ...)
-        why = f"the model cannot be copied to train it ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]})"
+        why = f"the model cannot be copied to train it ({type(err).__name__}: {_args.first_line(err, 120)})"
         out.update({p: Confirmation("unconfirmed", steps, reason=why) for p in candidates})
         return out, {"steps": steps, "trained": [], "error": why}
     remove_policy(net)
@@ -189,7 +190,7 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
                   monitors=[], batch_size=1, loss_fn=_loss_of_output, tolerance=1e30, device=ctx.dev,
                   scaler_kwargs={"init_scale": ev.scale} if fp16_scaled and "fp16" in labels else None)
     except Exception as err:  # noqa: BLE001 (the learner's model or optimizer may refuse to train: say so)
-        why = f"training it failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+        why = f"training it failed: {type(err).__name__}: {_args.first_line(err, 160)}"
         out.update({p: Confirmation("unconfirmed", steps, reason=why) for p in candidates})
         info["error"] = why
         return out, info

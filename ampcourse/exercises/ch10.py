@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import formats
+from .. import _args, formats
 from ..reduce_sim import simulate_reduction
 from ._core import call_learner, failed, passed
 
@@ -145,7 +145,7 @@ def check_z_loss(z_loss: Callable) -> None:
         try:
             got.backward()
         except RuntimeError as err:  # the learner's graph: a custom backward that raises, a graph already freed
-            failed(title, "a loss whose backward runs", f"backward raised {(str(err).splitlines() or [''])[0][:120]}",
+            failed(title, "a loss whose backward runs", f"backward raised {_args.first_line(err, 120)}",
                    "build the loss from torch ops on the logits and return it without calling backward yourself")
         if leaf.grad is None or not torch.isfinite(leaf.grad).all():
             failed(title, "finite gradients on the logits", "none" if leaf.grad is None else "non-finite",
