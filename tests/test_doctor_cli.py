@@ -140,3 +140,17 @@ def test_bad_input_from_the_shell(factories, case):
     run = doctor(*args, path=factories)
     assert run.returncode == 2
     one_error_line(run.stderr, message)
+
+
+def test_report_to_html_is_public_and_a_page_wraps_the_fragment():
+    """The CLI's --html writes Report.to_html(page=True) (it once called the private _repr_html_)."""
+    import torch
+
+    from ampcourse.doctor import examine
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    report = examine(model, torch.randn(8, 4), torch.randint(0, 3, (8,)), loss_fn=torch.nn.functional.cross_entropy,
+                     steps=0)
+    fragment, page = report.to_html(), report.to_html(page=True)
+    assert fragment == report._repr_html_() and "<html" not in fragment
+    assert page.startswith("<!doctype html>") and fragment in page

@@ -126,8 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report.to_json(args.out)
         if args.html:
             with open(args.html, "w", encoding="utf-8") as fh:
-                fh.write(f"<!doctype html><html><head><meta charset='utf-8'><title>AMP doctor</title></head>"
-                         f"<body>{report._repr_html_()}</body></html>\n")
+                fh.write(report.to_html(page=True))
     except (CliError, ValueError, TypeError, OSError) as err:
         print(f"ampcourse.doctor: error: {err}", file=sys.stderr)
         return 2

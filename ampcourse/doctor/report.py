@@ -178,10 +178,25 @@ class Report:
     def __repr__(self) -> str:
         return self.summary()
 
+    def to_html(self, page: bool = False) -> str:
+        """The report as HTML: the fragment Jupyter shows (``page=False``), or a whole page to save (``page=True``).
+
+        Args:
+            page: wrap the fragment in an HTML document (what ``--html report.html`` writes).
+
+        Example:
+            >>> open("report.html", "w").write(report.to_html(page=True))
+        """
+        from .render import html_page
+        body = html_page(self)
+        if not page:
+            return body
+        return (f"<!doctype html><html><head><meta charset='utf-8'><title>AMP doctor</title></head>"
+                f"<body>{body}</body></html>\n")
+
     def _repr_html_(self) -> str:
         """An HTML summary for Jupyter."""
-        from .render import html_page
-        return html_page(self)
+        return self.to_html()
 
     def plot(self, ax=None):
         """Per module: the log2 range of its outputs (fp32 run) and output gradients against fp16's and bf16's windows."""
