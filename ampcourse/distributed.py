@@ -53,12 +53,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _args, models
-from .checkpoint import ShardedCheckpointer  # re-exported: it lived here before ampcourse.checkpoint became a package
 from .device import AmpSetup
 
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
            "worker_device", "shared_store_warning", "init", "teardown", "exit_worker", "single_process_group", "wrap_model",
-           "mixed_precision_policy", "fsdp_problem", "ShardedCheckpointer", "gather", "local_state_bytes",
+           "mixed_precision_policy", "fsdp_problem", "gather", "local_state_bytes",
            "memory_per_gpu", "torchrun_command", "as_shell", "launch", "launch_env", "LaunchResult", "LaunchTimeout", "LaunchInterrupted",
            "render_slurm", "free_port"]
 

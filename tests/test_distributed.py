@@ -300,7 +300,7 @@ def test_sharded_pointer_must_name_a_step_folder(tmp_path):
     (tmp_path / "sharded").mkdir()
     (tmp_path / "sharded" / "latest").write_text("../../etc\n")
     with pytest.raises(checkpoint.CheckpointError, match="which is not a step folder"):
-        distributed.ShardedCheckpointer().read(tmp_path)
+        checkpoint.ShardedCheckpointer().read(tmp_path)
 
 
 def test_non_tensor_items_are_never_written():
