@@ -30,7 +30,7 @@ class FileCheckpointer:
 
     Enough for a single process and for DDP, whose ranks hold identical replicas; the file does not
     depend on the world size, so a run resumes on any number of ranks. FSDP2 shards the weights across
-    ranks and uses :class:`ShardedCheckpointer` (below) (same methods, DCP files) instead.
+    ranks and uses :class:`ShardedCheckpointer` (below: the same methods, DCP files) instead.
     """
 
     kind = "single-file checkpoint (--strategy single or ddp)"
