@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _args, autocast_ops
+from . import _args, autocast_ops, formats
 from .autocast_ops import Policy
 
 __all__ = ["autocast", "is_active", "policy", "session", "Call", "LIMITS"]
@@ -91,7 +91,7 @@ LIMITS: tuple[str, ...] = (
 
 _KEY = torch._C.DispatchKey.AutocastCPU
 _KEYSET = torch._C.DispatchKeySet(_KEY)
-_LOW = (torch.float16, torch.bfloat16)
+_LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
 
 
 @dataclass(frozen=True)

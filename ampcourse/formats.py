@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["FormatSpec", "Decomposed", "FORMATS", "spec", "decompose", "quantize", "ulp", "names",
+__all__ = ["FormatSpec", "Decomposed", "FORMATS", "AUTOCAST_DTYPES", "spec", "decompose", "quantize", "ulp", "names",
            "TORCH_E4M3_CAST_SATURATES_FROM", "torch_version", "torch_e4m3_cast_saturates"]
 
 
@@ -165,6 +165,9 @@ _ALIASES = {
     "e2m1": "fp4_e2m1", "float4_e2m1fn": "fp4_e2m1", "fp4_e2m1fn": "fp4_e2m1",
 }
 
+
+#: The 16-bit formats torch.autocast runs ops in (fp16 and bf16): what the doctor and the emulator call "low".
+AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 
 #: The first torch whose eager casts to float8_e4m3fn saturate (measured: 2.6 to 2.12.1 give NaN for 500, 1e5
 #: and inf; 2.13 and later give 448). quantize saturates on every torch: OFP8's saturating conversion, not the cast.

@@ -24,7 +24,7 @@ from ..scaling import range_counts
 from .capture import Context, fresh_copy, scalar_loss
 from .verdict import _FieldMapping
 
-_LOW = (torch.float16, torch.bfloat16)
+_LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
 #: Optimizer steps the audit takes on its copies: the state is stored in its own dtype between them, so a state that
 #: underflows when stored (a fused Adam computes step 1's second moment in fp32 registers, then keeps it in fp16)
 #: shows from the second step on.

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .. import _args
+from .. import _args, formats
 from ..device import AmpSetup, pick
 from ..models import data_errors
 from ..policy import apply_policy, policy_of, remove_policy
@@ -49,7 +49,7 @@ _SAMPLE = 1024  # output values per module call kept to compare a precision's ou
 #: they return the same values, so their own error is 0 (or inf with an inf/NaN) without running them again.
 _EXACT = frozenset({nn.Identity, nn.Flatten, nn.Unflatten, nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d})
 _TAG = "ampcourse.doctor"  # key of the (module, call) tag in an autograd node's metadata
-_LOW = (torch.float16, torch.bfloat16)
+_LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
 #: Ops whose output is uninitialised memory or a fill value: never the origin of an inf/NaN.
 #: Ops that move or cast values without computing new ones: inline code made of these alone has no own error worth a
 #: rerun (autocast's own casts, aten::_to_copy, are attributed to the module whose op autocast lowers).

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import _args
+from .. import _args, formats
 from ..policy import apply_policy, remove_policy
 from .capture import Context, call, fresh_copy, scalar_loss
 from .verdict import Confirmation, Decision, _rank
@@ -36,7 +36,7 @@ __all__ = ["confirm", "departure", "loss_tolerance", "LOSS_DEPARTS", "DEFAULT_LR
 LOSS_DEPARTS = 0.05
 #: The learning rate of the AdamW that trains a recipe when examine() got no optimizer.
 DEFAULT_LR = 1e-3
-_LOW = (torch.float16, torch.bfloat16)
+_LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
 
 
 class _Recipe(nn.Module):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import emulate
+from .. import emulate, formats
 from .. import inputs as _inputs
 from ..device import AmpSetup, pick
 from . import rules
@@ -23,7 +23,7 @@ from .report import Finding, Report, _sort_key, quoted
 from .rules import MAX_ISLANDS, Evidence
 from .verdict import Confirmation, Decision, _rank, decide
 
-_LOW = (torch.float16, torch.bfloat16)
+_LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
 #: Training steps examine() confirms each recipe over by default.
 DEFAULT_STEPS = 10
 

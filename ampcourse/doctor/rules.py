@@ -51,7 +51,7 @@ LAYER_UNDERFLOW_WARN = 0.5  # name a parameter that loses more than half of its 
 NOISE = 2.0**-23
 MAX_ISLANDS = 4  # more fp32 modules than this, and fp16 is not worth it: use bf16 or fp32
 DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale
-_LOW = (torch.float16, torch.bfloat16)
+_LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
 
 
 @dataclass
