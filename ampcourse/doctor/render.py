@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import html
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .. import formats
 from .vocab import SEVERITIES, quoted
 
-if TYPE_CHECKING:  # the report imports this module lazily to render itself: no import back at run time
-    from .report import Report
+# What these functions take is a doctor Report (ampcourse.doctor.report), which imports this module to render itself;
+# annotating it as Any keeps the import one way, report -> render, with no circle even for type checkers.
+Report = Any
 
 __all__ = ["text", "html_page", "plot"]
 
