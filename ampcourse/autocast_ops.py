@@ -1,4 +1,4 @@
-"""What autocast does to each op, measured live on this torch build and device (never typed in).
+"""What autocast does to each op, measured live on this torch build and device (never typed in; chapter 3).
 
     >>> from ampcourse.autocast_ops import op_table, format_table
     >>> rows = op_table("cpu", torch.bfloat16)

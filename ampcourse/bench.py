@@ -1,4 +1,4 @@
-"""Measure what mixed precision buys on this device: matmul throughput, train-step time, saved bytes.
+"""Measure what mixed precision buys on this device: matmul throughput, train-step time, saved bytes (chapter 2).
 
     python -m ampcourse.bench --out benchmarks/cpu            # full run (under a minute on a laptop CPU)
     python -m ampcourse.bench --out /tmp/bench --quick        # a few seconds: the test suite's smoke run

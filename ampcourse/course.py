@@ -1,4 +1,4 @@
-"""The course's map: which chapter teaches which section of the source outline, and a bilingual glossary.
+"""The course's map: which chapter teaches which section of the source outline, and a bilingual glossary (chapter 0).
 
 The mapping lives here and only here; `chapters/00_index.ipynb` renders it for the chapters that
 exist (titles and section headings are read from the notebooks themselves), and the tests check

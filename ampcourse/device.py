@@ -1,4 +1,4 @@
-"""Pick the device, the AMP dtype and whether a GradScaler is needed: one place, one answer.
+"""Pick the device, the AMP dtype and whether a GradScaler is needed: one place, one answer (chapter 2 and every chapter's setup).
 
     >>> from ampcourse.device import pick
     >>> amp = pick()                      # cuda, else mps, else cpu

@@ -1,4 +1,4 @@
-"""Run the course's AMP loop on several processes: torchrun's environment, DDP, FSDP2, sharded checkpoints.
+"""Run the course's AMP loop on several processes: torchrun's environment, DDP, FSDP2, sharded checkpoints (chapter 7).
 
 torchrun (``torch.distributed.run``) is the launcher; this module only reads what torchrun hands each
 worker, sets up the process group and wraps the model. Launch commands (`--help` lists every flag)::

@@ -1,4 +1,4 @@
-"""CUDA's autocast on a CPU: ``emulate.autocast`` gives CPU (and meta) tensors the casts CUDA autocast makes.
+"""CUDA's autocast on a CPU: ``emulate.autocast`` gives CPU (and meta) tensors the casts CUDA autocast makes (chapters 3, 5 and 8).
 
     >>> import torch
     >>> from ampcourse import emulate

@@ -1,4 +1,4 @@
-"""Floating-point formats from their bit layout: fp32, fp16, bf16, fp8, and the OCP MX formats below 8 bits.
+"""Floating-point formats from their bit layout: fp32, fp16, bf16, fp8, and the OCP MX formats below 8 bits (chapters 1 and 9).
 
 Everything here is computed from (exponent bits, mantissa bits, bias); nothing asks torch what a
 format can hold. The tests check the results against numpy's float16 (all 65,536 bit patterns)

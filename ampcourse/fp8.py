@@ -1,4 +1,4 @@
-"""Below 16 bits: scaled quantization (per tensor, per row, MX, NVFP4, tiles), delayed vs current scaling, memory.
+"""Below 16 bits: scaled quantization (per tensor, per row, MX, NVFP4, tiles), delayed vs current scaling, memory (chapter 9).
 
 A format with 3 mantissa bits or fewer covers too small a range to hold a tensor as it is, so every
 fp8/fp4 recipe stores ``q = round(x / s)`` and a scale ``s`` per *group* of elements, and multiplies

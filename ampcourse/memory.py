@@ -1,4 +1,4 @@
-"""Count the memory that training holds: tensors saved for backward, weights, gradients, optimizer state.
+"""Count the memory that training holds: tensors saved for backward, weights, gradients, optimizer state (chapter 2).
 
     >>> from ampcourse.memory import saved_for_backward, training_state_bytes
     >>> saved = saved_for_backward(lambda: loss_fn(model(x), y), params=model.parameters())

@@ -1,4 +1,4 @@
-"""Reference models and synthetic datasets that train in seconds on a CPU (no downloads).
+"""Reference models and synthetic datasets that train in seconds on a CPU, no downloads (chapter 4 and every chapter).
 
     >>> from ampcourse.models import make_task
     >>> task = make_task("mlp", seed=0)               # or "cnn", "transformer"

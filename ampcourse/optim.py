@@ -1,5 +1,5 @@
 """Pure bf16 training without fp32 master weights: AdamW whose weight update is rounded to nearest,
-rounded stochastically, or Kahan-compensated.
+rounded stochastically, or Kahan-compensated (chapter 4).
 
 Mixed precision keeps an fp32 copy of every weight because a typical update (about ``lr``) is smaller
 than half the bf16 spacing around the weight and rounds away (chapter 4, section 4.8). Pure bf16

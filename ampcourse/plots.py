@@ -1,4 +1,4 @@
-"""Static matplotlib figures used by the chapters (the interactive ones live in widgets)."""
+"""Static matplotlib figures used by the chapters (chapters 1-10; the interactive ones live in widgets)."""
 
 from __future__ import annotations
 

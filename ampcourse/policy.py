@@ -1,4 +1,4 @@
-"""Per-module precision policies: run chosen submodules in fp32 (or another dtype) inside autocast.
+"""Per-module precision policies: run chosen submodules in fp32 (or another dtype) inside autocast (chapter 5).
 
     >>> from ampcourse.policy import apply_policy, precision_report
     >>> apply_policy(model, {nn.LayerNorm: "fp32", "blocks.1.mlp": "bf16"})   # rules: class or name glob

@@ -1,4 +1,4 @@
-"""Gradient all-reduce in low precision, simulated rank by rank on one CPU.
+"""Gradient all-reduce in low precision, simulated rank by rank on one CPU (chapter 10).
 
 When gradients are all-reduced in bf16 (DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype=torch.bfloat16``),
 the sum itself is computed in bf16: the collective adds two values, stores the partial sum in the wire dtype,

@@ -1,4 +1,4 @@
-"""Loss scaling, written out: a from-scratch ``torch.amp.GradScaler`` and the tools chapter 6 uses.
+"""Loss scaling, written out: a from-scratch ``torch.amp.GradScaler`` and the tools of chapter 6.
 
     >>> from ampcourse.scaling import LossScaler
     >>> scaler = LossScaler("cpu")                 # same arguments as torch.amp.GradScaler("cpu")

@@ -1,4 +1,4 @@
-"""fp32 and AMP side by side over N steps: where a long run in bf16 or fp16 departs from fp32, and in which layer.
+"""fp32 and AMP side by side over N steps: where a long run in bf16 or fp16 departs from fp32, and in which layer (chapter 10).
 
 The AMP doctor (``ampcourse.doctor``) examines one step. A trial trains the *same* initial model on the *same*
 batches once in fp32 (the reference) and once in each precision asked for, in lockstep (in chunks of steps, the

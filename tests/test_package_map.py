@@ -1,7 +1,11 @@
 """Every public module of ampcourse is on the package's map and in the README's package table."""
 
+import importlib
 import pkgutil
+import re
 from pathlib import Path
+
+import pytest
 
 import ampcourse
 
@@ -77,3 +81,15 @@ def test_checkpoint_and_the_scaler_settings_do_not_climb():
             climbing = {d for d in deps if not d.startswith(("ampcourse.checkpoint", "ampcourse._args", "ampcourse._scaler"))}
             assert not climbing, f"{name} imports {sorted(climbing)}"
     assert graph["ampcourse._scaler"] == {"ampcourse._args"}
+
+
+CONCEPT_MODULES = ("formats", "fp8", "policy", "memory", "autocast_ops", "device", "models", "scaling", "bench", "plots",
+                   "optim", "reduce_sim", "emulate", "trial", "course", "distributed")
+
+
+@pytest.mark.parametrize("name", CONCEPT_MODULES)
+def test_each_concept_module_says_which_chapter_teaches_it(name):
+    """As d2l's library does: a module's first docstring sentence names the chapter(s) that teach it."""
+    doc = importlib.import_module(f"ampcourse.{name}").__doc__ or ""
+    first = doc.strip().split("\n\n")[0]
+    assert re.search(r"\bchapters? \d", first), f"ampcourse.{name}'s first paragraph names no chapter: {first[:100]!r}"
