@@ -986,7 +986,6 @@ if __name__ == "__main__":
 # Appended as its own section (imports local to it) so edits to the widgets above merge cleanly.
 
 #: Element formats to scale: every signed format of 8 bits or fewer in the registry (fp8, fp6, fp4).
-_OUTLIER_ELEMENTS = tuple(n for n, f in formats.FORMATS.items() if f.signed and f.bits <= 8)
 
 
 class OutlierExplorer(_Guarded, W.VBox):
@@ -1021,11 +1020,12 @@ class OutlierExplorer(_Guarded, W.VBox):
         if block_size not in blocks:
             raise ValueError(f"block_size must be one of {blocks} for rows of {cols}, got {block_size!r}")
         element = formats.spec(element).name
-        if element not in _OUTLIER_ELEMENTS:
-            raise ValueError(f"element must be one of {', '.join(_OUTLIER_ELEMENTS)}, got {element!r}")
+        elements = formats.element_formats()
+        if element not in elements:
+            raise ValueError(f"element must be one of {', '.join(elements)}, got {element!r}")
         if not 0 <= position < cols:
             raise ValueError(f"position must be in 0..{cols - 1}, got {position!r}")
-        self.element = W.Dropdown(options=_OUTLIER_ELEMENTS, value=element, description="element")
+        self.element = W.Dropdown(options=elements, value=element, description="element")
         self.magnitude = W.IntSlider(value=magnitude, min=0, max=16, description="log2 outlier")
         self.position = W.IntSlider(value=position, min=0, max=cols - 1, description="position")
         self.block = W.Dropdown(options=blocks, value=block_size, description="block size")

@@ -251,7 +251,15 @@ def test_chunks_give_the_same_series_as_strict_lockstep(precisions):
         t = trial("transformer", DATA, precisions=precisions, steps=7, chunk=chunk)
         assert t.series == strict.series and t.departures == strict.departures
     assert t.config["chunk"] == 7  # the default: every step at once for a model this small (CHUNK_BYTES)
-    assert trial_mod.CHUNK_BYTES == 64 * 2**20
+
+
+def test_the_default_chunk_follows_chunk_bytes(monkeypatch):
+    """chunk=None takes as many steps at once as CHUNK_BYTES of flat weight copies allow (at least one)."""
+    default = trial("transformer", DATA, precisions=("bf16",), steps=7)
+    assert default.config["chunk"] == 7  # a model this small fits every step
+    monkeypatch.setattr(trial_mod, "CHUNK_BYTES", 1)
+    tight = trial("transformer", DATA, precisions=("bf16",), steps=7)
+    assert tight.config["chunk"] == 1 and tight.series == default.series  # one step at a time, the same series
 
 
 # --- issue 28 (the flag, the causal mask, recompute) and issue 30 item 7 (fused optimizers' step count) -----------

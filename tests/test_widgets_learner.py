@@ -53,10 +53,16 @@ def test_a_new_format_in_the_registry_reaches_the_explorers(monkeypatch):
     assert "fp8_e3m4" in [t.get_text() for t in fig.axes[0].texts]
 
 
-def test_outlier_and_mx_element_lists_are_the_registry_s_narrow_signed_formats():
-    narrow = tuple(n for n, f in formats.FORMATS.items() if f.signed and f.bits <= 8)
-    assert widgets._OUTLIER_ELEMENTS == narrow == ch09._MX_ELEMENTS
-    assert "fp8_e8m0" not in narrow and {"fp8_e4m3", "fp6_e2m3", "fp4_e2m1"} <= set(narrow)
+def test_a_new_narrow_format_is_an_element_of_the_outlier_explorer_and_exercise_9_1(monkeypatch):
+    """The element lists are read from the registry (formats.element_formats), not copied: a format added to it
+    shows up in chapter 9's outlier explorer and among exercise 9.1's cases; the unsigned scale format does not."""
+    elements = formats.element_formats()
+    assert {"fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"} <= set(elements)
+    assert "fp8_e8m0" not in elements and "fp16" not in elements
+    new = formats.FormatSpec("fp8_e3m4", 3, 4, has_inf=False, saturates=True)
+    monkeypatch.setitem(formats.FORMATS, "fp8_e3m4", new)
+    assert "fp8_e3m4" in widgets.outlier_explorer(np.ones((2, 32))).element.options
+    assert "fp8_e3m4" in {el for _, el in ch09._mx_cases()}
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -16,7 +16,6 @@ from ._core import call_learner, failed, number_list, passed
 __all__ = ["check_mx_scale", "check_delayed_scales"]
 
 #: The MX element formats: every signed format of 8 bits or fewer in the registry (fp8, fp6, fp4), so a new one is checked too.
-_MX_ELEMENTS = tuple(n for n, f in formats.FORMATS.items() if f.signed and f.bits <= 8)
 
 
 def _ocp_scale(amax: float, element: str) -> float:
@@ -28,7 +27,7 @@ def _mx_cases() -> list[tuple[float, str]]:
     """Block amaxes to try: exact powers of two, values just below and above them, the formats' maxima, random ones."""
     rng = random.Random(9)
     cases = []
-    for el in _MX_ELEMENTS:
+    for el in formats.element_formats():
         m = formats.spec(el).max
         cases += [(1.0, el), (m, el), (m * 1.1, el), (0.75, el), (2.0**10, el), (2.0**10 * (1 - 2**-20), el),
                   (2.0**-10 * (1 + 2**-20), el), (3.0, el)]
