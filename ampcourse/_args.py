@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 __all__ = ["InputError", "INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "first_line", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
-           "flag", "as_path", "writable_file", "OneLineParser", "cli_error"]
+           "flag", "as_path", "writable_file", "output_files", "OneLineParser", "cli_error"]
 
 
 
@@ -207,6 +207,30 @@ def writable_file(path: Any, name: str) -> Path:
     if not existed:
         target.unlink(missing_ok=True)
     return target
+
+
+def output_files(named: Sequence[tuple[str, Any]]) -> None:
+    """The one check of a CLI's output files, before any work: each given one writable, no two the same file.
+
+    Args:
+        named: (flag, path) pairs, such as ``[("--out", args.out), ("--html", args.html)]``; a None path is not given.
+
+    Example:
+        >>> output_files([("--out", "report.json"), ("--html", "report.json")])
+        Traceback (most recent call last):
+        InputError: --out and --html name the same file ('report.json'): the second would overwrite the first; give each its own
+    """
+    given = [(flag, path) for flag, path in named if path is not None]
+    for flag, path in given:
+        writable_file(path, flag)
+    seen: dict[Path, tuple[str, Any]] = {}
+    for flag, path in given:
+        key = Path(path).resolve()
+        if key in seen:
+            first, shown_as = seen[key]
+            raise InputError(f"{first} and {flag} name the same file ({str(shown_as)!r}): the second would overwrite "
+                             "the first; give each its own")
+        seen[key] = (flag, path)
 
 
 def creatable_dir(path: Path, name: str) -> None:

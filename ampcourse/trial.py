@@ -958,11 +958,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
         return done.code if isinstance(done.code, int) else 2
     try:
-        for flag, path in (("--out", args.out), ("--plot", args.plot)):  # before the work, not after it
-            if path is not None:
-                _args.writable_file(path, flag)
-        if args.out is not None and args.plot is not None and Path(args.out).resolve() == Path(args.plot).resolve():
-            raise ValueError(f"--out and --plot name the same file ({args.out!r}); the plot would overwrite the JSON")
+        _args.output_files([("--out", args.out), ("--plot", args.plot)])  # before the work, not after it
         if args.plot is not None:
             _check_plot_format(args.plot)  # an unknown suffix fails now, not after every step has run
         if args.model not in models.MODELS:

@@ -154,3 +154,10 @@ def test_report_to_html_is_public_and_a_page_wraps_the_fragment():
     fragment, page = report.to_html(), report.to_html(page=True)
     assert fragment == report._repr_html_() and "<html" not in fragment
     assert page.startswith("<!doctype html>") and fragment in page
+
+
+def test_out_and_html_naming_one_file_is_refused_before_the_work(tmp_path):
+    """The shared check of the CLIs' output files (_args.output_files): the HTML page overwrote the JSON report."""
+    same = tmp_path / "report"
+    run = doctor("--model", "mlp", "--out", str(same), "--html", str(same))
+    assert run.returncode == 2 and "--out and --html name the same file" in run.stderr and not same.exists()

@@ -60,13 +60,13 @@ def _factory_setup(spec: str):
     return (*out, None) if len(out) == 4 else tuple(out)
 
 
-def _writable(path: str, flag: str) -> None:
-    """Check before the work that a report can be written to path (_args.writable_file: a device such as /dev/full
-    gets a probe byte), as one CLI error line."""
+def _writable(named) -> None:
+    """Check before the work that each report can be written and no two name one file (_args.output_files: a device
+    such as /dev/full gets a probe byte), as one CLI error line."""
     try:
-        _args.writable_file(path, flag)
+        _args.output_files(named)
     except ValueError as err:
-        raise CliError(str(err) if str(err).startswith("cannot write") else f"{flag}: {err}") from None
+        raise CliError(str(err)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,9 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.steps is not None and args.steps < 0:
             raise CliError(f"--steps must be >= 0 (0: the forensic pass), got {args.steps}")
-        for flag, path in (("--out", args.out), ("--html", args.html)):  # before the work, not after it
-            if path is not None:
-                _writable(path, flag)
+        _writable([("--out", args.out), ("--html", args.html)])  # before the work, not after it
         if args.model in MODELS:
             if args.batch < 1:
                 raise CliError(f"--batch must be >= 1, got {args.batch}")

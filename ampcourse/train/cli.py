@@ -122,12 +122,7 @@ def _fail(message: str, local_rank: int) -> None:
 
 def _plan(args: argparse.Namespace, env) -> _Plan:
     """All the checks that need no process group: strategy vs launcher, devices, batch split, checkpoints."""
-    for flag, path in (("--out", args.out), ("--history-out", args.history_out)):
-        if path is not None:  # fail before training, not after it
-            _args.writable_file(path, flag)
-    if args.out is not None and args.history_out is not None \
-            and Path(args.out).resolve() == Path(args.history_out).resolve():  # the summary would overwrite the history
-        raise ValueError(f"--out and --history-out name the same file ({args.out!r}); give each its own")
+    _args.output_files([("--out", args.out), ("--history-out", args.history_out)])  # fail before training
     if args.checkpoint_dir is not None:
         _args.as_path(args.checkpoint_dir, "--checkpoint-dir")  # a NUL byte named by its flag
     if args.strategy == "single":
