@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _args, models
+from . import _args, _proctree, models
 from .device import AmpSetup
 
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
@@ -541,18 +541,10 @@ def _exited(proc: subprocess.Popen, seconds: float) -> bool:
         return False
 
 
-def _stat(pid: int) -> list[str]:
-    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...); [] if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
 def _family(pid: int) -> set[int]:
     """The session ids of `pid` and its descendants now: torchrun and each worker run in a session of their own,
     and what a worker starts inherits the worker's (empty where /proc does not exist)."""
-    return {int(f[3]) for p in [pid, *_descendants(pid)] if len(f := _stat(p)) > 3}
+    return {int(f[3]) for p in [pid, *_proctree.descendants(pid)] if len(f := _proctree.stat(p)) > 3}
 
 
 def _stop_orphans(sessions: set[int]) -> None:
@@ -562,7 +554,7 @@ def _stop_orphans(sessions: set[int]) -> None:
     own = os.getsid(0)
     killed = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = _stat(int(stat.parent.name))
+        fields = _proctree.stat(int(stat.parent.name))
         if len(fields) > 3 and int(fields[3]) in sessions and int(fields[3]) != own:
             try:
                 os.kill(int(stat.parent.name), signal.SIGKILL)
@@ -579,10 +571,10 @@ def _wait_gone(pids: Sequence[int], timeout: float = 10.0) -> None:
     that returned at once would leave its workers alive for a moment (CI saw one).
     """
     deadline = time.monotonic() + timeout
-    left = [p for p in pids if (f := _stat(p)) and f[0] != "Z"]
+    left = [p for p in pids if _proctree.alive(p)]
     while left and time.monotonic() < deadline:
         time.sleep(0.02)
-        left = [p for p in left if (f := _stat(p)) and f[0] != "Z"]
+        left = [p for p in left if _proctree.alive(p)]
 
 
 class _LaunchStatus:
@@ -627,23 +619,6 @@ class _LaunchStatus:
             self.handle.update({"text/plain": self.resting}, raw=True)
 
 
-def _descendants(pid: int) -> list[int]:
-    """PIDs of every descendant of `pid`, from /proc (Linux); empty where /proc does not exist."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     """Stop torchrun and every worker it spawned.
 
@@ -654,7 +629,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     if Path("/proc").is_dir():  # frozen, torchrun cannot start a worker between our look at /proc and the kill
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGSTOP)
-    family = _descendants(proc.pid)
+    family = _proctree.descendants(proc.pid)
     if not family and not Path("/proc").is_dir():
         try:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -391,27 +391,19 @@ def parse_junit(path: Path) -> list[dict]:
     return tests
 
 
-def descendants(pid: int) -> list[int]:
-    """PIDs of every descendant of pid, from /proc (Linux); empty where /proc does not exist.
+def _load_proctree():
+    """ampcourse/_proctree.py (stdlib only), loaded by its path: this parent imports nothing of the ampcourse package
+    (issue 19 item 2: the image's Python may not find it, or torch), yet shares the one /proc walk with
+    ampcourse.distributed."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ampcourse_proctree", ROOT / "ampcourse" / "_proctree.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    torchrun starts each worker in a session of its own, so killing a step's process group alone would
-    leave them (and the GPU memory they hold) behind. ampcourse.distributed has the same walk; this parent
-    process imports nothing of ampcourse (issue 19 item 2: the image's Python may not find the package), so it
-    keeps its own copy.
-    """
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # it ended while we looked
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+
+_proctree = _load_proctree()
+descendants = _proctree.descendants  # PIDs of every descendant of a pid, from /proc (torchrun's workers among them)
 
 
 def kill_tree(proc: subprocess.Popen, family: list[int] | None = None) -> None:
@@ -434,16 +426,8 @@ def kill_tree(proc: subprocess.Popen, family: list[int] | None = None) -> None:
         except subprocess.TimeoutExpired:
             pass
         family += [p for p in descendants(proc.pid) if p not in family]
-        if sig == signal.SIGTERM and proc.poll() is not None and not any(_alive(p) for p in family):
+        if sig == signal.SIGTERM and proc.poll() is not None and not any(_proctree.alive(p) for p in family):
             return
-
-
-def _alive(pid: int) -> bool:
-    """Whether pid is a running process (a zombie waiting for its parent is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def interrupt(proc: subprocess.Popen, grace_s: float = CUT_GRACE_S) -> None:
