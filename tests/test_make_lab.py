@@ -134,6 +134,12 @@ def test_the_terminal_runs_the_course_python_even_after_a_login_profile_and_the_
     assert plain.stdout.split()[-1] != python  # without the rc file: the other Python (what the learner hit)
 
 
+def _line_done(seen: str, marker: str) -> bool:
+    """Whether the output holds `marker` with the end of its line (the echoed command line spells it apart)."""
+    at = seen.find(marker)
+    return at >= 0 and "\n" in seen[at:]
+
+
 def terminal_output(port: int, command: str, until: str, timeout: float = 60) -> str:
     """Run a command in a new JupyterLab Terminal (REST + websocket, as the Terminal tab does); its output."""
     from tornado.ioloop import IOLoop
@@ -145,7 +151,8 @@ def terminal_output(port: int, command: str, until: str, timeout: float = 60) ->
         ws = await websocket_connect(f"ws://127.0.0.1:{port}/terminals/websocket/{name}")
         ws.write_message(json.dumps(["stdin", command + "\r"]))
         seen, deadline = "", time.monotonic() + timeout
-        while until not in seen and time.monotonic() < deadline:
+        # until its whole line has come: the terminal may send "AMPOK" and the rest of that line in two messages
+        while not _line_done(seen, until) and time.monotonic() < deadline:
             msg = await ws.read_message()
             if msg is None:
                 break
