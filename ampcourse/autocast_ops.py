@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import re
 import json
 import os
 import pickle
@@ -389,7 +390,9 @@ def _kind_of(entered: str | None, policy: dict[str, "Policy"]) -> str | None:
     """The fp32 kind of the aten op a call entered, when all its registered overloads agree."""
     if entered is None:
         return None
-    kinds = {p.kind for name, p in policy.items() if name == entered or name.startswith(entered + ".")}
+    # overloads the probe could not run (a named-tensor one, registered by some builds) say nothing of the kind
+    kinds = {p.kind for name, p in policy.items()
+             if (name == entered or name.startswith(entered + ".")) and p.category != "unsupported"}
     return kinds.pop() if len(kinds) == 1 else None
 
 
@@ -646,6 +649,10 @@ def _classify(name: str, dtype: torch.dtype, fake_mode) -> Policy:
     """The policy of one registered overload from three recorded calls (and one without autocast)."""
     op = _overload(name)
     f32, low = torch.float32, dtype
+    # the schema shows a Dimname as `str`: the overload's name tells (softmax.Dimname, sum.dim_DimnameList, norm.names_...)
+    if re.search(r"(?i)dimname|^names_", name.partition(".")[2]):  # torch 2.11's CUDA build registers these
+        return Policy(name, "unsupported", reason="not probeable: a named-tensor (Dimname) overload; the probe builds "
+                      "unnamed tensors (the unnamed overloads of the op are probed)", outputs=(None, None, None))
     up_casts, _, err_f, n_f, out_f = _record(op, (f32, f32), dtype, fake_mode)
     low_casts, low_dtype_calls, err_l, n_l, out_l = _record(op, (low, low), dtype, fake_mode)
     mixed_casts, _, _, _, out_m = _record(op, (low, f32), dtype, fake_mode)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["FormatSpec", "Decomposed", "FORMATS", "AUTOCAST_DTYPES", "element_formats", "spec", "decompose", "quantize", "ulp", "names",
+__all__ = ["FormatSpec", "Decomposed", "FORMATS", "AUTOCAST_DTYPES", "mx_elements", "spec", "decompose", "quantize", "ulp", "names",
            "TORCH_E4M3_CAST_SATURATES_FROM", "torch_version", "torch_e4m3_cast_saturates"]
 
 
@@ -190,14 +190,14 @@ def names(narrow: bool = False) -> list[str]:
     return [n for n in FORMATS if n not in _COMPUTE_ONLY] if narrow else list(_CLASSIC)
 
 
-def element_formats() -> tuple[str, ...]:
+def mx_elements() -> tuple[str, ...]:
     """The signed formats of at most 8 bits (fp8, fp6, fp4): the elements an MX block or a scaled tensor can hold.
 
     Read from the registry each call, so a format added to ``FORMATS`` is an element everywhere (chapter 9's
     outlier explorer, exercise 9.1). The scale format e8m0 is unsigned and not an element.
 
     Example:
-        >>> "fp8_e4m3" in element_formats(), "fp8_e8m0" in element_formats()
+        >>> "fp8_e4m3" in mx_elements(), "fp8_e8m0" in mx_elements()
         (True, False)
     """
     return tuple(n for n, f in FORMATS.items() if f.signed and f.bits <= 8)

@@ -33,7 +33,7 @@ roundings; different at three edges, where torchao departs from the rule above (
   in float32, whose log2 rounds to exactly k, so it picks 2**k where the round-up rule gives 2**(k + 1)
   (and where its own Blackwell path, ``cvt.rp.satfinite.ue8m0x2.f32``, rounds up); the block's top value
   then saturates by less than an ulp;
-- NVFP4 exact ties (x / s halfway between two fp4 values): torchao multiplies by the float32 reciprocal
+- NVFP4 exact ties (x / s halfway between two fp4 values): torchao 0.18 (not 0.17) multiplies by the float32 reciprocal
   of the e4m3 scale (to match the MSLK kernel), which moves a tie by an ulp and rounds it away from even;
   here the quotient is exact and the tie goes to even, as cuDNN's formula says.
 
@@ -52,6 +52,7 @@ import contextlib
 import functools
 import logging
 import math
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ from . import _args, formats
 __all__ = ["GRANULARITIES", "Quantized", "quantize_scaled", "relative_error", "median_relative_error", "sqnr_db", "compare_granularities",
            "ScalingStep", "simulate_scaling", "spike_sequence", "Component", "TrainingScheme", "SCHEMES",
            "bytes_per_parameter", "scaled_matmul", "quiet_torchao", "torchao_unavailable", "torchao_quantize", "EdgeCase",
-           "mx_edge_cases", "element_formats", "RECIPES", "to_recipe", "recipe_unavailable", "train_recipe",
+           "mx_edge_cases", "torchao_departs", "element_formats", "RECIPES", "to_recipe", "recipe_unavailable", "train_recipe",
            "ROWWISE_SCALED_MM_CPU", "SCALED_MM_MULTIPLE", "AMAX_EPS"]
 
 #: granularity name -> (group shape: rows, cols; None = the whole dimension), scale format
@@ -633,10 +634,30 @@ class EdgeCase:
     rule: str  # the rule, and who states it
     torchao: str  # what torchao does instead, and why (from its source)
     unit: float = 1.0  # a convenient unit to print this block's values in (a power of two, or its scale)
+    # the first torchao that departs here (measured: 0.17, torch 2.11's, still rounds NVFP4 ties to even)
+    torchao_since: tuple[int, int] = (0, 17)
+
+
+def torchao_departs(case: EdgeCase) -> bool:
+    """Whether the installed torchao departs from the rule on this case (it does from ``case.torchao_since`` on).
+
+    Args:
+        case: one of :func:`mx_edge_cases`.
+
+    Example::
+
+        >>> [torchao_departs(c) for c in mx_edge_cases()]  # torchao 0.18
+        [True, True, True, True]
+    """
+    import torchao
+
+    have = tuple(int(p) for p in re.findall(r"\d+", torchao.__version__)[:2])
+    return have >= case.torchao_since
 
 
 def mx_edge_cases() -> list[EdgeCase]:
-    """The blocks where torchao 0.18's MX and NVFP4 quantization differ from the spec's rule (see the module doc).
+    """The blocks where torchao's MX and NVFP4 quantization differ from the spec's rule (see the module doc; 0.17
+    follows the rule on NVFP4 ties: :func:`torchao_departs`).
 
     Example::
 
@@ -666,7 +687,7 @@ def mx_edge_cases() -> list[EdgeCase]:
         EdgeCase("NVFP4, exact ties", tie[None], "fp4_e2m1", "nvfp4", "floor",
                  "cuDNN: output = quantize_round_to_even(vals / scale): 2.5 -> 2, 1.25 -> 1, 5 -> 4",
                  "multiplies by the float32 reciprocal of the scale (MSLK's numerics): a tie moves up an ulp, rounds up",
-                 s),
+                 s, torchao_since=(0, 18)),
     ]
 
 

@@ -1020,7 +1020,7 @@ class OutlierExplorer(_Guarded, W.VBox):
         if block_size not in blocks:
             raise ValueError(f"block_size must be one of {blocks} for rows of {cols}, got {block_size!r}")
         element = formats.spec(element).name
-        elements = formats.element_formats()
+        elements = formats.mx_elements()
         if element not in elements:
             raise ValueError(f"element must be one of {', '.join(elements)}, got {element!r}")
         if not 0 <= position < cols:

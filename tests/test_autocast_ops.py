@@ -1,5 +1,7 @@
 """The autocast op table is measured live and classifies ops the way CPU autocast really treats them."""
 
+import os
+
 import pytest
 import torch
 
@@ -113,12 +115,22 @@ def test_callers_ops_direct_aten_calls_and_banned_ops():
     assert bce.category == "unsupported" and "unsafe to autocast" in bce.reason
 
 
+def _abort(x):
+    os.abort()  # what a C++ assertion does to the probe's process: uncatchable in Python
+
+
 def test_a_probe_that_aborts_is_a_row_not_a_crash():
-    """A fake CUDA tensor that requires grad aborts the process from C++: the child dies, the row says so."""
-    specs = [OpSpec("requires grad", ((4, 8),), lambda x: x.requires_grad_().exp()),
+    """A probe that aborts the child from C++ is a row that says so; the other ops are probed again, one child each.
+    On the CPU-only wheel a fake CUDA tensor that requires grad aborts ("not linked with support for cuda"); a CUDA
+    build of torch runs it, so os.abort() stands in for the abort on every build."""
+    specs = [OpSpec("aborts", ((4, 8),), _abort), OpSpec("requires grad", ((4, 8),), lambda x: x.requires_grad_().exp()),
              OpSpec("exp", ((4, 8),), torch.exp)]
     rows = {r.op: r for r in op_table("cuda", torch.bfloat16, ops=specs)}
-    assert rows["requires grad"].category == "unsupported" and "died" in rows["requires grad"].reason
+    assert rows["aborts"].category == "unsupported" and "died" in rows["aborts"].reason
+    if torch.version.cuda is None:  # the CPU-only wheel
+        assert rows["requires grad"].category == "unsupported" and "died" in rows["requires grad"].reason
+    else:
+        assert rows["requires grad"].category == "fp32"
     assert rows["exp"].category == "fp32"  # the other op is probed again in a process of its own
 
 
@@ -151,7 +163,9 @@ def test_policy_covers_every_registered_overload(dtype):
     assert pol["aten::addcmul"].category == "promote"
     assert pol["aten::binary_cross_entropy"].reason.startswith("CUDA autocast raises: ")
     unsupported = [p for p in pol.values() if p.category == "unsupported"]
-    assert all(p.reason for p in unsupported) and len(unsupported) <= 3  # bce, and what the probe says it can't tell
+    assert all(p.reason for p in unsupported)
+    named = [p for p in unsupported if "named-tensor (Dimname)" in p.reason]  # some builds (2.11's CUDA) register them
+    assert len(unsupported) - len(named) <= 3  # bce, and what the probe says it can't tell
 
 
 def test_policy_is_cached_on_disk_per_torch_build(tmp_path, monkeypatch):

@@ -54,9 +54,9 @@ def test_a_new_format_in_the_registry_reaches_the_explorers(monkeypatch):
 
 
 def test_a_new_narrow_format_is_an_element_of_the_outlier_explorer_and_exercise_9_1(monkeypatch):
-    """The element lists are read from the registry (formats.element_formats), not copied: a format added to it
+    """The element lists are read from the registry (formats.mx_elements), not copied: a format added to it
     shows up in chapter 9's outlier explorer and among exercise 9.1's cases; the unsigned scale format does not."""
-    elements = formats.element_formats()
+    elements = formats.mx_elements()
     assert {"fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"} <= set(elements)
     assert "fp8_e8m0" not in elements and "fp16" not in elements
     new = formats.FormatSpec("fp8_e3m4", 3, 4, has_inf=False, saturates=True)

@@ -27,7 +27,7 @@ def _mx_cases() -> list[tuple[float, str]]:
     """Block amaxes to try: exact powers of two, values just below and above them, the formats' maxima, random ones."""
     rng = random.Random(9)
     cases = []
-    for el in formats.element_formats():
+    for el in formats.mx_elements():
         m = formats.spec(el).max
         cases += [(1.0, el), (m, el), (m * 1.1, el), (0.75, el), (2.0**10, el), (2.0**10 * (1 - 2**-20), el),
                   (2.0**-10 * (1 + 2**-20), el), (3.0, el)]
