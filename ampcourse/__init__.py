@@ -12,7 +12,7 @@ Modules, one idea each:
     optim      pure-bf16 AdamW: nearest, stochastic or Kahan-compensated weight updates (no fp32 master)
     distributed torchrun env, process groups, DDP/FSDP2 wrapping, launch(), SLURM scripts
     reduce_sim an N-rank all-reduce in bf16/fp16/fp32 (ring or tree), simulated addition by addition
-    widgets    ipywidgets + matplotlib explorers used in the chapters
+    widgets    ipywidgets + matplotlib explorers used in the chapters (a package, a file per explorer)
     autocast_ops  the autocast op table, measured live per device and dtype (CUDA's too, without a GPU)
     emulate    CUDA's autocast on CPU and meta tensors (emulate.autocast), from the probed policy
     memory     bytes saved for backward, weights, gradients, optimizer state

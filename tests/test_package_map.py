@@ -93,3 +93,70 @@ def test_each_concept_module_says_which_chapter_teaches_it(name):
     doc = importlib.import_module(f"ampcourse.{name}").__doc__ or ""
     first = doc.strip().split("\n\n")[0]
     assert re.search(r"\bchapters? \d", first), f"ampcourse.{name}'s first paragraph names no chapter: {first[:100]!r}"
+
+
+# --- ampcourse/widgets/ (issue 31): one file per explorer, the PNG encoder and the figure plumbing apart ------------
+# Each file's floor: it imports only files of the package on lower floors (other ampcourse modules freely, within
+# test_no_import_cycles). The four explorers share a floor, so none imports another.
+WIDGETS_FLOORS = {
+    "common": 0,  # _Guarded, STORED_HINT, parse_*, small formatters
+    "png": 0,  # the PNG encoder: numpy and zlib only
+    "figure": 1,  # _FigureImage (its PNGs from png)
+    "bits": 2, "ranges": 2, "scaler": 2, "outlier": 2,  # the explorers of chapters 1, 6, 6 and 9
+    "cli": 3,  # python -m ampcourse.widgets: benchmark, simulation_benchmark, main
+    "__init__": 4, "__main__": 4,
+}
+WIDGETS = "ampcourse.widgets"
+
+
+def _widgets_file(module: str) -> str | None:
+    """'ampcourse.widgets.png' -> 'png', 'ampcourse.widgets' -> '__init__', anything else -> None."""
+    if module == WIDGETS:
+        return "__init__"
+    return module.removeprefix(f"{WIDGETS}.") if module.startswith(f"{WIDGETS}.") else None
+
+
+def test_the_widgets_package_keeps_its_floors():
+    graph = _imports()
+    files = {_widgets_file(m) for m in graph} - {None}
+    assert files == set(WIDGETS_FLOORS), f"put every file of ampcourse/widgets/ on WIDGETS_FLOORS: {files ^ set(WIDGETS_FLOORS)}"
+    for module, deps in graph.items():
+        here = _widgets_file(module)
+        if here is None:
+            continue
+        for dep in filter(None, map(_widgets_file, deps)):
+            assert WIDGETS_FLOORS[dep] < WIDGETS_FLOORS[here], f"{module} imports {dep} (floor {WIDGETS_FLOORS[dep]}), " \
+                                                               f"not below its own floor {WIDGETS_FLOORS[here]}"
+
+
+@pytest.mark.parametrize("name", sorted(WIDGETS_FLOORS))
+def test_each_widgets_file_says_which_chapter_it_serves_and_stays_small(name):
+    import ast
+
+    path = ROOT / "ampcourse" / "widgets" / f"{name}.py"
+    text = path.read_text()
+    first = (ast.get_docstring(ast.parse(text)) or "").split("\n\n")[0]  # read, not imported: __main__ would run
+    assert re.search(r"\bchapters? \d", first), f"ampcourse/widgets/{name}.py's first paragraph names no chapter"
+    assert len(text.splitlines()) <= 900, f"ampcourse/widgets/{name}.py has grown past 900 lines: split it"
+
+
+def test_every_name_imported_from_the_widgets_package_is_there():
+    """What chapters, tests, benchmarks and tools take from ampcourse.widgets (a `from ampcourse.widgets import`, or an
+    attribute of `widgets` where they import the package) is still there: a move inside the package keeps old paths."""
+    import json
+
+    import ampcourse.widgets as widgets
+
+    sources = {p: p.read_text() for d in ("tests", "benchmarks", "tools") for p in (ROOT / d).rglob("*.py")}
+    for nb in (ROOT / "chapters").glob("*.ipynb"):
+        sources[nb] = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"]
+                                if c["cell_type"] == "code")
+    used = {}
+    for path, text in sources.items():
+        for paren, line in re.findall(r"^\s*from ampcourse\.widgets import (?:\(([^)]*)\)|([^\n#]*))", text, flags=re.M):
+            used.update((n.split()[0], path.name) for n in (paren or line).split(",") if n.strip())
+        if re.search(r"^\s*(from ampcourse import .*\bwidgets\b|import ampcourse\.widgets as widgets)", text, flags=re.M):
+            used.update((n, path.name) for n in re.findall(r"(?<![\w.])widgets\.(\w+)", text))
+    assert {"format_explorer", "range_explorer", "scaler_simulator", "outlier_explorer", "_main"} <= set(used)
+    missing = {n: f for n, f in used.items() if not hasattr(widgets, n)}
+    assert not missing, f"ampcourse.widgets lacks names these files import: {missing}"

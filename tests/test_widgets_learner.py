@@ -11,6 +11,7 @@ import torch
 
 from ampcourse import formats, fp8, plots, scaling, widgets
 from ampcourse.exercises import ch09
+from ampcourse.widgets.scaler import _scale_trajectory
 
 
 def test_outlier_table_shows_the_typical_value_error_that_jumps_as_the_outlier_grows():
@@ -73,7 +74,7 @@ def test_the_scaler_simulators_event_path_is_simulate_scale(seed):
         over = rng.random(n) < float(rng.choice([0.0, 1e-3, 0.05, 0.5, 1.0]))
         args = (2.0 ** int(rng.integers(-30, 127)), float(rng.choice([1.05, 2.0, 8.0])),
                 float(rng.choice([0.05, 0.5, 0.95])), int(rng.choice([1, 2, 3, 100, 2000])))
-        assert widgets._scale_trajectory(over, *args).tolist() == scaling.simulate_scale(over.tolist(), *args)
+        assert _scale_trajectory(over, *args).tolist() == scaling.simulate_scale(over.tolist(), *args)
 
 
 def test_the_scaler_simulator_still_draws_simulate_scale():

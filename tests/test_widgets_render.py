@@ -9,6 +9,8 @@ import PIL.Image
 import pytest
 
 from ampcourse import widgets
+from ampcourse.widgets.figure import _FigureImage
+from ampcourse.widgets.png import _PngFrames, _adler32_combine, _png
 
 
 def decode(png: bytes) -> np.ndarray:
@@ -22,9 +24,9 @@ def test_png_is_lossless_on_random_and_flat_images():
     rng = np.random.default_rng(0)
     for shape in [(1, 1, 4), (3, 5, 4), (97, 131, 4)]:
         noisy = rng.integers(0, 256, shape, dtype=np.uint8)  # every byte difference wraps modulo 256
-        np.testing.assert_array_equal(decode(widgets._png(noisy)), noisy)
+        np.testing.assert_array_equal(decode(_png(noisy)), noisy)
     flat = np.full((200, 300, 4), 255, np.uint8)
-    png = widgets._png(flat)
+    png = _png(flat)
     np.testing.assert_array_equal(decode(png), flat)
     assert len(png) < 2000  # the Up filter turns repeated rows into zeros that deflate to almost nothing
 
@@ -45,7 +47,7 @@ def test_png_of_a_figure_matches_the_canvas_and_is_small():
                                  np.zeros((0, 4, 4), np.uint8), np.zeros((16,), np.uint8)])
 def test_png_refuses_what_is_not_rgba_bytes(bad):
     with pytest.raises(ValueError, match="height x width x 4 uint8"):
-        widgets._png(bad)
+        _png(bad)
 
 
 def _frame(w) -> np.ndarray:
@@ -114,9 +116,9 @@ def test_scaler_moves_show_what_a_full_redraw_shows():
 
 def test_a_stale_cached_axes_is_caught(monkeypatch):
     """The check above can fail: with the cache never invalidated, new limits show old ticks and zones."""
-    monkeypatch.setattr(widgets._FigureImage, "invalidate", lambda self: None)
+    monkeypatch.setattr(_FigureImage, "invalidate", lambda self: None)
     # and every state shares one bitmap (the key a widget names for its axes' state is ignored)
-    monkeypatch.setattr(widgets._FigureImage, "key", property(lambda self: None, lambda self, value: None), raising=False)
+    monkeypatch.setattr(_FigureImage, "key", property(lambda self: None, lambda self, value: None), raising=False)
     with pytest.raises(AssertionError, match="differ from a full redraw"):
         _drive(widgets.scaler_simulator(steps=2000, burst="1000-1005"), SCALER_MOVES)
 
@@ -143,12 +145,12 @@ def test_adler32_combine_matches_zlib():
     rng = np.random.default_rng(1)
     for _ in range(100):
         a, b = rng.bytes(int(rng.integers(0, 500))), rng.bytes(int(rng.integers(0, 200_000)))
-        assert widgets._adler32_combine(zlib.adler32(a), zlib.adler32(b), len(b)) == zlib.adler32(a + b)
+        assert _adler32_combine(zlib.adler32(a), zlib.adler32(b), len(b)) == zlib.adler32(a + b)
 
 
 def test_png_frames_reencode_only_changed_bands_and_stay_lossless():
     rng = np.random.default_rng(2)
-    frames = widgets._PngFrames(band=16)
+    frames = _PngFrames(band=16)
     img = np.full((100, 37, 4), 255, np.uint8)
     png = frames.encode(img)
     assert frames.bands_deflated == 7  # the first frame: every band (100 rows in bands of 16)

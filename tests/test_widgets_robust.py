@@ -14,6 +14,7 @@ from traitlets import TraitError
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from ampcourse import plots, widgets
+from ampcourse.widgets.common import _LABEL, _Guarded, _plural
 
 BAD_NUMBERS = [math.nan, math.inf, -math.inf, -1, 0, 10**30, -(10**30), 2**63, 1e-300]
 BAD_TEXT = ["", "nan", "-1", "1e999", "abc", "2**9999", "0", "1-", "-5--3", " " * 3]
@@ -76,7 +77,7 @@ def test_the_widgets_are_discovered():
 @pytest.mark.parametrize("name", factories())
 def test_no_value_makes_an_observer_raise_and_the_last_good_state_stays(name, small_grads):
     w = build(name, small_grads)
-    assert isinstance(w, widgets._Guarded), f"{name}: derive the widget from widgets._Guarded and observe with _watch"
+    assert isinstance(w, _Guarded), f"{name}: derive the widget from widgets.common._Guarded and observe with _watch"
     for control in controls(w):
         if isinstance(control, (W.Dropdown, W.Checkbox, W.ToggleButton)):
             continue  # the trait itself refuses anything outside the options
@@ -142,7 +143,7 @@ def test_a_stored_widget_output_says_run_the_cells_above(name, small_grads):
 def test_scaler_labels_are_wide_enough_for_gradscalers_argument_names():
     s = widgets.scaler_simulator()
     for c in (s.init_log2, s.growth_factor, s.backoff_factor, s.growth_interval):
-        assert c.style.description_width == widgets._LABEL["description_width"]
+        assert c.style.description_width == _LABEL["description_width"]
         name = c.description.removeprefix("log2 ")
         assert name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
         # 8.5em holds 15 characters of the widgets' proportional font with room to spare
@@ -202,7 +203,7 @@ def test_tick_labels_are_inside_the_figure_and_the_legend_off_the_data(make, sma
 
 
 def test_one_step_is_singular():
-    assert widgets._plural(1, "step") == "1 step" and widgets._plural(2, "step") == "2 steps"
+    assert _plural(1, "step") == "1 step" and _plural(2, "step") == "2 steps"
     s = widgets.scaler_simulator(steps=100, probability=1e-5, burst="50")
     s.growth_interval.value = 1  # one clean step after the overflow restores the scale
     assert s.summary["recovery_steps"] == 1 and "1 step<" in s.summary_html.value

@@ -8,6 +8,8 @@ import pytest
 from ampcourse import formats, widgets
 from ampcourse.scaling import range_counts, simulate_scale
 from ampcourse.widgets import parse_scale, parse_steps, range_explorer, scaler_simulator
+from ampcourse.widgets.common import _when_idle
+from ampcourse.widgets.scaler import _axis_end
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -216,7 +218,7 @@ def test_a_refused_burst_says_which_burst_the_plot_shows():
 
 def test_format_switches_after_prerender_and_revisited_states_are_moves_not_full_redraws():
     r = widgets.range_explorer(np.geomspace(1e-8, 1e-2, 500))
-    assert not widgets._when_idle(lambda: None)  # not in a kernel: nothing is scheduled; prerender by hand
+    assert not _when_idle(lambda: None)  # not in a kernel: nothing is scheduled; prerender by hand
     assert r.prerender() == len(r.fmt_select.options) - 1
     draws = r._figure.full_draws
     for name in ["bf16", "fp8_e4m3", "fp16", "fp8_e5m2", "fp16"]:
@@ -235,8 +237,8 @@ def test_format_switches_after_prerender_and_revisited_states_are_moves_not_full
 @pytest.mark.parametrize("steps, end", [(10, 10), (11, 12), (6000, 6000), (6010, 7000), (12500, 12500),
                                          (19990, 20000), (2010, 2500), (8010, 10000)])
 def test_the_step_axis_ends_on_a_round_number_the_run_fills_mostly(steps, end):
-    assert widgets._axis_end(steps) == end and 0.8 * end <= steps <= end
-    assert all(0.8 * widgets._axis_end(n) <= n for n in range(10, 20001, 10))  # every value the slider can take
+    assert _axis_end(steps) == end and 0.8 * end <= steps <= end
+    assert all(0.8 * _axis_end(n) <= n for n in range(10, 20001, 10))  # every value the slider can take
 
 
 def test_in_a_kernel_the_formats_are_prerendered_once_the_widgets_cell_is_done(tmp_path):

@@ -1,0 +1,8 @@
+"""``python -m ampcourse.widgets``: see :mod:`ampcourse.widgets.cli` (chapters 1, 6 and 9's widgets, timed)."""
+
+import sys
+
+from ampcourse.widgets.cli import _main
+
+if __name__ == "__main__":
+    sys.exit(_main())

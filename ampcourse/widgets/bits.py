@@ -1,0 +1,129 @@
+"""The bit explorer: type or slide a value, see its sign, exponent and mantissa bits in every format (chapter 1).
+
+    >>> w = format_explorer(1.0001)
+    >>> w.text.value = "70000"            # what a learner types
+    >>> w.rows["fp16"]["value"]           # inf
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+import ipywidgets as W
+
+from .. import _args, formats
+from .common import _CELL, _NUM, _Guarded, _fmt, parse_number
+
+__all__ = ["FormatExplorer", "format_explorer"]
+
+_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
+
+
+def _bits_html(d: formats.Decomposed) -> str:
+    """The sign, exponent and mantissa fields as coloured monospace bits."""
+    sign, exp, man = d.bits.split(" ")
+    parts = [(sign, "sign"), (exp, "exponent"), (man, "mantissa")]
+    spans = "&#8239;".join(f'<span style="color:{_COLORS[k]}">{b}</span>' for b, k in parts)
+    return f'<code style="font-size:110%">{spans}</code>'
+
+
+class FormatExplorer(_Guarded, W.VBox):
+    """Type or slide a value; see its bits, rounded value and error in every format."""
+
+    def __init__(self, value: float = 1.0001, fmts: tuple[str, ...] | None = None):
+        fmts = tuple(formats.names()) if fmts is None else fmts  # the registry's training formats
+        fmts = (fmts,) if isinstance(fmts, str) else fmts  # one name alone, not its letters
+        if not isinstance(fmts, (tuple, list)) or not fmts:
+            raise ValueError(f"fmts must be a non-empty tuple of format names ({', '.join(formats.FORMATS)}), got {fmts!r}")
+        self.fmts = tuple(formats.spec(f).name for f in fmts)
+        value = parse_number(_args.scalar(value))  # a numpy scalar or 0-d tensor: the number it holds
+        self.text = W.Text(value=repr(value), description="value", continuous_update=False)
+        self.slider = W.FloatSlider(value=_log10_or(value, 0.0), min=-9.0, max=6.0, step=0.05,
+                                    description="log10 |x|", readout_format=".2f", continuous_update=True)
+        self.message = W.HTML()
+        self.table = W.HTML()
+        self.rows: dict[str, dict] = {}
+        self.x = math.nan
+        self._syncing = False
+        self._watch(self.text, self._on_text)
+        self._watch(self.slider, self._on_slider)
+        super().__init__([W.HBox([self.text, self.slider]), self.message, self.table])
+        self._update(self.text.value)
+
+    def __repr__(self) -> str:
+        return f"FormatExplorer(x={self.x!r}, formats={list(self.fmts)})"
+
+    def _on_text(self, change) -> None:
+        """A learner typed a value."""
+        if not self._syncing:
+            self._update(change["new"])
+
+    def _on_slider(self, change) -> None:
+        """A learner moved the slider: keep the sign of the current value."""
+        if self._syncing:
+            return
+        if abs(change["new"] - change["old"]) < self.slider.step / 2:
+            # The browser snapped the slider to its step grid (log10 70000 = 4.845 -> 4.85) and sent
+            # that back: not a learner's move, so the value typed in the text box stands.
+            return
+        sign = -1.0 if math.copysign(1.0, self.x if not math.isnan(self.x) else 1.0) < 0 else 1.0
+        self._syncing = True
+        try:
+            self.text.value = f"{sign * 10 ** change['new']:.6g}"
+        finally:
+            self._syncing = False
+        self._update(self.text.value)
+
+    def _update(self, text: str) -> None:
+        """Recompute every row for the value in the text box (or show why it is not a number)."""
+        try:
+            x = parse_number(text)
+        except ValueError as err:
+            self.message.value = f'<span style="color:#d62728">{html.escape(str(err))}</span>'
+            return
+        self.message.value = ""
+        self.x = x
+        self._syncing = True
+        try:
+            self.slider.value = min(max(_log10_or(x, self.slider.value), self.slider.min), self.slider.max)
+        finally:
+            self._syncing = False
+        self.rows = {f: _row(x, f) for f in self.fmts}
+        self.table.value = _table_html(x, self.rows)
+
+
+def _log10_or(x: float, default: float) -> float:
+    """log10|x| for finite non-zero x, else default."""
+    return math.log10(abs(x)) if math.isfinite(x) and x != 0 else default
+
+
+def _row(x: float, fmt: str) -> dict:
+    """What one format does to x."""
+    d = formats.decompose(x, fmt)
+    return {"bits": d.bits, "value": d.value, "kind": d.kind, "rel_error": d.rel_error,
+            "overflow": d.overflow, "underflow": d.underflow, "html": _bits_html(d)}
+
+
+def _note(fmt: str, r: dict) -> str:
+    """What happened to x in this format: a saturating format clamps (its max is a value, not an overflow)."""
+    if r["overflow"]:
+        return "saturated (clamped to the largest value)" if formats.spec(fmt).saturates else "overflow"
+    return "flushed to zero" if r["underflow"] else r["kind"]
+
+
+def _table_html(x: float, rows: dict[str, dict]) -> str:
+    """An HTML table: format, bits, stored value, relative error, what happened."""
+    head = "".join(f"<th {_CELL}>{h}</th>" for h in ("format", "sign exponent mantissa", "stored value", "rel. error",
+                                                     "note"))
+    body = []
+    for f, r in rows.items():
+        err = "" if math.isnan(r["rel_error"]) else f"{r['rel_error']:.2e}"
+        body.append(f"<tr><td {_CELL}>{f}</td><td {_CELL}>{r['html']}</td><td {_CELL}><code>{_fmt(r['value'])}</code></td>"
+                    f"<td {_NUM}>{err}</td><td {_CELL}>{_note(f, r)}</td></tr>")
+    return f"<b>x = {html.escape(_fmt(x))}</b><table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def format_explorer(value: float = 1.0001, fmts: tuple[str, ...] | None = None) -> FormatExplorer:
+    """A bit explorer: type or slide a value, see how each format stores it (default: formats.names())."""
+    return FormatExplorer(value, fmts)

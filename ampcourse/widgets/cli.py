@@ -1,0 +1,104 @@
+"""The widgets' command line (chapters 1, 6 and 9): ``python -m ampcourse.widgets --bench [--repeats N]``.
+
+Times slider moves of every explorer (benchmarks/README.md, widget section) and prints them as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import _args, scaling
+from .bits import format_explorer
+from .outlier import outlier_explorer
+from .ranges import RangeExplorer, range_explorer
+from .scaler import _scale_trajectory, scaler_simulator
+
+__all__ = ["benchmark", "simulation_benchmark"]
+
+
+def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
+    """Milliseconds per slider move (median, p90) while dragging each control, cached axes vs full redraws, interleaved."""
+    repeats = _args.integer(repeats, "repeats", low=1)  # numpy ints and 0-d tensors too
+    drag = lambda lo, hi, step: [round(lo + i * step, 10) for i in range(int(round((hi - lo) / step)) + 1)]
+    cases = {"format_explorer: log10 abs(x) slider": (format_explorer(), "slider", drag(-9, 6, 0.25)),
+             "range_explorer: log2 scale slider": (range_explorer(), "slider", drag(-24, 40, 1)),
+             "scaler_simulator: backoff_factor": (scaler_simulator(), "backoff_factor", drag(0.05, 0.95, 0.05)),
+             "scaler_simulator: growth_interval": (scaler_simulator(), "growth_interval", drag(1500, 2100, 10)),
+             "scaler_simulator, 20k steps: growth_interval": (scaler_simulator(steps=20000), "growth_interval",
+                                                              drag(100, 400, 5)),
+             "outlier_explorer: log2 outlier slider": (outlier_explorer(), "magnitude", drag(0, 16, 1)),
+             # issue 28 item 16: a format switch (prerendered, as in a kernel) and a steps drag across axis ends
+             "range_explorer: format dropdown": (_prerendered(range_explorer()), "fmt_select",
+                                                 ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]),
+             "scaler_simulator: steps slider": (scaler_simulator(), "steps", drag(5000, 20000, 500))}
+    out = {}
+    for name, (w, attr, values) in cases.items():
+        control, times = getattr(w, attr), {"cached": [], "full": []}
+        path = values + values[-2:0:-1]  # drag right, then back left
+        for i in range(repeats):
+            for mode in ("cached", "full"):  # interleaved, so machine noise hits both alike
+                kept = None
+                if mode == "full" and hasattr(w, "_figure"):  # format_explorer is HTML only: nothing to redraw
+                    # as if every move changed the axes: no bitmap for this move, the others kept for the next
+                    kept, w._figure._backgrounds = w._figure._backgrounds, {}
+                t = time.perf_counter()
+                control.value = path[(2 * i + (mode == "full")) % len(path)]
+                times[mode].append(1000 * (time.perf_counter() - t))
+                if kept is not None:
+                    w._figure._backgrounds = {**kept, **w._figure._backgrounds}
+        med = {m: float(np.median(t)) for m, t in times.items()}
+        out[name] = {"median_ms": med["cached"], "p90_ms": float(np.percentile(times["cached"], 90)),
+                     "full_redraw_median_ms": med["full"], "speedup": med["full"] / med["cached"], "moves": repeats}
+    return out
+
+
+def _prerendered(w: RangeExplorer) -> RangeExplorer:
+    """w with every format drawn ahead, as a kernel does once the widget's cell is done."""
+    w.prerender()
+    return w
+
+
+def simulation_benchmark(repeats: int = 20, steps: int = 20000) -> dict[str, float]:
+    """Milliseconds (median) of the scaler simulator's simulation alone, per step (scaling.simulate_scale) vs per
+    event (_scale_trajectory), interleaved on the same 20k-step pattern and a growth_interval drag."""
+    repeats = _args.integer(repeats, "repeats", low=1)
+    over = scaler_simulator(steps=steps)._pattern()
+    times: dict[str, list[float]] = {"per step": [], "per event": []}
+    for i in range(repeats):
+        interval = 100 + 5 * (i % 60)
+        t = time.perf_counter()
+        scaling.simulate_scale(over.tolist(), 2.0**16, 2.0, 0.5, interval)
+        times["per step"].append(1000 * (time.perf_counter() - t))
+        t = time.perf_counter()
+        _scale_trajectory(over, 2.0**16, 2.0, 0.5, interval)
+        times["per event"].append(1000 * (time.perf_counter() - t))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """python -m ampcourse.widgets --bench: print the widget update benchmark as a Markdown table."""
+    import argparse
+    import os
+    import platform
+
+    ap = argparse.ArgumentParser(prog="python -m ampcourse.widgets", description=_main.__doc__)
+    ap.add_argument("--bench", action="store_true", help="time slider moves of the figure widgets")
+    ap.add_argument("--repeats", type=int, default=60)
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not args.bench:
+        ap.print_help()
+        return 0
+    print(f"widget update benchmark: {args.repeats} moves per control (dragged one step at a time), "
+          f"{platform.machine()}, {os.cpu_count()} CPUs")
+    print("| widget: control dragged | median ms | p90 ms | full redraw median ms | speedup from cached axes |")
+    print("|---|---|---|---|---|")
+    for name, r in benchmark(args.repeats).items():
+        print(f"| {name} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['full_redraw_median_ms']:.1f} | {r['speedup']:.1f}x |")
+    sim = simulation_benchmark(args.repeats)
+    print(f"\nscaler_simulator, 20k steps, the simulation alone (median): per step {sim['per step']:.1f} ms, "
+          f"per event {sim['per event']:.2f} ms ({sim['per step'] / sim['per event']:.0f}x)")
+    return 0
