@@ -28,7 +28,7 @@ One file per part, lowest first:
     ranges    chapter 6: RangeExplorer, range_explorer
     scaler    chapter 6: ScalerSimulator, scaler_simulator
     outlier   chapter 9: OutlierExplorer, outlier_explorer
-    cli       python -m ampcourse.widgets --bench: benchmark, simulation_benchmark, _main
+    cli       python -m ampcourse.widgets --bench: benchmark, simulation_benchmark, main
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 # Every name that chapters, tests, benchmarks and tools import from ampcourse.widgets stays importable here
 # (tests/test_package_map.py checks): the public ones, STORED_HINT, and _main (benchmarks/widget_update.py).
 from .bits import FormatExplorer, format_explorer
-from .cli import _main, benchmark, simulation_benchmark
+from .cli import _main, benchmark, main, simulation_benchmark
 from .common import STORED_HINT, parse_number, parse_scale, parse_steps
 from .outlier import OutlierExplorer, outlier_explorer
 from .ranges import RangeExplorer, range_explorer

@@ -2,7 +2,7 @@
 
 import sys
 
-from ampcourse.widgets.cli import _main
+from ampcourse.widgets.cli import main
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(main())

@@ -1,11 +1,17 @@
 """The widgets' command line (chapters 1, 6 and 9): ``python -m ampcourse.widgets --bench [--repeats N]``.
 
 Times slider moves of every explorer (benchmarks/README.md, widget section) and prints them as a Markdown table.
+Bad input is one line on stderr and exit status 2, as in the course's other command lines.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import platform
+import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -15,7 +21,9 @@ from .outlier import outlier_explorer
 from .ranges import RangeExplorer, range_explorer
 from .scaler import _scale_trajectory, scaler_simulator
 
-__all__ = ["benchmark", "simulation_benchmark"]
+__all__ = ["main", "benchmark", "simulation_benchmark"]
+
+_PROG = "ampcourse.widgets"
 
 
 def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
@@ -77,28 +85,57 @@ def simulation_benchmark(repeats: int = 20, steps: int = 20000) -> dict[str, flo
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def _main(argv: list[str] | None = None) -> int:
-    """python -m ampcourse.widgets --bench: print the widget update benchmark as a Markdown table."""
-    import argparse
-    import os
-    import platform
+def _parser() -> argparse.ArgumentParser:
+    """The command line of python -m ampcourse.widgets."""
+    ap = _args.OneLineParser(prog="python -m ampcourse.widgets", description=__doc__.split("\n\n")[0],
+                             error_prefix=_PROG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", action="store_true", help="time slider moves of every explorer (a Markdown table)")
+    ap.add_argument("--repeats", type=int, default=60, help="moves per control (default 60)")
+    return ap
 
-    ap = argparse.ArgumentParser(prog="python -m ampcourse.widgets", description=_main.__doc__)
-    ap.add_argument("--bench", action="store_true", help="time slider moves of the figure widgets")
-    ap.add_argument("--repeats", type=int, default=60)
-    args = ap.parse_args(argv)
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the widgets' command line; 0 on success, 2 with one line on stderr for bad input.
+
+    Args:
+        argv: the arguments, as after ``python -m ampcourse.widgets`` (default: ``sys.argv[1:]``).
+
+    Example:
+        >>> main(["--bench", "--repeats", "5"])  # prints the benchmark table
+        0
+    """
+    ap = _parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return done.code if isinstance(done.code, int) else 2
+    try:
+        repeats = _args.integer(args.repeats, "--repeats", low=1)
+    except ValueError as err:
+        print(f"{_PROG}: error: {_args.first_line(err)}", file=sys.stderr)
+        return 2
     if not args.bench:
         ap.print_help()
         return 0
-    print(f"widget update benchmark: {args.repeats} moves per control (dragged one step at a time), "
+    print(f"widget update benchmark: {repeats} moves per control (dragged one step at a time), "
           f"{platform.machine()}, {os.cpu_count()} CPUs")
     print("| widget: control dragged | median ms | p90 ms | full redraw median ms | speedup from cached axes |")
     print("|---|---|---|---|---|")
-    for name, r in benchmark(args.repeats).items():
+    for name, r in benchmark(repeats).items():
         print(f"| {name} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['full_redraw_median_ms']:.1f} | {r['speedup']:.1f}x |")
-    sim = simulation_benchmark(args.repeats)
+    sim = simulation_benchmark(repeats)
     print(f"\nscaler_simulator, 20k steps, the simulation alone (median): per step {sim['per step']:.1f} ms, "
           f"per event {sim['per event']:.2f} ms ({sim['per step'] / sim['per event']:.0f}x)")
     return 0
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """main(argv), but bad input ends with SystemExit(2) as before the package split (one line on stderr now).
+
+    The old entry point's contract, kept for benchmarks/widget_update.py and for callers that expect a refused
+    command line to exit (tests/test_bad_inputs.py's CLI table); new code calls ``main``.
+    """
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+    return code
