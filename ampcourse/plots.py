@@ -14,7 +14,7 @@ FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
 #: How a Jupyter kernel shows static figures, course-wide: "retina" renders a figure at twice its dots per inch
 #: and shows it at its own size (width and height in the output's metadata), so it is sharp on a HiDPI screen;
-#: the inline backend's default, "png", is 1x and blurry there. The widgets draw at 2x themselves (widgets.py).
+#: the inline backend's default, "png", is 1x and blurry there. The widgets draw at 2x themselves (widgets/figure.py).
 FIGURE_FORMAT = "retina"
 
 
