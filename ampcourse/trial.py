@@ -685,29 +685,23 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
     """
     t_start = time.perf_counter()
     names = _check_precisions(precisions)
-    steps = _args.integer(steps, "steps", low=1)
-    seed = _args.seed(seed)
-    lr, _ = _train.optimizer_settings(lr)  # within float32's range, or the first step fails inside torch
-    if batch_size is not None:
-        batch_size = _args.integer(batch_size, "batch_size", low=1)
+    if isinstance(scaler_kwargs, dict) and "enabled" in scaler_kwargs:  # it was dropped silently
+        raise ValueError("scaler_kwargs: 'enabled' is set by the precision name: 'fp16' runs with GradScaler, "
+                         "'fp16-noscaler' without; leave 'enabled' out")
+    # The settings a trial shares with train are checked by train's own settings object: one check, one message.
+    shared = _train.TrainSettings(steps=steps, seed=seed, lr=lr, batch_size=batch_size, grad_clip=grad_clip,
+                                  progress=progress, size=size, loss_fn=loss_fn, scaler_kwargs=scaler_kwargs)
+    steps, seed, lr, batch_size = shared.steps, shared.seed, shared.lr, shared.batch_size
+    grad_clip, progress = shared.grad_clip, shared.progress
     tolerance = _args.real(tolerance, "tolerance", positive=True)
-    grad_clip = None if grad_clip is None else _args.real(grad_clip, "grad_clip", positive=True)
     chunk = None if chunk is None else _args.integer(chunk, "chunk", low=1)
-    progress = _args.flag(progress, "progress")
-    if not isinstance(size, str) or size not in models.SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(models.SIZES)}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(f"loss_fn must be a callable(output, targets) or None, got {_args.shown(loss_fn)}")
     monitors = default_monitors() if monitors is None else list(monitors)
     bad = [m for m in monitors if not isinstance(m, Monitor)]
     if bad:
         raise ValueError(f"monitors must be Monitor objects (ampcourse.trial.Monitor), got {_args.shown(bad[0])}")
     if len({m.name for m in monitors}) != len(monitors):
         raise ValueError(f"monitor names must differ, got {[m.name for m in monitors]}")
-    if isinstance(scaler_kwargs, dict) and "enabled" in scaler_kwargs:  # it was dropped silently
-        raise ValueError("scaler_kwargs: 'enabled' is set by the precision name: 'fp16' runs with GradScaler, "
-                         "'fp16-noscaler' without; leave 'enabled' out")
-    scaler_settings = {**_scaler.DEFAULTS, **{k: v for k, v in _scaler.gradscaler_kwargs(scaler_kwargs).items() if k != "enabled"}}
+    scaler_settings = {**_scaler.DEFAULTS, **{k: v for k, v in shared.scaler_kwargs.items() if k != "enabled"}}
     make_opt = _make_optimizer(optimizer_factory, lr)
     for name in names:  # fp16 on a device without fp16 autocast: say so now, not at step 0
         _inputs.check_amp(pick(device, _precision(name)[0]), "precision", label=name)

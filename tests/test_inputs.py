@@ -84,6 +84,19 @@ def test_one_precision_reader_serves_trial_and_the_doctor():
         examine(models.make_model("mlp"), x, y, loss_fn=models.loss_fn, precisions=["float32"])
 
 
+@pytest.mark.parametrize("setting", [dict(steps=0), dict(batch_size=0), dict(loss_fn="ce"), dict(size="huge"),
+                                     dict(grad_clip=-1.0), dict(lr=1e39), dict(progress="no"),
+                                     dict(scaler_kwargs={"growth_interval": 0})])
+def test_trial_refuses_a_setting_it_shares_with_train_in_train_s_words(setting):
+    """Before: trial checked these settings itself, in words of its own ('steps must be an int >= 1 (at most
+    2**63 - 1)', 'loss_fn must be a callable(output, targets) or None'); now train's TrainSettings checks both."""
+    with pytest.raises(ValueError) as by_train:
+        TrainSettings(**setting)
+    with pytest.raises(ValueError) as by_trial:
+        trial("mlp", steps=setting.pop("steps", 1), **setting)
+    assert str(by_trial.value) == str(by_train.value)
+
+
 def test_a_factory_works_for_train_too():
     a = train(lambda: models.make_model("mlp", seed=3), mlp_data(), "fp32", steps=2, batch_size=32, **FAST)
     b = train(models.make_model("mlp", seed=3), mlp_data(), "fp32", steps=2, batch_size=32, **FAST)
