@@ -36,7 +36,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from . import _args, formats, plots, scaling
+from . import _args, _scaler, formats, plots, scaling
 
 __all__ = ["format_explorer", "range_explorer", "scaler_simulator", "parse_number", "parse_scale", "parse_steps",
            "RangeExplorer", "ScalerSimulator", "benchmark"]
@@ -816,8 +816,8 @@ class ScalerSimulator(_Guarded, W.VBox):
     def _check_controls(self) -> None:
         """ValueError naming the control whose value (typed, or set from code) the simulation cannot use."""
         _check_simulator_args(self.steps.value, self.probability.value, self.seed.value)
-        scaling.check_scaler_args(2.0 ** self.init_log2.value, self.growth_factor.value, self.backoff_factor.value,
-                                  self.growth_interval.value)
+        _scaler.check_args(2.0 ** self.init_log2.value, self.growth_factor.value, self.backoff_factor.value,
+                           self.growth_interval.value)
 
     def _update(self) -> None:
         """Simulate GradScaler's scale for the pattern and redraw."""
