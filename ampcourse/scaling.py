@@ -57,17 +57,16 @@ import torch
 from . import _args, _scaler, formats
 from .models import data_errors
 
-__all__ = ["LossScaler", "simulate_scale", "simulate_training", "check_scaler_args", "range_counts", "RANGE_CATEGORIES",
+__all__ = ["LossScaler", "simulate_scale", "simulate_training", "range_counts", "RANGE_CATEGORIES",
            "zone_thresholds", "RangeCounter",
            "GradientRecord", "record_gradients", "EXACT_NOISE"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within one iteration
 
 
-# GradScaler's settings have one owner, ampcourse._scaler (defaults, checks, saved states); these names stay here
-# because learners and chapter 6 import them from scaling.
+# GradScaler's settings have one owner, ampcourse._scaler (defaults, checks, saved states): the checks below are its
+# check_args. Its limit and its float32 rounding keep short names here (this module and the scaler widget use them).
 MAX_GROWTH_INTERVAL = _scaler.MAX_GROWTH_INTERVAL
-check_scaler_args = _scaler.check_args
 _float32 = _scaler._float32
 
 
@@ -92,7 +91,7 @@ def _sequence(values, name: str, what: str) -> Iterable:
 def simulate_scale(overflows: Iterable[bool], init_scale: float = 2.0**16, growth_factor: float = 2.0,
                    backoff_factor: float = 0.5, growth_interval: int = 2000) -> list[float]:
     """The scale after each update() for a sequence of steps (True: that step overflowed), as GradScaler computes it."""
-    init_scale, growth_factor, backoff_factor, growth_interval = check_scaler_args(
+    init_scale, growth_factor, backoff_factor, growth_interval = _scaler.check_args(
         init_scale, growth_factor, backoff_factor, growth_interval)
     overflows = _sequence(overflows, "overflows", "booleans (True: that step overflowed)")
     scale, tracker, out = _float32(init_scale), 0, []
@@ -106,7 +105,7 @@ def simulate_training(max_grads: Iterable[float], init_scale: float = 2.0**16, g
                       backoff_factor: float = 0.5, growth_interval: int = 2000,
                       fmt: str = "fp16") -> tuple[list[float], list[bool]]:
     """Dynamic scaling with feedback: step i overflows when scale * max_grads[i] overflows fmt; (scales, overflows)."""
-    init_scale, growth_factor, backoff_factor, growth_interval = check_scaler_args(
+    init_scale, growth_factor, backoff_factor, growth_interval = _scaler.check_args(
         init_scale, growth_factor, backoff_factor, growth_interval)
     limit = zone_thresholds(fmt)[2]
     max_grads = formats._real_array(_sequence(max_grads, "max_grads", "numbers (each step's largest |gradient|)"),
@@ -252,7 +251,7 @@ class LossScaler:
 
     def __init__(self, device: str | torch.device = "cpu", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
-        init_scale, growth_factor, backoff_factor, growth_interval = check_scaler_args(
+        init_scale, growth_factor, backoff_factor, growth_interval = _scaler.check_args(
             init_scale, growth_factor, backoff_factor, growth_interval)
         self.device = _device_type(device)
         self._enabled = bool(enabled)
@@ -460,8 +459,8 @@ class LossScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (a finite number > 1; checked, unlike GradScaler)."""
-        self._growth_factor = check_scaler_args(self._init_scale, new_factor, self._backoff_factor,
-                                                self._growth_interval)[1]
+        self._growth_factor = _scaler.check_args(self._init_scale, new_factor, self._backoff_factor,
+                                                 self._growth_interval)[1]
 
     def get_backoff_factor(self) -> float:
         """The factor the scale shrinks by after an overflow."""
@@ -469,8 +468,8 @@ class LossScaler:
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (strictly between 0 and 1; checked, unlike GradScaler)."""
-        self._backoff_factor = check_scaler_args(self._init_scale, self._growth_factor, new_factor,
-                                                 self._growth_interval)[2]
+        self._backoff_factor = _scaler.check_args(self._init_scale, self._growth_factor, new_factor,
+                                                  self._growth_interval)[2]
 
     def get_growth_interval(self) -> int:
         """How many clean steps in a row make the scale grow."""
@@ -478,8 +477,8 @@ class LossScaler:
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (an int in 1..2**31 - 1; checked, unlike GradScaler)."""
-        self._growth_interval = check_scaler_args(self._init_scale, self._growth_factor, self._backoff_factor,
-                                                  new_interval)[3]
+        self._growth_interval = _scaler.check_args(self._init_scale, self._growth_factor, self._backoff_factor,
+                                                   new_interval)[3]
 
     def state_dict(self) -> dict[str, Any]:
         """The scale, the three settings and the growth counter (the keys GradScaler uses; {} when disabled)."""
@@ -499,8 +498,8 @@ class LossScaler:
         missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - set(state_dict)
         if missing:
             raise ValueError(f"scaler state dict lacks {sorted(missing)}")
-        scale, growth, backoff, interval = check_scaler_args(state_dict["scale"], state_dict["growth_factor"],
-                                                             state_dict["backoff_factor"], state_dict["growth_interval"])
+        scale, growth, backoff, interval = _scaler.check_args(state_dict["scale"], state_dict["growth_factor"],
+                                                              state_dict["backoff_factor"], state_dict["growth_interval"])
         tracker = _args.integer(state_dict["_growth_tracker"], "_growth_tracker", low=0, high=MAX_GROWTH_INTERVAL)
         self._init_scale, self._growth_factor, self._backoff_factor = scale, growth, backoff
         self._growth_interval, self._init_growth_tracker = interval, tracker

@@ -55,15 +55,17 @@ def test_the_same_bad_model_is_the_same_error_everywhere(entry):
 
 def test_no_entry_point_imports_another_ones_private_helpers():
     """trial called train's _amp_works and _check_finite; the doctor had its own precision reader."""
-    for path in [ROOT / "ampcourse" / "trial.py", *sorted((ROOT / "ampcourse" / "doctor").glob("*.py"))]:
+    trial_files = sorted((ROOT / "ampcourse" / "trial").glob("*.py"))
+    for path in [*trial_files, *sorted((ROOT / "ampcourse" / "doctor").glob("*.py"))]:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and "train" in node.module.split("."):
                 assert not any(a.name.startswith("_") or a.name == "checks" for a in node.names), path
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("_checks",):
                 raise AssertionError(f"{path}: {node.value.id}.{node.attr}")
-    assert "_check_finite" not in (ROOT / "ampcourse" / "trial.py").read_text()
-    assert "_amp_works" not in (ROOT / "ampcourse" / "trial.py").read_text()
+    assert trial_files
+    for path in trial_files:
+        assert "_check_finite" not in path.read_text() and "_amp_works" not in path.read_text(), path
 
 
 @pytest.mark.parametrize("given,kw,want", [
@@ -82,6 +84,19 @@ def test_one_precision_reader_serves_trial_and_the_doctor():
         trial("mlp", precisions=["fp8"], steps=1)
     with pytest.raises(inputs.InputError, match="fp32 is always run as the reference"):
         examine(models.make_model("mlp"), x, y, loss_fn=models.loss_fn, precisions=["float32"])
+
+
+@pytest.mark.parametrize("setting", [dict(steps=0), dict(batch_size=0), dict(loss_fn="ce"), dict(size="huge"),
+                                     dict(grad_clip=-1.0), dict(lr=1e39), dict(progress="no"),
+                                     dict(scaler_kwargs={"growth_interval": 0})])
+def test_trial_refuses_a_setting_it_shares_with_train_in_train_s_words(setting):
+    """Before: trial checked these settings itself, in words of its own ('steps must be an int >= 1 (at most
+    2**63 - 1)', 'loss_fn must be a callable(output, targets) or None'); now train's TrainSettings checks both."""
+    with pytest.raises(ValueError) as by_train:
+        TrainSettings(**setting)
+    with pytest.raises(ValueError) as by_trial:
+        trial("mlp", steps=setting.pop("steps", 1), **setting)
+    assert str(by_trial.value) == str(by_train.value)
 
 
 def test_a_factory_works_for_train_too():
@@ -132,9 +147,9 @@ def test_a_bad_label_in_a_later_loader_batch_is_named_at_its_step():
 
 def test_trial_refuses_fp16_parameters_under_fp16_before_the_reference_runs(monkeypatch):
     """Before: "Attempting to unscale FP16 gradients" from inside GradScaler, after the fp32 reference had run."""
-    from ampcourse import trial as trial_mod
+    from ampcourse.trial import runs as trial_runs
 
-    monkeypatch.setattr(trial_mod, "_steps", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a run started")))
+    monkeypatch.setattr(trial_runs, "_steps", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a run started")))
     with pytest.raises(inputs.InputError, match=r"is float16 .* call model.float\(\) before trial\(\)"):
         trial(lambda: models.make_model("mlp").half(), mlp_data(), precisions=("fp16",), steps=2)
     trial_mod_ok = trial  # fp16 without a scaler, and bf16, are not refused for it

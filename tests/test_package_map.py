@@ -160,3 +160,37 @@ def test_every_name_imported_from_the_widgets_package_is_there():
     assert {"format_explorer", "range_explorer", "scaler_simulator", "outlier_explorer", "_main"} <= set(used)
     missing = {n: f for n, f in used.items() if not hasattr(widgets, n)}
     assert not missing, f"ampcourse.widgets lacks names these files import: {missing}"
+
+
+# What each part of ampcourse.trial may import of the others: monitors at the bottom, then the result, the runs, the
+# command line; the package's __init__ gathers them. One concern per file, and no circle between them.
+TRIAL_FLOORS = {
+    "ampcourse.trial.monitors": set(),
+    "ampcourse.trial.result": {"ampcourse.trial.monitors"},
+    "ampcourse.trial.runs": {"ampcourse.trial.monitors", "ampcourse.trial.result"},
+    "ampcourse.trial.cli": {"ampcourse.trial.result", "ampcourse.trial.runs"},
+    "ampcourse.trial.__main__": {"ampcourse.trial.cli"},
+    "ampcourse.trial": {"ampcourse.trial.cli", "ampcourse.trial.monitors", "ampcourse.trial.result",
+                        "ampcourse.trial.runs"},
+}
+
+
+def test_the_trial_package_stacks_its_parts():
+    graph = _imports()
+    parts = {name for name in graph if name == "ampcourse.trial" or name.startswith("ampcourse.trial.")}
+    assert parts == set(TRIAL_FLOORS), f"a part of ampcourse.trial is not on its floors: {parts ^ set(TRIAL_FLOORS)}"
+    for name, floor in TRIAL_FLOORS.items():
+        assert {d for d in graph[name] if d.startswith("ampcourse.trial")} == floor, name
+        # the doctor confirms its recipes with a trial: nothing of the trial may import the doctor back
+        assert not any(d.startswith("ampcourse.doctor") for d in graph[name]), name
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ampcourse" / "trial").glob("*.py")), ids=lambda p: p.name)
+def test_each_part_of_the_trial_names_chapter_10_and_stays_a_room(path):
+    """The package convention: a file's first docstring paragraph names its chapter; no file over 900 lines."""
+    import ast
+
+    text = path.read_text()
+    first = (ast.get_docstring(ast.parse(text)) or "").split("\n\n")[0]
+    assert re.search(r"\bchapter 10\b", first), f"{path.name}: {first[:100]!r}"
+    assert len(text.splitlines()) <= 900, f"{path.name} has {len(text.splitlines())} lines"

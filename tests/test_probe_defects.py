@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ampcourse import trial as trial_mod
+from ampcourse.trial import cli as trial_cli, runs as trial_runs
 from ampcourse.train import cli, make_optimizer, train
 try:
     from ampcourse.train import optimizer_settings
@@ -74,7 +75,7 @@ def test_trial_cli_huge_lr_is_one_line_exit_2() -> None:
 
 def test_trial_cli_refuses_an_unknown_plot_format_before_training(tmp_path: Path, monkeypatch) -> None:
     ran = []
-    monkeypatch.setattr(trial_mod, "trial", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(trial_cli, "trial", lambda *a, **k: ran.append(1))
     code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--plot", str(tmp_path / "t.txt")])
     assert code == 2 and "--plot" in err and ".png" in err
     assert ran == []  # before: the trial ran to the end, printed its summary, then failed in savefig
@@ -139,14 +140,14 @@ def test_train_cli_existing_checkpoint_says_add_resume(tmp_path: Path) -> None:
                                         (("Fp16-NoScaler", "float16"), ("fp16-noscaler", "fp16"))])
 def test_trial_reads_precision_names_like_train(given, want) -> None:
     # before: 'FP16 ' and torch.bfloat16 were "unknown name(s)", though train(precision=...) takes both
-    assert trial_mod._check_precisions(given) == want
+    assert trial_runs._check_precisions(given) == want
 
 
 def test_trial_still_refuses_unknown_precisions() -> None:
     with pytest.raises(ValueError, match=r"precisions: unknown precision 'fp8'; choose from fp32, bf16, fp16, fp16-noscaler"):
-        trial_mod._check_precisions(("bf16", "fp8"))
+        trial_runs._check_precisions(("bf16", "fp8"))
     with pytest.raises(ValueError, match="non-empty sequence"):
-        trial_mod._check_precisions(None)
+        trial_runs._check_precisions(None)
 
 
 def test_trial_refuses_scaler_enabled_instead_of_dropping_it() -> None:
@@ -261,7 +262,7 @@ def test_train_cli_refuses_one_file_for_summary_and_history(tmp_path: Path, monk
 
 def test_trial_cli_refuses_one_file_for_json_and_plot(tmp_path: Path, monkeypatch) -> None:
     ran = []
-    monkeypatch.setattr(trial_mod, "trial", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(trial_cli, "trial", lambda *a, **k: ran.append(1))
     out = str(tmp_path / "t.png")
     code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--out", out, "--plot", out])
     assert code == 2 and "--out and --plot name the same file" in err and ran == []

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from ampcourse import formats
+from ampcourse._scaler import check_args as check_scaler_args  # GradScaler's settings: their one owner
 from ampcourse.models import make_task
-from ampcourse.scaling import (EXACT_NOISE, LossScaler, RangeCounter, check_scaler_args, range_counts, record_gradients,
+from ampcourse.scaling import (EXACT_NOISE, LossScaler, RangeCounter, range_counts, record_gradients,
                                simulate_scale, simulate_training, zone_thresholds, _unscale_and_check_,
                                _update_scale_)
 

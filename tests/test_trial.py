@@ -16,6 +16,7 @@ import torch.nn as nn
 from ampcourse import models, trial as trial_mod
 from ampcourse.models import TinyTransformer
 from ampcourse.trial import REFERENCE, Monitor, default_monitors, main, trial
+from ampcourse.trial import runs as trial_runs  # where trial() reads CHUNK_BYTES
 
 
 class GrowingLogits(TinyTransformer):
@@ -257,7 +258,7 @@ def test_the_default_chunk_follows_chunk_bytes(monkeypatch):
     """chunk=None takes as many steps at once as CHUNK_BYTES of flat weight copies allow (at least one)."""
     default = trial("transformer", DATA, precisions=("bf16",), steps=7)
     assert default.config["chunk"] == 7  # a model this small fits every step
-    monkeypatch.setattr(trial_mod, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(trial_runs, "CHUNK_BYTES", 1)
     tight = trial("transformer", DATA, precisions=("bf16",), steps=7)
     assert tight.config["chunk"] == 1 and tight.series == default.series  # one step at a time, the same series
 

@@ -1,5 +1,10 @@
 """``python -m ampcourse.train``: one process, or one torchrun worker (launch commands: ``ampcourse.train``'s docstring).
 
+Under torchrun, rank 0 logs, shows the progress bar and writes --out; --strategy ddp wraps the model in
+DistributedDataParallel, --strategy fsdp shards it with FSDP2 (``ampcourse.distributed``). The summary holds world
+size, backend (nccl/gloo), device type, precision, steps, skipped steps, the final loss of the global batch, the
+final loss scale and a checksum of the final (full) parameters.
+
 Every error, from argparse or from the checks, is one line ``ampcourse.train: error: ...`` on stderr and exit
 status 2 (``_args.cli_error``); under torchrun only local rank 0 prints it, the other workers exit quietly.
 """

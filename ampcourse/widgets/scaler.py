@@ -12,7 +12,7 @@ import math
 import ipywidgets as W
 import numpy as np
 
-from .. import _args, scaling
+from .. import _args, _scaler, scaling
 from .common import _LABEL, _WIDE, _Guarded, _error_html, _plural, parse_steps
 from .figure import _FigureImage
 
@@ -155,8 +155,8 @@ class ScalerSimulator(_Guarded, W.VBox):
     def _check_controls(self) -> None:
         """ValueError naming the control whose value (typed, or set from code) the simulation cannot use."""
         _check_simulator_args(self.steps.value, self.probability.value, self.seed.value)
-        scaling.check_scaler_args(2.0 ** self.init_log2.value, self.growth_factor.value, self.backoff_factor.value,
-                                  self.growth_interval.value)
+        _scaler.check_args(2.0 ** self.init_log2.value, self.growth_factor.value, self.backoff_factor.value,
+                          self.growth_interval.value)
 
     def _update(self) -> None:
         """Simulate GradScaler's scale for the pattern and redraw."""
