@@ -261,7 +261,7 @@ def test_the_gpu_branch_runner_takes_the_branches_it_says(tmp_path):
     assert forced == 1 and script.startswith('SIZE = "small" if True else "tiny"') and 'on_gpu = amp.device_type' in script
 
 
-# --- tools/gpu_test.py's torch side (moved from tests/test_gpu_tool.py, which checks a stdlib tool and runs on the
+# --- tools/gpu_test.py's torch side (moved from tests/tools/test_gpu_tool.py, which checks a stdlib tool and runs on the
 # lock's torch only; these run on every torch leg: the GPU image has torch 2.11) -------------------------------------
 
 def _gpu_test():

@@ -15,7 +15,7 @@ from ampcourse.plan import GPU, GPUS, NeedsRealValues, capture_step, plan
 from ampcourse.plan.capture import autocast_policy
 from ampcourse.plan.roofline import op_time
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sum_loss(out, _targets):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The kernels, and the flags ampcourse.device reads (so pick() decides as on a CPU without bf16 units: fp32).
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "AMPCOURSE_CPU_FLAGS": "sse4_2 avx avx2 fma"}

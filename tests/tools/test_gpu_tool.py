@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_test  # noqa: E402
 
@@ -180,7 +180,7 @@ def test_make_gpu_test_leaves_the_gpus_visible():
     assert "CUDA_VISIBLE_DEVICES" not in line and "tools/gpu_test.py" in line
 
 
-# The torch range (pyproject's floor, torch-tested, the matrix workflow, .ci/run): tests/test_environments.py.
+# The torch range (pyproject's floor, torch-tested, the matrix workflow, .ci/run): tests/course/test_environments.py.
 
 
 def test_the_cpu_workflow_runs_the_readme_test_command_with_chromium():
@@ -643,7 +643,7 @@ def test_this_file_tests_a_stdlib_tool_so_the_torch_legs_skip_it():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"torch", "ampcourse", "torchao"}, imported
-    assert "--ignore tests/test_gpu_tool.py" in (ROOT / "tools/torch_leg.sh").read_text()
+    assert "--ignore tests/tools/test_gpu_tool.py" in (ROOT / "tools/torch_leg.sh").read_text()
 
 
 def test_the_report_says_what_each_gpu_path_ran():

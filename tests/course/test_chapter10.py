@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 from ampcourse import device
 
-CHAPTER = Path(__file__).resolve().parents[1] / "chapters" / "10_at_scale.ipynb"
+CHAPTER = Path(__file__).resolve().parents[2] / "chapters" / "10_at_scale.ipynb"
 SIZE_NAMES = {"SIZE", "STEPS"}
 
 

@@ -14,7 +14,7 @@ from ampcourse import checkpoint, distributed
 from ampcourse.train import train
 from test_distributed import assert_rounding_level
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "ddp_amp.py"
 CONFIG = ["--steps", "8", "--global-batch-size", "32", "--samples", "256", "--seed", "0"]
 

@@ -258,7 +258,7 @@ def test_in_a_kernel_the_formats_are_prerendered_once_the_widgets_cell_is_done(t
 def _chapter6_cell(start: str) -> str:
     import nbformat
 
-    path = __import__("pathlib").Path(__file__).resolve().parents[1] / "chapters" / "06_loss_scaling.ipynb"
+    path = __import__("pathlib").Path(__file__).resolve().parents[2] / "chapters" / "06_loss_scaling.ipynb"
     return next(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code" and start in c.source)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import lab_config  # noqa: E402
 
@@ -259,10 +259,10 @@ def test_setup_installs_the_kernel_the_chapters_name():
 
     from jupyter_client.kernelspec import KernelSpecManager
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     from nbtool import KERNELSPEC
 
-    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     stamp_recipe = makefile.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
     assert "$(KERNEL_INSTALL)" in stamp_recipe, "the setup recipe must install the kernel"
     assert f"--name {KERNELSPEC['name']} --display-name {KERNELSPEC['display_name']}" in makefile

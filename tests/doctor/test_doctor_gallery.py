@@ -276,7 +276,7 @@ def test_the_peers_benchmark_builds_its_table_and_totals(tmp_path, monkeypatch):
     import json
     import pathlib
     import sys
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "doctor_peers.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "doctor_peers.py"
     spec = importlib.util.spec_from_file_location("doctor_peers", path)
     peers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peers)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow  # a wheel build and fresh processes: ~80 s; `make test` runs them, `make unit` not
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORT = {"status": "passed", "started": "2026-12-02T01:00:00+00:00",
           "machine": {"device": "NVIDIA H200", "capability": "sm_90", "torch": "2.11.0", "cuda": "12.8"},
           "goals": [{"name": "a goal", "shown": "3.10x", "goal": ">= 3x", "met": True}]}

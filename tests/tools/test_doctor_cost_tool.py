@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "doctor_cost.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "doctor_cost.py"
 
 
 def _load():

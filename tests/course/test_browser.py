@@ -42,7 +42,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = ROOT / "chapters"
 sys.path.insert(0, str(ROOT / "tools"))
 import make_student  # noqa: E402

@@ -1,4 +1,4 @@
-"""The widgets' Python side, driven the way the browser drives it (tests/test_browser.py drives the page)."""
+"""The widgets' Python side, driven the way the browser drives it (tests/course/test_browser.py drives the page)."""
 
 import math
 

@@ -570,11 +570,11 @@ def test_hand_written_loop_matches_train_when_train_picks_fused_adamw(precision,
 
 
 def test_chapter_4_loops_build_the_optimizer_train_builds():
-    """The cells that assert bit-identity with train() must not build their own AdamW (tests/test_train.py above)."""
+    """The cells that assert bit-identity with train() must not build their own AdamW (tests/train/test_train.py above)."""
     import json
     from pathlib import Path
 
-    nb = json.loads((Path(__file__).resolve().parents[1] / "chapters" / "04_amp_training_loop.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parents[2] / "chapters" / "04_amp_training_loop.ipynb").read_text())
     sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     for name in ("def hand_built_run", "def accumulated_run"):
         (cell,) = [s for s in sources if name in s]

@@ -57,7 +57,7 @@ def test_chapter_9_checks_leave_the_learner_s_widget_alone():
     import json
     from pathlib import Path
 
-    nb = json.loads((Path(__file__).resolve().parents[1] / "chapters" / "09_below_16_bits.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parents[2] / "chapters" / "09_below_16_bits.ipynb").read_text())
     codes = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     shown = next(i for i, s in enumerate(codes) if "outlier_explorer(" in s and "= outlier_explorer(" in s)
     name = next(t.id for node in ast.walk(ast.parse(codes[shown])) if isinstance(node, ast.Assign)

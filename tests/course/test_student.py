@@ -20,7 +20,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import make_student  # noqa: E402
 from make_student import (NEXT_TAG, NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerError, exercise_cells,  # noqa: E402

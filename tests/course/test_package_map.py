@@ -9,7 +9,7 @@ import pytest
 
 import ampcourse
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODULES = sorted(m.name for m in pkgutil.iter_modules(ampcourse.__path__) if not m.name.startswith("_"))
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ampcourse import course
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = ROOT / "chapters"
 INDEX = CHAPTERS / "00_index.ipynb"
 REQUIRED_OUTLINE = {"1", "2.1", "2.1.1", "2.1.2", "2.2.1", "2.2.2", "2.3.1", "2.3.2", "2.3.3", "3.1.1", "3.1.2"}
