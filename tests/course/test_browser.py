@@ -42,11 +42,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import make_student  # tools/ (tests/conftest.py puts it on sys.path)
+import nbtool
+
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = ROOT / "chapters"
-sys.path.insert(0, str(ROOT / "tools"))
-import make_student  # noqa: E402
-import nbtool  # noqa: E402
 
 STUDENT_CHAPTER = "01_precision_basics.ipynb"  # the learner copy run to the end: quick, with 3 exercises
 INDEX = "00_index.ipynb"

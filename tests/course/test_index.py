@@ -123,10 +123,7 @@ def test_outline_maps_the_seeds_training_sections_to_what_they_teach():
 
 # --- navigation (issue 28, item 18): every chapter links to the index at its top and its end ---------------
 
-import sys  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "tools"))
-import nbtool  # noqa: E402
+import nbtool  # noqa: E402  (tools/nbtool.py: tests/conftest.py puts tools/ on sys.path)
 
 NOTEBOOKS = sorted(CHAPTERS.glob("[0-9][0-9]_*.ipynb"))
 

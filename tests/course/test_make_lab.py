@@ -22,9 +22,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import lab_config  # tools/ (tests/conftest.py puts it on sys.path)
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import lab_config  # noqa: E402
 
 
 @pytest.mark.parametrize("path, read_only", [("chapters/01_x.ipynb", True), ("/chapters", True), ("chapters", True),
@@ -259,7 +259,6 @@ def test_setup_installs_the_kernel_the_chapters_name():
 
     from jupyter_client.kernelspec import KernelSpecManager
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     from nbtool import KERNELSPEC
 
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()

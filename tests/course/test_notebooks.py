@@ -7,9 +7,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import nbtool  # tools/ (tests/conftest.py puts it on sys.path)
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import nbtool  # noqa: E402
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 

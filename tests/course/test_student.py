@@ -20,12 +20,12 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import make_student  # noqa: E402
-from make_student import (NEXT_TAG, NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerError, exercise_cells,  # noqa: E402
+import make_student  # tools/ (tests/conftest.py puts it on sys.path)
+from make_student import (NEXT_TAG, NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerError, exercise_cells,
                           is_solution, learner_copy, stub_source)
-from nbtool import NAV_END  # noqa: E402
+from nbtool import NAV_END
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 NUMBERED = [p for p in CHAPTERS if int(p.name[:2]) > 0]  # 00 is the index, not a chapter

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import gpu_test  # tools/ (tests/conftest.py puts it on sys.path)
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import gpu_test  # noqa: E402
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:

@@ -6,15 +6,14 @@ What JupyterLab changes on open was found in Chromium (JupyterLab 4.6): it copie
 version, marks the notebook modified; cell ids and nbformat 4.4 vs 4.5 made no difference.
 """
 
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
+import nbtool  # tools/ (tests/conftest.py puts it on sys.path)
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import nbtool  # noqa: E402
 
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
 
