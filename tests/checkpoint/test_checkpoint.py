@@ -608,3 +608,68 @@ def test_check_settings_serves_sharded_checkpoints_without_the_model(tmp_path):
                      (_sgd_state(state), "written by a SGD optimizer")]:
         with pytest.raises(CheckpointError, match=why):
             checkpoint.check_settings({**meta, **bad}, opt, scaler)
+
+
+# --- checkpoint.load with a map_location this machine lacks: the good file was blamed ------------------------
+
+@pytest.mark.parametrize("where,says", [
+    ("cuda:{n}", "CUDA device"),  # one past the last GPU (cuda:0 on a machine without one)
+    ("foo", "is not a device"),
+    (3.5, "map_location must be a device"),
+])
+def test_load_names_a_bad_map_location_not_the_file(tmp_path: Path, where, says) -> None:
+    from ampcourse import checkpoint
+    train("mlp", steps=1, checkpoint_dir=tmp_path, progress=False, precision="fp32")
+    # before: CheckpointError "it is truncated or not a torch file (RuntimeError)": move a good file aside?
+    with pytest.raises(ValueError, match=says) as caught:
+        checkpoint.load(checkpoint.path_in(tmp_path),
+                        map_location=where.format(n=torch.cuda.device_count()) if isinstance(where, str) else where)
+    assert "truncated" not in str(caught.value)
+    assert checkpoint.load(checkpoint.path_in(tmp_path), map_location=torch.device("cpu"))["step"] == 1
+
+
+# --- checkpoint.save wrote files load() refuses, over the good checkpoint --------------------------------------
+
+def _good_state():
+    from ampcourse import checkpoint
+    m = torch.nn.Linear(4, 2)
+    return checkpoint.capture(1, m, torch.optim.AdamW(m.parameters()), torch.amp.GradScaler("cpu"))
+
+
+class _Note:  # a user's own object in the config: weights_only=True cannot unpickle it
+    pass
+
+
+@pytest.mark.parametrize("bad,says", [
+    (lambda s: {**s, "config": {"note": _Note()}}, r"state\['config'\]\['note'\] is a _Note"),
+    (lambda s: {**s, "history": {"loss": [1.0, _Note()]}}, r"state\['history'\]\['loss'\]\[1\] is a _Note"),
+    (lambda s: [1, 2], "save\\(\\) writes a checkpoint made by checkpoint.capture"),
+])
+def test_save_refuses_what_load_could_not_read_and_keeps_the_good_file(tmp_path: Path, bad, says) -> None:
+    from ampcourse import checkpoint
+    target = tmp_path / "checkpoint.pt"
+    checkpoint.save(_good_state(), target)
+    # before: save() succeeded, replacing the good checkpoint with one that load() refuses ("holds Python objects")
+    with pytest.raises(checkpoint.CheckpointError, match=says):
+        checkpoint.save(bad(_good_state()), target)
+    assert checkpoint.load(target)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+@pytest.mark.parametrize("pieces,says", [
+    (lambda m, o, s: (None, o, s), "model must be a torch.nn"),
+    (lambda m, o, s: (m, None, s), "optimizer must be a torch.optim"),
+    (lambda m, o, s: (m, o, None), r"scaler must be .*GradScaler\(enabled=False\)"),
+])
+def test_capture_and_restore_name_a_missing_piece(pieces, says) -> None:
+    from ampcourse import checkpoint
+    m = torch.nn.Linear(4, 2)
+    o = torch.optim.AdamW(m.parameters())
+    s = torch.amp.GradScaler("cpu")
+    state = checkpoint.capture(0, m, o, s)
+    # before: AttributeError: 'NoneType' object has no attribute 'state_dict' / 'is_enabled'
+    with pytest.raises(TypeError, match=says):
+        checkpoint.capture(1, *pieces(m, o, s))
+    with pytest.raises(TypeError, match=says):
+        checkpoint.restore(state, *pieces(m, o, s))
+    with pytest.raises(TypeError, match="history must be a dict"):
+        checkpoint.capture(1, m, o, s, history=[1.0])

@@ -197,3 +197,18 @@ def test_a_damaged_zip_end_record_is_a_checkpoint_error(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="truncated or not a torch file"):
         checkpoint.load(path)
+
+
+# --- a damaged latest pointer: a CheckpointError, not a UnicodeDecodeError or IsADirectoryError ---------------
+
+@pytest.mark.parametrize("damage", ["bytes", "folder"])
+def test_sharded_latest_pointer_damage_is_a_checkpoint_error(tmp_path: Path, damage) -> None:
+    from ampcourse import checkpoint
+    pointer = checkpoint.ShardedCheckpointer().path(tmp_path)
+    pointer.parent.mkdir(parents=True)
+    if damage == "bytes":
+        pointer.write_bytes(b"\xff\xfe\x00garbage")  # before: UnicodeDecodeError
+    else:
+        pointer.mkdir()  # before: IsADirectoryError, a traceback from the CLI
+    with pytest.raises(checkpoint.CheckpointError, match="cannot resume from"):
+        checkpoint.ShardedCheckpointer().read(tmp_path)

@@ -3,7 +3,9 @@
 import contextlib
 import math
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -11,7 +13,8 @@ from torch.utils.data import TensorDataset
 from ampcourse import checkpoint, models
 from ampcourse.device import pick
 from ampcourse import train as train_mod
-from ampcourse.train import History, Parallel, batch_indices, local_indices, state_checksum, train
+from ampcourse.train import (History, Parallel, batch_indices, local_indices, make_optimizer, optimizer_settings,
+                             state_checksum, train)
 
 FAST = dict(steps=4, lr=1e-2, seed=0, batch_size=32, n_samples=256, progress=False)
 
@@ -663,3 +666,91 @@ def test_train_step_inside_an_enclosing_autocast_trains_on_the_new_weights():
     enclosed = losses(torch.autocast("cpu", enabled=False))
     assert len(set(plain)) == 4  # the loss moves every step
     assert enclosed == plain
+
+
+# --- lr / weight_decay beyond float32: torch's optimizers fail at the first step -----------------------------
+
+@pytest.mark.parametrize("lr", [1e39, 1e300, 1e-320])
+def test_train_refuses_an_lr_float32_cannot_hold(lr: float) -> None:
+    # before: 1e39 raised RuntimeError "value cannot be converted to type float without overflow" from
+    # torch/optim/adam.py after the model and data were built; 1e-320 rounded to 0 and the run silently did not learn
+    with pytest.raises(ValueError, match=r"^lr must be a number float32 can hold"):
+        train("mlp", steps=1, lr=lr, progress=False)
+
+
+def test_train_refuses_a_weight_decay_beyond_float32() -> None:
+    with pytest.raises(ValueError, match=r"^weight_decay must be at most"):
+        train("mlp", steps=1, weight_decay=1e39, progress=False)
+
+
+def test_make_optimizer_refuses_an_lr_beyond_float32_before_any_step() -> None:
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(ValueError, match="lr must be a number float32 can hold"):
+        make_optimizer("adamw", params, lr=1e39)
+
+
+def test_optimizer_settings_keeps_sane_values_as_python_floats() -> None:
+    lr, wd = optimizer_settings(np.float64(3e-4), torch.tensor(0.01))
+    assert (lr, wd) == (3e-4, pytest.approx(0.01)) and type(lr) is float and type(wd) is float
+
+
+# --- resume with other GradScaler or scheduler settings: the checkpoint's were put back silently --------------
+
+def test_resume_refuses_changed_scaler_settings(tmp_path: Path) -> None:
+    kw = dict(precision="fp16", device="cpu", progress=False, checkpoint_dir=tmp_path)
+    train("mlp", steps=2, scaler_kwargs={"growth_interval": 1}, **kw)
+    # before: the resumed run went on with growth_interval=1 (scale doubled every step) although 1000 was asked
+    with pytest.raises(ValueError, match=r"growth_interval=1 in the checkpoint, 1000 now"):
+        train("mlp", steps=4, resume=True, scaler_kwargs={"growth_interval": 1000}, **kw)
+    with pytest.raises(ValueError, match=r"growth_interval=1 in the checkpoint, 2000 now"):  # GradScaler's default
+        train("mlp", steps=4, resume=True, **kw)
+    h = train("mlp", steps=4, resume=True, scaler_kwargs={"growth_interval": 1, "init_scale": 8.0}, **kw)
+    assert h.series()["scale"][-1] > h.series()["scale"][0]  # same settings: resumes (init_scale may differ)
+
+
+def test_resume_without_the_scheduler_it_was_written_with_is_refused(tmp_path: Path) -> None:
+    kw = dict(checkpoint_dir=tmp_path, progress=False, precision="fp32")
+    train("mlp", steps=2, scheduler="cosine", **kw)
+    # before: resumed silently at the schedule's lr of step 2, held constant from there
+    with pytest.raises(ValueError, match="written with an LR scheduler and this run has none"):
+        train("mlp", steps=2, resume=True, **kw)
+    assert train("mlp", steps=2, resume=True, scheduler="cosine", **kw).steps_done == 2
+
+
+# --- local_indices / StepIndices: a rank past the world, or an uneven split, lost samples silently ------------
+
+@pytest.mark.parametrize("rank,world,says", [
+    (3, 2, r"rank must be an int in 0..1 \(world_size=2\)"),  # before: an empty tensor
+    (0, 4, "batch_size 6 must divide by world_size 4"),  # before: 1 sample per rank, 2 of 6 never seen
+    (0, 0, "world_size must be an int >= 1"),  # before: ZeroDivisionError
+])
+def test_local_indices_refuse_a_split_that_loses_samples(rank, world, says) -> None:
+    from ampcourse.train import local_indices
+    from ampcourse.train.batches import StepIndices
+    with pytest.raises(ValueError, match=says):
+        local_indices(0, 0, 16, 6 if world == 4 else 8, rank=rank, world_size=world)
+    with pytest.raises(ValueError, match=says):
+        StepIndices(0, 16, 6 if world == 4 else 8, rank=rank, world_size=world)
+
+
+def test_local_indices_still_cover_the_batch() -> None:
+    from ampcourse.train import batch_indices, local_indices
+    parts = [local_indices(2, 0, 16, 8, rank=r, world_size=4) for r in range(4)]
+    assert torch.equal(torch.cat(parts), batch_indices(2, 0, 16, 8))
+
+
+# --- train() with callables of your own that return the wrong thing: AttributeError / RuntimeError inside ------
+
+X, Y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(optimizer=lambda p, lr, weight_decay: None), "optimizer callable must return a torch.optim.Optimizer, got NoneType"),
+    (dict(scheduler=lambda opt: 5), "scheduler callable must return an LR scheduler"),
+    (dict(loss_fn=lambda out, t: out.float().sum(1)), r"loss_fn must return a 0-d tensor .* shape \(8,\)"),
+    (dict(loss_fn=lambda out, t: 1.0), "loss_fn must return a 0-d tensor .* got a float"),
+])
+def test_train_names_a_callable_that_returns_the_wrong_thing(kwargs, says) -> None:
+    from torch.utils.data import TensorDataset
+    with pytest.raises(ValueError, match=says):
+        train(torch.nn.Linear(32, 10), TensorDataset(X, Y), steps=1, batch_size=8, progress=False, **kwargs)

@@ -6,8 +6,11 @@ a healthy model is not flagged; skipped steps show in the scaler's record and in
 only Python floats are kept; bad input gets one line that says what to pass (API and command line).
 """
 
+import io
 import json
 import math
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
 import torch
@@ -387,3 +390,82 @@ def test_cli_shows_progress_unless_told_not_to(capsys):
     assert "4/4" in capsys.readouterr().err  # the reference's 2 steps and bf16's
     assert main(["--model", "mlp", "--steps", "2", "--no-progress"]) == 0
     assert capsys.readouterr().err == ""
+
+
+# --- defects an independent tester hit in trial; each test failed before its fix (its comment says how) -------
+
+def _run_cli(main, argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as done:
+            code = done.code
+    return code, err.getvalue()
+
+
+def test_trial_refuses_an_lr_beyond_float32() -> None:
+    with pytest.raises(ValueError, match="lr must be a number float32 can hold"):
+        trial_mod.trial("mlp", steps=1, lr=1e39)
+
+
+def test_trial_cli_huge_lr_is_one_line_exit_2() -> None:
+    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--lr", "1e39"])
+    assert code == 2 and err.startswith("ampcourse.trial: error: lr must be")
+
+
+def test_trial_cli_refuses_an_unknown_plot_format_before_training(tmp_path: Path, monkeypatch) -> None:
+    ran = []
+    monkeypatch.setattr(trial_mod, "trial", lambda *a, **k: ran.append(1))
+    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--plot", str(tmp_path / "t.txt")])
+    assert code == 2 and "--plot" in err and ".png" in err
+    assert ran == []  # before: the trial ran to the end, printed its summary, then failed in savefig
+
+
+def test_trial_cli_refuses_one_file_for_json_and_plot(tmp_path: Path, monkeypatch) -> None:
+    ran = []
+    monkeypatch.setattr(trial_mod, "trial", lambda *a, **k: ran.append(1))
+    out = str(tmp_path / "t.png")
+    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--out", out, "--plot", out])
+    assert code == 2 and "--out and --plot name the same file" in err and ran == []
+
+
+# --- trial reads precision names as train() does; settings it would drop or typos it would hide are refused ----
+
+@pytest.mark.parametrize("given,want", [(("FP16 ",), ("fp16",)), ((torch.bfloat16,), ("bf16",)), ("bf16", ("bf16",)),
+                                        (("Fp16-NoScaler", "float16"), ("fp16-noscaler", "fp16"))])
+def test_trial_reads_precision_names_like_train(given, want) -> None:
+    # before: 'FP16 ' and torch.bfloat16 were "unknown name(s)", though train(precision=...) takes both
+    assert trial_mod._check_precisions(given) == want
+
+
+def test_trial_still_refuses_unknown_precisions() -> None:
+    with pytest.raises(ValueError, match=r"precisions: unknown precision 'fp8'; choose from fp32, bf16, fp16, fp16-noscaler"):
+        trial_mod._check_precisions(("bf16", "fp8"))
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        trial_mod._check_precisions(None)
+
+
+def test_trial_refuses_scaler_enabled_instead_of_dropping_it() -> None:
+    # before: scaler_kwargs={"enabled": False} was ignored and the fp16 run used a GradScaler anyway
+    with pytest.raises(ValueError, match="'fp16-noscaler' without"):
+        trial_mod.trial("mlp", steps=1, precisions=("fp16",), scaler_kwargs={"enabled": False})
+
+
+def test_trial_layer_series_refuses_an_unknown_prefix() -> None:
+    t = trial_mod.trial("mlp", steps=2, monitors=[])
+    assert set(t.layer_series("bf16", "drift")) == set(t.layers)
+    # before: {} for a typo, which reads as "no layer has that series"
+    with pytest.raises(ValueError, match="no per-layer series 'drfit'; choose one of drift, update"):
+        t.layer_series("bf16", "drfit")
+    with pytest.raises(ValueError, match="run 'fp8' is not in this trial"):
+        t.layer_series("fp8", "drift")
+
+
+X, Y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+
+
+def test_trial_pair_of_tensors_of_different_lengths_is_a_value_error() -> None:
+    # before: AssertionError "Size mismatch between tensors" from torch's TensorDataset
+    with pytest.raises(ValueError, match=r"inputs \(64, 32\) and targets \(10,\) must have one row per sample"):
+        trial_mod.trial(lambda: torch.nn.Linear(32, 10), data=(X, Y[:10]), steps=1)
