@@ -13,7 +13,7 @@ help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 # One kernel: "python3" (the name every notebook asks for), shown as "ampcourse" (tools/nbtool.py KERNELSPEC),
-# in .venv, with one OpenMP thread. Installed by setup, so `make test`'s JupyterLab (tests/test_browser.py) finds
+# in .venv, with one OpenMP thread. Installed by setup, so `make test`'s JupyterLab (tests/course/test_browser.py) finds
 # the kernel the stored chapters name and does not rewrite their metadata; again by `make lab` (under a second),
 # so a .venv from before gets it too. The lab config hides any other kernel.
 KERNEL_INSTALL = $(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name ampcourse --env OMP_NUM_THREADS 1 >/dev/null

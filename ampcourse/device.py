@@ -75,7 +75,7 @@ def parse_precision(precision: str | torch.dtype) -> str:
 
 
 #: Environment variable that replaces the flags read from /proc/cpuinfo (space- or comma-separated), so a test can
-#: run the chapters as on another CPU (tests/test_portable_outputs.py: an AVX2-only CPU, where pick() says fp32).
+#: run the chapters as on another CPU (tests/course/test_portable_outputs.py: an AVX2-only CPU, where pick() says fp32).
 CPU_FLAGS_ENV = "AMPCOURSE_CPU_FLAGS"
 
 
@@ -135,7 +135,7 @@ def _native_units(device: torch.device, precision: str) -> tuple[bool, str]:
 
 
 #: The torch releases the course is tested on, oldest and newest (pyproject.toml: torch>=2.11 and
-#: [tool.ampcourse] torch-tested; tests/test_environments.py checks they agree). summary() warns outside them.
+#: [tool.ampcourse] torch-tested; tests/course/test_environments.py checks they agree). summary() warns outside them.
 TORCH_RANGE = ("2.11", "2.15")
 
 

@@ -5,7 +5,7 @@
 
 Each configuration is predicted as it was run (model, batch, sequence length, accumulation, precision); the
 optimizer step is spread over the accumulated micro-batches. No constant is fitted: the GPU numbers are
-ampcourse.plan.GPUS's (datasheets and published microbenchmarks). tests/test_plan_published.py recomputes
+ampcourse.plan.GPUS's (datasheets and published microbenchmarks). tests/tools/test_plan_published.py recomputes
 this table and compares it with the one in benchmarks/README.md.
 """
 

@@ -17,7 +17,7 @@ of the planted ones) check that a tool stays quiet when nothing is wrong.
 Each :class:`Case` says what is planted (issue 18's class 1-6, or 0 for a healthy model), the precisions it
 affects, the culprit (qualified module name, "" for the whole model; the aten ops that start the trouble; the phase
 forward / backward / optimizer / model), how a learner would train it (:class:`Regimen`) and the remedy
-(``fix(model, optimizer) -> Regimen``). ``tests/test_doctor_gallery.py`` proves that every planted case really
+(``fix(model, optimizer) -> Regimen``). ``tests/doctor/test_doctor_gallery.py`` proves that every planted case really
 diverges from fp32 and that its fix tracks fp32; ``benchmarks/doctor_peers.py`` judges the AMP doctor,
 ``torch.autograd.detect_anomaly`` and transformers' ``DebugUnderflowOverflow`` on it.
 

@@ -4,7 +4,7 @@ Every row is something a learner (or a cluster script) can get wrong. The rule: 
 names the bad value and says what is allowed, raised by ampcourse itself (never a raw traceback from
 deep inside torch), and nothing lost: files, checkpoints and widget state stay as they were. In a
 widget the error is a visible message and the last good value stays. Rows that the unit test of a
-module already covers (tests/test_train.py BAD, tests/test_checkpoint.py bad files) are not repeated.
+module already covers (tests/train/test_train.py BAD, tests/checkpoint/test_checkpoint.py bad files) are not repeated.
 """
 
 from __future__ import annotations

@@ -110,7 +110,6 @@ def test_the_benchmark_times_gpu_sized_models_on_cuda(monkeypatch, capability, n
 
 def test_a_gpu_test_that_needs_bf16_says_compute_capability_when_it_skips():
     """The report lists capability skips apart from failures by their message (tools/gpu_test.CAPABILITY_SKIP)."""
-    sys.path.insert(0, str(ROOT / "tools"))
     import gpu_test
 
     text = (ROOT / "tests/gpu/test_cuda_bench.py").read_text()
@@ -261,12 +260,11 @@ def test_the_gpu_branch_runner_takes_the_branches_it_says(tmp_path):
     assert forced == 1 and script.startswith('SIZE = "small" if True else "tiny"') and 'on_gpu = amp.device_type' in script
 
 
-# --- tools/gpu_test.py's torch side (moved from tests/test_gpu_tool.py, which checks a stdlib tool and runs on the
+# --- tools/gpu_test.py's torch side (moved from tests/tools/test_gpu_tool.py, which checks a stdlib tool and runs on the
 # lock's torch only; these run on every torch leg: the GPU image has torch 2.11) -------------------------------------
 
 def _gpu_test():
-    """tools/gpu_test.py as a module."""
-    sys.path.insert(0, str(ROOT / "tools"))
+    """tools/gpu_test.py as a module (tests/conftest.py puts tools/ on sys.path)."""
     import gpu_test
     return gpu_test
 

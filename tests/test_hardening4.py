@@ -1,6 +1,6 @@
 """Hardening round 4 (issue 30): each defect class found by trying it, with the input that found it.
 
-Each test failed on the code before its fix (the comment says how); together with tests/test_checkpoint_sharded.py
+Each test failed on the code before its fix (the comment says how); together with tests/checkpoint/test_checkpoint_sharded.py
 (sharded checkpoints) and tests/test_inputs.py (the front door).
 """
 

@@ -260,7 +260,7 @@ def ordered_notebooks() -> list[str]:
 def notebook_budget(nb: str) -> float:
     """A chapter's step budget: NOTEBOOK_START_S plus NOTEBOOK_FACTOR times its measured CPU time (NOTEBOOK_CPU_S).
 
-    At least NOTEBOOK_MIN_S; a chapter without a measured time gets NOTEBOOK_UNMEASURED_S (and tests/test_gpu_tool.py
+    At least NOTEBOOK_MIN_S; a chapter without a measured time gets NOTEBOOK_UNMEASURED_S (and tests/tools/test_gpu_tool.py
     asks for a figure)."""
     measured = NOTEBOOK_CPU_S.get(Path(nb).name[:2])
     if measured is None:

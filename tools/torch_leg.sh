@@ -108,8 +108,8 @@ print(f"torch {torch.__version__}, torchao {torchao.__version__}: {len(mods)} am
 # `make test` cannot: what depends on the torch version.
 step "unit tests (torch-dependent; not slow, browser, learner-copy, make-lab)" \
     "$PY" -m pytest tests -p no:cacheprovider -q -m "not slow and not gpu" \
-    --ignore tests/test_browser.py --ignore tests/test_student.py --ignore tests/test_make_lab.py \
-    --ignore tests/test_environments.py --ignore tests/test_gpu_tool.py --ignore tests/gpu
+    --ignore tests/course/test_browser.py --ignore tests/course/test_student.py --ignore tests/course/test_make_lab.py \
+    --ignore tests/course/test_environments.py --ignore tests/tools/test_gpu_tool.py --ignore tests/gpu
 # AMPCOURSE_CHECKERS_RAISE=1: a checker that rejects a chapter's own solution fails its cell (lax mode compares no
 # outputs, and in a kernel a checker only prints its verdict)
 step "every chapter, nbval lax" env AMPCOURSE_CHECKERS_RAISE=1 \

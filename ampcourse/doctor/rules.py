@@ -26,7 +26,7 @@ from .vocab import Quoted
 #: A module's own relative error under autocast (a leaf's output against the same module rerun in fp32 on the same,
 #: already-rounded inputs; a non-leaf module's with its children exact, see capture.Tracker._inline_error) that counts
 #: as precision loss: 8 eps (fp16 ~0.8%, bf16 ~6%). eps is the format's spacing at
-#: 1 (2**-10, 2**-7); the rounding unit is u = eps/2. Calibration, measured by tests/test_doctor.py::
+#: 1 (2**-10, 2**-7); the rounding unit is u = eps/2. Calibration, measured by tests/doctor/test_doctor.py::
 #: test_rel_tol_is_calibrated_on_linear_layers: an nn.Linear's own error is 0.2-0.4 eps in both formats (the output
 #: rounding once, relative RMS ~ u/sqrt(3) ~ 0.3 eps), so 8 eps is 20-40x a healthy layer's.
 REL_TOL = {p: 8 * formats.spec(p).eps for p in ("fp16", "bf16")}

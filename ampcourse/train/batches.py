@@ -79,7 +79,7 @@ class StepIndices:
 
     On a GPU the loop would otherwise copy every step's few index bytes from pageable host memory (a
     synchronising copy); here the whole permutation moves once per epoch and a step's indices are a
-    slice of it, a view on the device. Values are exactly local_indices' (tests/test_train.py).
+    slice of it, a view on the device. Values are exactly local_indices' (tests/train/test_train.py).
 
     Example::
 

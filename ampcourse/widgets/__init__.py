@@ -34,7 +34,7 @@ One file per part, lowest first:
 from __future__ import annotations
 
 # Every name that chapters, tests, benchmarks and tools import from ampcourse.widgets stays importable here
-# (tests/test_package_map.py checks): the public ones, STORED_HINT, and _main (benchmarks/widget_update.py).
+# (tests/course/test_package_map.py checks): the public ones, STORED_HINT, and _main (benchmarks/widget_update.py).
 from .bits import FormatExplorer, format_explorer
 from .cli import _main, benchmark, main, simulation_benchmark
 from .common import STORED_HINT, parse_number, parse_scale, parse_steps
@@ -42,6 +42,6 @@ from .outlier import OutlierExplorer, outlier_explorer
 from .ranges import RangeExplorer, range_explorer
 from .scaler import ScalerSimulator, scaler_simulator
 
-# Kept as it was before the split (tests/test_widgets_robust.py discovers the factories from it).
+# Kept as it was before the split (tests/widgets/test_widgets_robust.py discovers the factories from it).
 __all__ = ["format_explorer", "range_explorer", "scaler_simulator", "parse_number", "parse_scale", "parse_steps",
            "RangeExplorer", "ScalerSimulator", "benchmark", "OutlierExplorer", "outlier_explorer"]

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 from ampcourse.doctor import examine
 from ampcourse.models import loss_fn, make_model, make_task
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/planted.py
-from planted import NaiveRMSNorm  # noqa: E402
+from planted import NaiveRMSNorm  # tests/planted.py (tests/conftest.py puts tests/ on sys.path)
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +54,8 @@ def test_planted_rmsnorm_and_tiny_loss_on_cuda(amp):
 
 def test_inline_code_and_a_custom_backward_on_cuda(amp):
     """The op watch on CUDA: inline code in a parent's forward and an fp16-only overflow in a custom backward are named
-    by module, op and phase, as on the CPU (tests/test_doctor_classes.py)."""
+    by module, op and phase, as on the CPU (tests/doctor/test_doctor_classes.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doctor"))
     from test_doctor_classes import TinyAttnModel, WithFusedNorm, WithInlineBlock, attn_batch
     x, y = (t.to(amp.device) for t in make_task("mlp", n=64).data.tensors)
     torch.manual_seed(0)

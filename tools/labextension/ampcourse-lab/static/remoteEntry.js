@@ -3,7 +3,7 @@
 // tells it the read-only folders and the workspace (page config "ampcourse"). It needs no JupyterLab module:
 // it works on the document widgets the shell holds (their `context`), so it is one plain file.
 //
-// Rules (tests/test_browser.py checks both in Chromium):
+// Rules (tests/course/test_browser.py checks both in Chromium):
 // 1. A full chapter (chapters/, read-only) and the learner's copy (workspace/) have the same file name; the
 //    full chapter's tab reads "[full] NAME" in italics (a class on the tab and a CSS ::before: changing the
 //    tab's label itself would make JupyterLab rename the file), so two tabs never look alike.
