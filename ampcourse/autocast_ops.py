@@ -22,7 +22,6 @@ CUDA autocast runs them in fp32. Generate the table on the device you train on.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -334,11 +333,14 @@ def fake_cuda_available() -> bool:
 
 
 @contextmanager
-def _cuda_autocast_state(dtype: torch.dtype) -> Iterator[None]:
-    """CUDA autocast on at dtype for this thread; the previous state and an empty cache afterwards."""
+def _cuda_autocast_state(dtype: torch.dtype | None) -> Iterator[None]:
+    """CUDA autocast on at dtype (off when dtype is None) for this thread; the previous state and an empty cache
+    afterwards. Off is set, not assumed: a forked probe inherits its caller's autocast state (a caller inside
+    CUDA's autocast, or the emulator, would otherwise make the probe's "autocast off" call an autocast call)."""
     prev = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-    torch.set_autocast_enabled("cuda", True)
-    torch.set_autocast_dtype("cuda", dtype)
+    torch.set_autocast_enabled("cuda", dtype is not None)
+    if dtype is not None:
+        torch.set_autocast_dtype("cuda", dtype)
     try:
         yield
     finally:
@@ -634,8 +636,7 @@ def _record(op, dtypes: Sequence[torch.dtype], amp_dtype: torch.dtype | None, fa
 
     rec = Recorder()
     err = out = None
-    state = _cuda_autocast_state(amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
-    with fake_mode, state, rec:
+    with fake_mode, _cuda_autocast_state(amp_dtype), rec:
         try:
             result = op(*args, **kwargs)
             first = result[0] if isinstance(result, (tuple, list)) and result else result

@@ -186,6 +186,26 @@ def test_policy_is_cached_on_disk_per_torch_build(tmp_path, monkeypatch):
         autocast_ops.policy("cuda", torch.bfloat16)
 
 
+def test_a_probe_started_inside_cuda_autocast_probes_from_a_clean_state(tmp_path, monkeypatch):
+    """The probe forks: its child inherits the caller's autocast state. Started inside CUDA's autocast (the
+    emulator's region, a caller's own context), the probe's "autocast off" call was an autocast call, so a banned
+    op (binary_cross_entropy) read as "not probeable" and the cache kept that for every later process."""
+    monkeypatch.setenv("AMPCOURSE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autocast_ops, "_POLICIES", {})
+    clean = autocast_ops._probe_policy("cuda", torch.bfloat16)
+    monkeypatch.setattr(autocast_ops, "_POLICIES", {})
+    prev = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        inside = autocast_ops.policy("cuda", torch.bfloat16)
+    finally:
+        torch.set_autocast_enabled("cuda", prev[0])
+        torch.set_autocast_dtype("cuda", prev[1])
+    assert inside["aten::binary_cross_entropy"].reason.startswith("CUDA autocast raises: ")
+    assert inside == clean
+
+
 def test_the_op_a_call_enters_on_a_real_device():
     """What a GPU's table uses to name the fp32 kind: the aten op the call enters (here on CPU tensors)."""
     specs = {s.name: s for s in autocast_ops.OPS}
