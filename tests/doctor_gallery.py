@@ -717,6 +717,232 @@ def build_t5_overflow(seed: int) -> Setup:
     return Setup(model, inputs, None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
+# -- issue 25 in Hugging Face models from tiny configs ----------------------------------------------------------------
+#
+# Each builder below seeds, builds from a config (no download, random init) and plants (or keeps healthy) one of issue
+# 25's classes in a real Hugging Face architecture. Truths are established by training (tests/test_doctor_gallery.py).
+
+def _llama(seed: int, **overrides) -> nn.Module:
+    """A 2-layer Llama (vocab 128, width 32, 2 heads sharing 1 KV head), eager attention, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    seed_all(seed)
+    kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    kw.update(overrides)
+    cfg = LlamaConfig(**kw)
+    cfg._attn_implementation = "eager"  # the logits q @ k.T inline in eager_attention_forward (sdpa hides them)
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2(seed: int) -> nn.Module:
+    """A 2-layer Qwen2 (vocab 128, width 32; q/k/v with biases), eager attention."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    seed_all(seed)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0, tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    return Qwen2ForCausalLM(cfg)
+
+
+def _neox(seed: int) -> nn.Module:
+    """A 2-layer GPT-NeoX (vocab 128, width 32, parallel residual, LayerNorms), eager attention, no dropout."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    seed_all(seed)
+    cfg = GPTNeoXConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+    cfg._attn_implementation = "eager"
+    return GPTNeoXForCausalLM(cfg)
+
+
+def _distilbert(seed: int, **overrides) -> nn.Module:
+    """A 2-layer DistilBERT classifier (vocab 128, width 32, 4 labels), no dropout unless overridden."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+    seed_all(seed)
+    kw = dict(vocab_size=128, dim=32, hidden_dim=64, n_layers=2, n_heads=2, max_position_embeddings=32,
+              num_labels=4, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, initializer_range=0.05)
+    kw.update(overrides)
+    cfg = DistilBertConfig(**kw)
+    cfg._attn_implementation = "eager"
+    return DistilBertForSequenceClassification(cfg)
+
+
+def _vit(seed: int) -> nn.Module:
+    """A 2-layer ViT classifier on 16x16 images in 4x4 patches (width 32, 4 labels), no dropout."""
+    from transformers import ViTConfig, ViTForImageClassification
+    seed_all(seed)
+    cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=64, num_labels=4, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    return ViTForImageClassification(cfg)
+
+
+def _image_inputs(seed: int, n: int = 16) -> dict[str, torch.Tensor]:
+    """Random 16x16 RGB images labelled by the mean of their first channel's top half (learnable)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    px = torch.randn(n, 3, 16, 16, generator=g)
+    return {"pixel_values": px, "labels": (px[:, 0, :8].mean((1, 2)) * 8).long().clamp(-2, 1) + 2}
+
+
+def build_llama(seed: int) -> Setup:
+    """Tiny Llama, AdamW: healthy (RMSNorm and rotary embeddings inline, many roundings each)."""
+    model = _llama(seed)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_qwen2(seed: int) -> Setup:
+    """Tiny Qwen2, AdamW: healthy."""
+    model = _qwen2(seed)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_neox(seed: int) -> Setup:
+    """Tiny GPT-NeoX, AdamW: healthy."""
+    model = _neox(seed)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_vit(seed: int) -> Setup:
+    """Tiny ViT, AdamW: healthy."""
+    model = _vit(seed)
+    return Setup(model, _image_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_qwen2_fp16_adam(seed: int) -> Setup:
+    """Tiny Qwen2 converted with .half(), Adam(eps=1e-8) (issue 25 class 1: the report once read "fp16: clean" above
+    its own optimizer error): eps is 0 in fp16 and small grad**2 flush, so one step makes weights inf/NaN."""
+    model = _qwen2(seed).half()
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8))
+
+
+def build_neox_bf16_adamw(seed: int) -> Setup:
+    """Tiny GPT-NeoX converted with .bfloat16(), AdamW(lr=1e-4) (issue 25 class 1: a pure-bf16 model once got "use
+    fp16" and fp16-parameter advice): most updates are below half a bf16 step of their weight and round away."""
+    model = _neox(seed).bfloat16()
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+
+def build_vit_fp16_fused_adam(seed: int) -> Setup:
+    """Tiny ViT converted with .half(), Adam(fused=True) (issue 25 class 2): step 1 computes the second moment in
+    fp32 inside the kernel and is right; it is stored in fp16, where (1-beta2)*g**2 underflows, so later steps divide
+    by sqrt(0) + eps and move weights by ~lr * sign(g) / eps-sized steps."""
+    model = _vit(seed).half()
+    return Setup(model, _image_inputs(seed), None, None,
+                 torch.optim.Adam(model.parameters(), lr=1e-3, fused=True))
+
+
+class SmallLoss:
+    """A loss weighted down by a constant (auxiliary loss weights, per-token averaging over long sequences): fp16 at
+    scale 1 flushes the gradients that reach the model."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+
+    def __call__(self, out, _targets=None) -> torch.Tensor:
+        return out.loss.float() * self.weight
+
+
+def build_llama_embedding_underflow(seed: int) -> Setup:
+    """Tiny Llama with its loss weighted by 2**-24 and SGD (lr x 2**24: the weight is a learning-rate factor there)
+    (issue 25 class 5): embed_tokens' output stays fp32 under autocast, its gradient arrives through the fp16
+    q/k/v projections and the fp16 MLP and flushes at scale 1."""
+    model = _llama(seed)
+    return Setup(model, _lm_inputs(seed), None, SmallLoss(2.0**-24),
+                 torch.optim.SGD(model.parameters(), lr=0.5 * 2.0**24))
+
+
+class LoRALinear(nn.Module):
+    """A frozen half-precision Linear plus trainable fp32 low-rank adapters (LoRA written by hand): base(x) +
+    up(down(x)) * alpha / rank, the adapter in its own dtype, the sum in the base's."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.up.weight, std=0.02)  # not zero, so every adapter weight gets a gradient at step 1
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x.to(self.base.weight.dtype))
+        return out + (self.up(self.down(x.to(self.down.weight.dtype))) * self.scale).to(out.dtype)
+
+
+def build_lora_llama(seed: int) -> Setup:
+    """Tiny Llama converted to fp16 and frozen, with fp32 LoRA adapters on every q_proj and v_proj; AdamW over the
+    adapters only (issue 25 class 3: healthy; fp32 master weights would double the frozen base for nothing)."""
+    model = _llama(seed).half().requires_grad_(False)
+    torch.manual_seed(seed + 1)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return Setup(model, _lm_inputs(seed), None, None, opt)
+
+
+class HalfBodyClassifier(nn.Module):
+    """A Hugging Face encoder in bf16 with a classification head of one's own in fp32 (the head reads the body's
+    first-token state cast up, as a learner writes it)."""
+
+    def __init__(self, body: nn.Module, dim: int, classes: int):
+        super().__init__()
+        self.body = body.bfloat16()
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.body(input_ids=input_ids).last_hidden_state[:, 0]
+        return self.head(h.to(self.head.weight.dtype))
+
+
+def build_distilbert_bf16_body(seed: int) -> Setup:
+    """DistilBERT's encoder in bf16 with an fp32 head, AdamW(lr=1e-3) over both (issue 25 class 3: a mixed-dtype
+    model; healthy)."""
+    from transformers import DistilBertConfig, DistilBertModel
+    seed_all(seed)
+    cfg = DistilBertConfig(vocab_size=128, dim=32, hidden_dim=64, n_layers=2, n_heads=2, max_position_embeddings=32,
+                           dropout=0.0, attention_dropout=0.0, initializer_range=0.05)
+    cfg._attn_implementation = "eager"
+    model = HalfBodyClassifier(DistilBertModel(cfg), 32, 4)
+    inputs = _cls_inputs(seed)
+    return Setup(model, inputs["input_ids"], inputs["labels"], _xent, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def _wav2vec2(seed: int) -> nn.Module:
+    """A tiny Wav2Vec2 classifier with its randomness on: dropout 0.1 everywhere, LayerDrop 0.2 (torch.rand per
+    layer), SpecAugment time masks (NumPy's random: np.random.rand, np.random.choice); the positional conv has an odd
+    kernel (an even one meets a CPU bf16 grouped-conv1d bug: issue 25's report)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+    seed_all(seed)
+    cfg = Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
+                         num_conv_pos_embeddings=5, num_conv_pos_embedding_groups=4, num_labels=4,
+                         hidden_dropout=0.1, activation_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1,
+                         final_dropout=0.1, layerdrop=0.2, mask_time_prob=0.2, mask_time_length=2,
+                         classifier_proj_size=16, do_stable_layer_norm=True, feat_extract_norm="layer")
+    cfg._attn_implementation = "eager"
+    return Wav2Vec2ForSequenceClassification(cfg)
+
+
+def build_wav2vec2_random(seed: int) -> Setup:
+    """Tiny Wav2Vec2 in training mode with dropout, LayerDrop and SpecAugment on, AdamW (issue 25 class 6: healthy; a
+    rerun that does not replay torch's and NumPy's random reads it as precision loss)."""
+    model = _wav2vec2(seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    wave = torch.randn(8, 400, generator=g)
+    labels = (wave[:, :100].mean(1) * 20).long().clamp(-2, 1) + 2
+    return Setup(model, {"input_values": wave, "labels": labels}, None, None,
+                 torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_distilbert_dropout(seed: int) -> Setup:
+    """Tiny DistilBERT classifier with dropout 0.1 (hidden, attention, classifier) in training mode, AdamW (issue 25
+    class 6: healthy)."""
+    model = _distilbert(seed, dropout=0.1, attention_dropout=0.1, seq_classif_dropout=0.1)
+    return Setup(model, _cls_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
 # -- the course's reference models ------------------------------------------------------------------------------
 
 def _reference(name: str) -> Callable[[int], Setup]:
