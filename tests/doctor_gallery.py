@@ -117,6 +117,11 @@ class Case:
         policy: whose autocast lists the truth above holds under: "cpu" (this machine's, ``examine(policy=None)``)
             or "cuda" (CUDA's, emulated on the CPU through ampcourse.emulate, ``examine(policy="cuda")``). A case
             whose truth differs between them has one entry per policy (same name; see POLICY_CASES).
+        issue25: the classes of issue 25 (1-6: a verdict against its findings, one step certifying a run, more than
+            one dtype, fp32's own failure, gradient loss judged by output dtype, randomness and inline tolerances)
+            the case is a variant of; () for none.
+        known_miss: what the doctor is known to get wrong on this case, measured ("" = nothing): the gallery test
+            asserts that it still does (so a doctor that learns it fails the test until this is cleared).
     """
 
     name: str
@@ -133,6 +138,8 @@ class Case:
     watch: tuple[str, ...] = ()
     innocents: tuple[str, ...] = ()
     policy: str = "cpu"
+    issue25: tuple[int, ...] = ()
+    known_miss: str = ""
 
     @property
     def planted(self) -> bool:
@@ -833,6 +840,38 @@ def build_vit_fp16_fused_adam(seed: int) -> Setup:
                  torch.optim.Adam(model.parameters(), lr=1e-3, fused=True))
 
 
+def _max_qk(model: nn.Module, inputs: Mapping[str, torch.Tensor], layer: int = 0) -> float:
+    """The largest |q . k| of a Llama layer's attention on inputs (before the 1/sqrt(d) factor and rotary, which
+    keeps norms): what eager attention's fp16 matmul must hold."""
+    seen = {}
+    att = model.model.layers[layer].self_attn
+    hooks = [att.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("q", o.detach())),
+             att.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("k", o.detach()))]
+    with torch.no_grad():
+        model(**inputs)
+    for h in hooks:
+        h.remove()
+    d = att.head_dim
+    q = seen["q"].unflatten(-1, (-1, d)).transpose(1, 2)
+    k = seen["k"].unflatten(-1, (-1, d)).transpose(1, 2)
+    return float((q @ k.transpose(-1, -2)).abs().max())
+
+
+def build_llama_large_qk(seed: int) -> Setup:
+    """Tiny Llama whose layer-0 q/k weights are scaled so that its largest q . k on the batch is 90% of fp16's max,
+    AdamW(lr=1e-2) (issue 25 class 2): every op is finite at the initial weights, so one step certifies fp16; training
+    sharpens the attention, the products pass 65504 within a few steps and eager attention's fp16 matmul makes inf
+    (bf16 has the range). A plain x50-x400 scale at lr 1e-3-1e-2 did not diverge within 10 steps on this CPU."""
+    model = _llama(seed)
+    inputs = _lm_inputs(seed)
+    k = (0.9 * torch.finfo(torch.float16).max / _max_qk(model, inputs)) ** 0.5
+    with torch.no_grad():
+        att = model.model.layers[0].self_attn
+        att.q_proj.weight.mul_(k)
+        att.k_proj.weight.mul_(k)
+    return Setup(model, inputs, None, None, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
 class SmallLoss:
     """A loss weighted down by a constant (auxiliary loss weights, per-token averaging over long sequences): fp16 at
     scale 1 flushes the gradients that reach the model."""
@@ -915,7 +954,7 @@ def _wav2vec2(seed: int) -> nn.Module:
     kernel (an even one meets a CPU bf16 grouped-conv1d bug: issue 25's report)."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
     seed_all(seed)
-    cfg = Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    cfg = Wav2Vec2Config(vocab_size=32, hidden_size=32, initializer_range=0.1, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
                          num_conv_pos_embeddings=5, num_conv_pos_embedding_groups=4, num_labels=4,
                          hidden_dropout=0.1, activation_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1,
@@ -1178,6 +1217,14 @@ POLICY_DIFFERS: dict[str, dict[str, Case]] = {
 }
 
 
+#: The LayerNorm gains of the tiny GPT-NeoX and DistilBERT above: at 1.0, where bf16's half-ulp (3.9e-3) is above any
+#: AdamW update of lr <= 1e-3, so in bf16 weights they never move (their fp32 updates are ~3e-3 over 6 steps).
+NEOX_NORMS = tuple(f"gpt_neox.layers.{i}.{n}.weight" for i in (0, 1)
+                   for n in ("input_layernorm", "post_attention_layernorm")) + ("gpt_neox.final_layer_norm.weight",)
+DISTILBERT_NORMS = ("body.embeddings.LayerNorm.weight",) + tuple(
+    f"body.transformer.layer.{i}.{n}.weight" for i in (0, 1) for n in ("sa_layer_norm", "output_layer_norm"))
+
+
 # -- the gallery ---------------------------------------------------------------------------------------------------
 
 CASES: tuple[Case, ...] = (
@@ -1202,7 +1249,7 @@ CASES: tuple[Case, ...] = (
          (), "backward", fix=_islands("logp"), watch=("stem.", "head.")),
     Case("pure_fp16_adamw", 3, "pure fp16 weights + AdamW(eps=1e-8): one step turns weights NaN",
          build_pure_fp16_adamw, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
-         fix=_master_weights("fp16")),
+         fix=_master_weights("fp16"), issue25=(1,)),
     Case("pure_fp16_adam_eps", 3, "pure fp16 weights + Adam(eps=1e-7): the loss blows up after one step",
          build_pure_fp16_adam_eps, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
          fix=_master_weights("fp16")),
@@ -1211,14 +1258,14 @@ CASES: tuple[Case, ...] = (
          watch=("",)),
     Case("pure_bf16_adamw", 4, "a .bfloat16() model with AdamW(lr=1e-4): most updates round away in bf16 weights",
          build_pure_bf16_adamw, ("bf16",), ("",), (), "model", regimen=_pure("bf16"), fix=_master_weights("bf16"),
-         watch=("",)),
+         watch=("",), issue25=(1,)),
     Case("bert_fp16", 4, "tiny BERT converted with .half(), AdamW: pure fp16 weights and optimizer state",
          build_bert_fp16, ("fp16",), ("",), (), "model", regimen=_pure("fp16"), fix=_master_weights("fp16"),
          hf=True),
     Case("layer_local_underflow", 5, "the early layers' gradients (<3e-8) flush to zero in fp16 at scale 1, a few "
          "percent of all gradients", build_layer_local_underflow, ("fp16",), ("early", "early.0", "early.2"), (),
          "backward",
-         regimen=_no_scaler, fix=_with_scaler(2.0**16), watch=("early.",)),
+         regimen=_no_scaler, fix=_with_scaler(2.0**16), watch=("early.",), issue25=(1, 5)),
     Case("bert_key_underflow", 5, "tiny BERT at its default init: its key weights' gradients flush in fp16 at scale 1",
          build_bert_key_underflow, ("fp16",), tuple(f"bert.encoder.layer.{i}.attention.self.key" for i in (0, 1)),
          (), "backward", regimen=_no_scaler, fix=_with_scaler(2.0**16), hf=True,
@@ -1233,10 +1280,34 @@ CASES: tuple[Case, ...] = (
     # healthy
     Case("runaway", 6, "issue 25: healthy at its first step; trained, its outputs pass fp16's max within a few steps "
          "(only training shows it)", build_runaway, ("fp16",), ("",), (), "model",
-         fix=lambda model, opt: Regimen(autocast="bf16")),
+         fix=lambda model, opt: Regimen(autocast="bf16"), issue25=(2,)),
     Case("embedding_underflow", 6, "issue 25: an Embedding whose output stays fp32 loses its whole gradient through "
          "the fp16 Linear that reads it (scale 1)", build_embedding_underflow, ("fp16",), ("emb",), (), "backward",
-         regimen=_no_scaler, fix=_with_scaler(2.0**24), watch=("emb.",)),
+         regimen=_no_scaler, fix=_with_scaler(2.0**24), watch=("emb.",), issue25=(5,)),
+    # issue 25's classes in Hugging Face models from tiny configs
+    Case("qwen2_fp16_adam", 3, "issue 25 (1): tiny Qwen2 converted with .half(), Adam(eps=1e-8): one step makes "
+         "weights inf/NaN", build_qwen2_fp16_adam, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
+         fix=_master_weights("fp16"), hf=True, issue25=(1,)),
+    Case("neox_bf16_adamw", 4, "issue 25 (1): tiny GPT-NeoX converted with .bfloat16(), AdamW(lr=1e-4): every "
+         "LayerNorm gain's update rounds away (0.8% of the whole update)", build_neox_bf16_adamw, ("bf16",), ("",),
+         (), "model", regimen=_pure("bf16"), fix=_master_weights("bf16"), hf=True, issue25=(1,),
+         watch=NEOX_NORMS),
+    Case("vit_fp16_fused_adam", 3, "issue 25 (2, 3): tiny ViT converted with .half(), Adam(fused=True): step 1 is "
+         "right, the stored fp16 second moment underflows from step 2; bf16 autocast cannot run its fp16 weights",
+         build_vit_fp16_fused_adam, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
+         fix=_master_weights("fp16"), hf=True, issue25=(2, 3)),
+    Case("llama_large_qk", 1, "issue 25 (2): tiny Llama, layer-0 q.k at 90% of fp16's max, AdamW(lr=1e-2): finite "
+         "at the initial weights, inf in eager attention's fp16 matmul within 6 steps", build_llama_large_qk,
+         ("fp16",), ("model.layers.0.self_attn",), MATMUL_OPS, "forward", fix=_islands("model.layers.0.self_attn"),
+         hf=True, issue25=(2,), known_miss="named"),
+    Case("llama_embedding_underflow", 6, "issue 25 (1, 5): tiny Llama, loss x 2**-24: embed_tokens (fp32 output) "
+         "loses its whole gradient through the fp16 projections that read it (scale 1)",
+         build_llama_embedding_underflow, ("fp16",), ("model.embed_tokens",), (), "backward", regimen=_no_scaler,
+         fix=_with_scaler(2.0**24), hf=True, watch=("model.embed_tokens.",), issue25=(1, 5)),
+    Case("distilbert_bf16_body", 4, "issue 25 (3): DistilBERT encoder in bf16 with an fp32 head, AdamW(lr=1e-3): "
+         "runs; its LayerNorm gains never train in bf16 weights; fp16 autocast cannot run them on a CPU",
+         build_distilbert_bf16_body, ("bf16",), ("",), (), "model", fix=_master_weights("bf16"), hf=True,
+         watch=DISTILBERT_NORMS, issue25=(3,)),
     *(by["cpu"] for by in POLICY_DIFFERS.values()),  # issue 26: CPU's truth here, CUDA's in POLICY_CASES
     Case("ref_mlp", 0, "ampcourse's reference MLP", _reference("mlp"), ("fp16", "bf16")),
     Case("ref_cnn", 0, "ampcourse's reference CNN (batch norm)", _reference("cnn"), ("fp16", "bf16")),
@@ -1249,9 +1320,18 @@ CASES: tuple[Case, ...] = (
     Case("inline_attention_small", 0, "unscaled inline attention on unit inputs (near miss of class 1)",
          build_inline_attention_small, ("fp16", "bf16")),
     Case("lora_fp16_base", 0, "issue 25: a frozen fp16 base with trainable fp32 adapters (no master weights needed)",
-         build_lora_fp16_base, ("fp16", "bf16")),
+         build_lora_fp16_base, ("fp16", "bf16"), issue25=(3,)),
     Case("inline_random", 0, "issue 25: inline dropout and a layer drop by Python's random (replayed in every rerun)",
-         build_inline_random, ("fp16", "bf16")),
+         build_inline_random, ("fp16", "bf16"), issue25=(6,)),
+    Case("llama", 0, "issue 25 (6): tiny Llama (RMSNorm and rotary embeddings inline: many roundings per module)",
+         build_llama, ("fp16", "bf16"), hf=True, issue25=(6,)),
+    Case("vit", 0, "tiny ViT", build_vit, ("fp16", "bf16"), hf=True),
+    Case("lora_llama", 0, "issue 25 (3): tiny Llama, frozen fp16 base, fp32 LoRA adapters on q_proj and v_proj "
+         "(no master weights needed)", build_lora_llama, ("fp16", "bf16"), hf=True, issue25=(3,)),
+    Case("distilbert_dropout", 0, "issue 25 (6): tiny DistilBERT with dropout 0.1 in training mode",
+         build_distilbert_dropout, ("fp16", "bf16"), hf=True, issue25=(6,)),
+    Case("wav2vec2_random", 0, "issue 25 (6): tiny Wav2Vec2 with dropout, LayerDrop (torch.rand) and SpecAugment "
+         "(NumPy's random) on", build_wav2vec2_random, ("fp16", "bf16"), hf=True, issue25=(6,)),
 )
 
 
@@ -1626,8 +1706,8 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
     for p in c.precisions[:1] if c.planted else ():
         fresh = c.build(seed)
         used, islands, reg = advised_regimen(report, c, p)
-        if reg.weights == "fp32":
-            fresh.model.float()
+        if reg.weights == "fp32" and advises_master_weights(report):
+            fresh.model.float()  # only when advised: a mixed-dtype model (a bf16 body) keeps its dtypes otherwise
         if islands:
             from ampcourse.policy import apply_policy
             try:
