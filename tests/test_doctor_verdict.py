@@ -505,3 +505,66 @@ def test_class1_a_parameter_that_loses_its_whole_update_is_named_whatever_the_ag
     assert r.optimizer["lost_params"] == ["1.weight"]
     assert not r.is_clean("bf16") and r.master_weights and "master weights" in r.headline
     assert_consistent(r)
+
+
+class MaskedMeanPool(nn.Module):
+    """A tiny DistilBERT encoder with a masked-mean pooling head of one's own, "safe" for an all-padding row by
+    torch.where: the discarded branch's 0/0 is NaN, and its backward (grad / count = 0 / 0) is NaN too."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import DistilBertConfig, DistilBertModel
+        cfg = DistilBertConfig(vocab_size=128, dim=32, hidden_dim=64, n_layers=2, n_heads=2, max_position_embeddings=32,
+                               dropout=0.0, attention_dropout=0.0, initializer_range=0.05)
+        cfg._attn_implementation = "eager"
+        self.body, self.head = DistilBertModel(cfg), nn.Linear(32, 4)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        n = m.sum(1)
+        pooled = torch.where(n > 0, (h * m).sum(1) / n, torch.zeros_like(n))
+        return self.head(pooled)
+
+
+def test_class4_a_hugging_face_encoder_with_a_guarded_masked_mean_is_fp32s_own_failure():
+    """Issue 25 class 4 in a Hugging Face model: fp32's loss is finite, fp32's backward NaN (truth by training: one
+    fp32 step makes the weights NaN); the doctor says so as an fp32 finding and blames no precision."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (8, 12), generator=g)
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[0] = 0  # an all-padding row: the guard's case
+    y = torch.randint(0, 4, (8,), generator=g)
+    model = MaskedMeanPool()
+    torch.manual_seed(0)
+    probe = MaskedMeanPool()
+    opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
+    loss = loss_fn(probe(ids, mask), y)
+    assert torch.isfinite(loss)
+    loss.backward()
+    opt.step()
+    assert not all(bool(torch.isfinite(p).all()) for p in probe.parameters())  # fp32 training itself breaks
+    r = examine(model, (ids, mask), y, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters()), steps=0)
+    f32 = [f for f in r.findings if f.precision == "fp32" and f.severity == "error"]
+    assert f32 and f32[0].kind == "backward_nonfinite" and "not a precision problem" in f32[0].message, r.summary()
+    assert not [f for f in r.findings if f.precision in ("fp16", "bf16") and f.severity != "info"], r.summary()
+    assert "fp32 itself fails" in r.headline
+    assert_consistent(r)
+
+
+def test_class3_a_hugging_face_bf16_body_with_an_fp32_head_runs_and_gets_the_verdict_its_training_shows():
+    """The gallery's distilbert_bf16_body (its truth by training is in tests/test_doctor_gallery.py: the bf16
+    LayerNorm gains never move; fp32 master weights fix it): it runs, fp16 is unsupported with the reason (CPU
+    autocast cannot run bf16 LayerNorm weights in fp16), and bf16 needs master weights, naming the gains."""
+    pytest.importorskip("transformers")
+    import doctor_gallery as G
+    s = G.case("distilbert_bf16_body").build(0)
+    r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer, steps=3)
+    assert not any("cannot run on this data" in f.message for f in r.findings), r.summary()
+    assert r.verdicts["fp16"]["status"] == "unsupported" and "bfloat16 weights" in r.verdicts["fp16"]["reason"]
+    lost = r.find("lost_updates")
+    assert lost and lost[0].precision == "bf16" and set(r.optimizer["lost_params"]) == set(G.DISTILBERT_NORMS)
+    assert r.master_weights and r.recommended_precision == "bf16" and r.verdicts["bf16"].confirmed, r.summary()
+    assert_consistent(r)
