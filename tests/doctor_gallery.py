@@ -1236,9 +1236,12 @@ CASES: tuple[Case, ...] = (
     Case("gpt2_unscaled_attention", 1, "GPT-2 with scale_attn_weights=False and large q/k: inline logits overflow "
          "fp16", build_gpt2_unscaled_attention, ("fp16",), ("transformer.h.0.attn",), MATMUL_OPS, "forward",
          fix=_islands("transformer.h.0.attn"), hf=True, innocents=("transformer.h.0.attn.c_proj",)),
+    # bf16 only: fp16's spacing there is 8x finer (2 against 16), and over 6 steps it moves the attention's bias
+    # update by 64% (measured 2026-12-02, torch 2.13, transformers 5.24), under the gallery's bar for a clear
+    # divergence (75%, check_planted), so fp16 is no longer counted as broken here (it failed that bar on main)
     Case("gpt2_attention_precision", 1, "GPT-2 with scale_attn_weights=False and moderate q/k: finite logits that "
-         "bf16 and fp16 round coarsely, inline in GPT2Attention (called with a KV cache)",
-         build_gpt2_attention_precision, ("bf16", "fp16"), ("transformer.h.0.attn",),
+         "bf16 rounds coarsely, inline in GPT2Attention (called with a KV cache)",
+         build_gpt2_attention_precision, ("bf16",), ("transformer.h.0.attn",),
          ("aten::_softmax", *MATMUL_OPS), "forward", fix=_islands("transformer.h.0.attn"), hf=True,
          watch=("transformer.h.0.attn.",), innocents=("transformer.h.0.attn.c_proj",)),
     Case("custom_backward", 2, "custom autograd.Function: safe forward, its backward overflows fp16 (x*x)",
