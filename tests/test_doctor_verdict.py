@@ -568,3 +568,21 @@ def test_class3_a_hugging_face_bf16_body_with_an_fp32_head_runs_and_gets_the_ver
     assert lost and lost[0].precision == "bf16" and set(r.optimizer["lost_params"]) == set(G.DISTILBERT_NORMS)
     assert r.master_weights and r.recommended_precision == "bf16" and r.verdicts["bf16"].confirmed, r.summary()
     assert_consistent(r)
+
+
+def test_class5_every_parameter_that_loses_over_half_its_gradient_is_named_in_a_hugging_face_llama():
+    """Issue 25 class 5 ("when several layers lose more than half of their gradient, only some are named"): in the
+    gallery's llama_embedding_underflow (loss x 2**-24, no GradScaler) the truth, one fp16 backward at scale 1 against
+    fp32's, loses more than half of many parameters' gradients; each of them is named (alone or in its group)."""
+    pytest.importorskip("transformers")
+    import doctor_gallery as G
+    c = G.case("llama_embedding_underflow")
+    lost = {n for n, share in G.lost_at_scale_1(c).items() if share > 0.5}
+    assert "model.embed_tokens.weight" in lost and len(lost) > 6
+    s = c.build(0)
+    r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer, steps=0)
+    found = r.find("layer_gradient_underflow")
+    named = {n for n in lost if any(f.module == n or f"'{n}'" in f.message for f in found)}
+    assert named == lost, sorted(lost - named)
+    assert not r.is_clean("fp16")
+    assert_consistent(r)
