@@ -505,6 +505,12 @@ def test_class1_a_parameter_that_loses_its_whole_update_is_named_whatever_the_ag
     assert r.optimizer["lost_params"] == ["1.weight"]
     assert not r.is_clean("bf16") and r.master_weights and "master weights" in r.headline
     assert_consistent(r)
+    from ampcourse.optim import BF16AdamW
+    for rounding in ("kahan", "stochastic"):  # they keep (or deliver on average) what rounding drops: no alarm
+        model = _norm_mlp_bf16()
+        r = examine(model, x.bfloat16(), y, loss_fn=loss_fn, steps=0,
+                    optimizer=BF16AdamW(model.parameters(), lr=1e-4, rounding=rounding))
+        assert not r.find("lost_updates") and r.optimizer["lost_params"] == [], (rounding, r.summary())
 
 
 class MaskedMeanPool(nn.Module):
