@@ -1472,8 +1472,10 @@ def lost_at_scale_1(c: Case, precision: str = "fp16", seed: int = 0) -> dict[str
     for ac in (None, precision):
         s = c.build(seed)
         s.model.float()
-        ctx = torch.autocast("cpu", dtype=DTYPES[ac]) if ac else torch.autocast("cpu", enabled=False)
         with policy_region(c.policy):
+            # made inside the region: an autocast object made before ampcourse.emulate's region and entered inside it
+            # is not emulated (it ran everything in fp32, so CUDA's entries measured no loss at all)
+            ctx = torch.autocast("cpu", dtype=DTYPES[ac]) if ac else torch.autocast("cpu", enabled=False)
             with ctx:
                 loss = model_loss(call_model(s.model, clone_inputs(cast_inputs(s.inputs, torch.float32))),
                                   s.targets, s.loss_fn)

@@ -377,6 +377,17 @@ def test_a_policy_case_is_real_under_cudas_lists(name):
     check_planted(c) if c.planted else check_healthy(c)
 
 
+def test_gradient_loss_at_scale_1_is_measured_under_cudas_lists_too():
+    """lost_at_scale_1 under policy "cuda" runs the fp16 backward under CUDA's lists: a Linear is low on both lists,
+    so the embedding_underflow model loses its whole gradient under each (it once measured fp32 against fp32 there,
+    which made check_healthy's gradient check vacuous for CUDA's entries)."""
+    import dataclasses
+    c = G.case("embedding_underflow")
+    for pol in ("cpu", "cuda"):
+        lost = G.lost_at_scale_1(dataclasses.replace(c, policy=pol))
+        assert lost["emb.weight"] == 1.0 and lost["head.weight"] == 1.0, (pol, lost)
+
+
 def test_training_under_cudas_lists_casts_as_cuda_and_refreshes_the_weight_casts():
     c = G.case("pow_rmsnorm", "cuda")
     zeroed = {}  # whether some sample's normed row is all zeros: fp16 h.pow(2) = inf, so rsqrt(mean) = 0
