@@ -975,6 +975,25 @@ def build_wav2vec2_random(seed: int) -> Setup:
                  torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
+def build_musicgen_random(seed: int) -> Setup:
+    """A tiny MusicGen decoder (2 codebooks) in training mode with its decoder's own randomness: inline dropout 0.1
+    (nn.functional.dropout in MusicgenDecoder.forward) and LayerDrop 0.3 decided by Python's random.uniform, AdamW
+    (issue 25 class 6, as the issue found it: healthy; a rerun that does not replay Python's random reads it as
+    precision loss)."""
+    from transformers import MusicgenDecoderConfig, MusicgenForCausalLM
+    seed_all(seed)
+    cfg = MusicgenDecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                ffn_dim=64, num_codebooks=2, max_position_embeddings=32, dropout=0.1,
+                                attention_dropout=0.1, activation_dropout=0.1, layerdrop=0.3, pad_token_id=0,
+                                bos_token_id=0)
+    cfg._attn_implementation = "eager"
+    model = MusicgenForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed + 1000)
+    codes = torch.randint(1, 64, (8, 16, 2), generator=g)  # (batch, time, codebooks)
+    ids = codes.permute(0, 2, 1).reshape(16, 16)  # (batch x codebooks, time), as MusicGen reads them
+    return Setup(model, {"input_ids": ids, "labels": codes}, None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
 def build_distilbert_dropout(seed: int) -> Setup:
     """Tiny DistilBERT classifier with dropout 0.1 (hidden, attention, classifier) in training mode, AdamW (issue 25
     class 6: healthy)."""
@@ -1335,6 +1354,8 @@ CASES: tuple[Case, ...] = (
          build_distilbert_dropout, ("fp16", "bf16"), hf=True, issue25=(6,)),
     Case("wav2vec2_random", 0, "issue 25 (6): tiny Wav2Vec2 with dropout, LayerDrop (torch.rand) and SpecAugment "
          "(NumPy's random) on", build_wav2vec2_random, ("fp16", "bf16"), hf=True, issue25=(6,)),
+    Case("musicgen_random", 0, "issue 25 (6): tiny MusicGen decoder with inline dropout and LayerDrop by Python's "
+         "random.uniform on", build_musicgen_random, ("fp16", "bf16"), hf=True, issue25=(6,)),
 )
 
 
@@ -1638,7 +1659,7 @@ def _inputs_equal(a, b) -> bool:
 
 def _state(s: Setup) -> dict[str, Any]:
     """Copies of what examine must leave as it found it: parameters, buffers, their .grad, training flags, the
-    optimizer's state and the torch RNG."""
+    optimizer's state and the torch, Python and NumPy RNGs."""
     out = {f"model.{k}": v.detach().clone() for k, v in s.model.state_dict(keep_vars=True).items()}
     out.update({f"grad.{n}": (p.grad.clone() if p.grad is not None else "none")
                 for n, p in s.model.named_parameters()})
@@ -1646,6 +1667,8 @@ def _state(s: Setup) -> dict[str, Any]:
     if s.optimizer is not None:
         out["optimizer"] = repr(s.optimizer.state_dict())
     out["rng"] = torch.get_rng_state()
+    out["python_rng"] = repr(random.getstate())  # the doctor promises every RNG stream back (issue 25)
+    out["numpy_rng"] = repr(np.random.get_state())
     return out
 
 

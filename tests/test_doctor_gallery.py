@@ -3,8 +3,10 @@ planted precision and its fix really trains like fp32, every healthy case trains
 judges can say both yes and no; and (issue 18) the AMP doctor is right on every case."""
 
 import math
+import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def test_the_gallery_covers_issue_18s_six_classes_in_own_and_hugging_face_models
     assert len(HEALTHY) >= 6
     assert {"ref_mlp", "ref_cnn", "ref_transformer"} <= {c.name for c in G.healthy()}
     assert {c.name for c in G.healthy() if c.hf} == {"gpt2", "bert", "t5", "llama", "vit", "lora_llama",
-                                                       "distilbert_dropout", "wav2vec2_random"}
+                                                       "distilbert_dropout", "wav2vec2_random", "musicgen_random"}
     assert len({c.name for c in G.CASES}) == len(G.CASES)
     for c in G.planted():
         assert c.fix is not None and c.phase in ("forward", "backward", "optimizer", "model"), c.name
@@ -60,7 +62,8 @@ def test_the_gallery_has_variants_of_issue_25s_classes_in_own_and_hugging_face_m
         assert any(c.hf for c in tagged) and any(not c.hf for c in tagged), (k, [c.name for c in tagged])
     assert all(set(c.issue25) <= {1, 2, 3, 4, 5, 6} for c in G.CASES)
     controls = {c.name for c in G.healthy() if c.issue25}
-    assert {"lora_fp16_base", "lora_llama", "inline_random", "wav2vec2_random", "distilbert_dropout"} <= controls
+    assert {"lora_fp16_base", "lora_llama", "inline_random", "wav2vec2_random", "distilbert_dropout",
+            "musicgen_random"} <= controls
     mixed = G.case("distilbert_bf16_body").build(0).model  # a mixed-dtype model: a bf16 body, an fp32 head
     assert {p.dtype for p in mixed.parameters()} == {torch.bfloat16, torch.float32}
     lora = G.case("lora_llama").build(0)
@@ -218,7 +221,8 @@ def test_the_doctor_judge_scores_a_right_report_right_and_each_wrong_one_wrong()
     assert r["inputs_kept"] and r["state_kept"]
 
 
-@pytest.mark.parametrize("touch", ["inputs", "weight", "grad", "rng", "training", "optimizer"])
+@pytest.mark.parametrize("touch", ["inputs", "weight", "grad", "rng", "python_rng", "numpy_rng", "training",
+                                   "optimizer"])
 def test_the_doctor_judge_sees_any_change_to_the_inputs_or_the_state(touch):
     report = FakeReport([], {"fp16": {"status": "clean"}, "bf16": {"status": "clean"}})
 
@@ -232,6 +236,10 @@ def test_the_doctor_judge_sees_any_change_to_the_inputs_or_the_state(touch):
             model.fc1.weight.grad = torch.zeros_like(model.fc1.weight)
         elif touch == "rng":
             torch.rand(1)
+        elif touch == "python_rng":
+            random.random()
+        elif touch == "numpy_rng":
+            np.random.rand()
         elif touch == "training":
             model.eval()
         else:
