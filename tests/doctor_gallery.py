@@ -963,9 +963,9 @@ def _wav2vec2(seed: int) -> nn.Module:
     kernel (an even one meets a CPU bf16 grouped-conv1d bug: issue 25's report)."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
     seed_all(seed)
-    cfg = Wav2Vec2Config(vocab_size=32, hidden_size=32, initializer_range=0.1, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
-                         num_conv_pos_embeddings=5, num_conv_pos_embedding_groups=4, num_labels=4,
+    cfg = Wav2Vec2Config(vocab_size=32, hidden_size=32, initializer_range=0.1, num_hidden_layers=2,
+                         num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2),
+                         conv_kernel=(8, 4), num_conv_pos_embeddings=5, num_conv_pos_embedding_groups=4, num_labels=4,
                          hidden_dropout=0.1, activation_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1,
                          final_dropout=0.1, layerdrop=0.2, mask_time_prob=0.2, mask_time_length=2,
                          classifier_proj_size=16, do_stable_layer_norm=True, feat_extract_norm="layer")
