@@ -470,7 +470,8 @@ def test_class3_a_half_hugging_face_vit_under_bf16_autocast_is_unsupported_with_
 
 def _norm_mlp_bf16():
     """A bf16 Linear -> LayerNorm -> Linear whose Linear weights and biases are small (their AdamW updates of
-    lr=1e-4 survive bf16's rounding) and whose LayerNorm gain sits at 1.0 (bf16's half-ulp there is 3.9e-3: every update is lost)."""
+    lr=1e-4 survive bf16's rounding) and whose LayerNorm gain sits at 1.0 (bf16's half-ulp there is 3.9e-3: every
+    update is lost)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 10))
     with torch.no_grad():
