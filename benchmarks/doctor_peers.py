@@ -174,6 +174,19 @@ def policy_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_model() -> str:
+    """The CPU's model name as lscpu and /proc/cpuinfo give it ("" where neither says)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
@@ -185,17 +198,24 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import ampcourse
     import transformers
+    measured = {"utc_start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "cpu": _cpu_model(),
+                "cores": os.cpu_count(), "load_before": [round(v, 2) for v in os.getloadavg()]}
+    t0 = time.perf_counter()
     rows = judge_all([n for n in args.cases.split(",") if n] or None, cases_for(args.policy))
+    measured.update(utc_end=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                    load_after=[round(v, 2) for v in os.getloadavg()], wall_s=round(time.perf_counter() - t0, 1))
     s = summary(rows)
     print(f"ampcourse from {os.path.dirname(ampcourse.__file__)}; torch {torch.__version__}, transformers "
-          f"{transformers.__version__}\n")
+          f"{transformers.__version__}; {measured['cpu']} ({measured['cores']} cores), {measured['utc_start']} to "
+          f"{measured['utc_end']} UTC, {measured['wall_s']} s, load {measured['load_before']} -> "
+          f"{measured['load_after']}\n")
     print(markdown(rows, s))
     if args.policy == "both":
         print("\n" + policy_markdown(rows))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "policy": args.policy,
-                       "summary": s,
+                       "measured": measured, "summary": s,
                        "rows": rows}, fh, indent=1, default=str)
             fh.write("\n")
 

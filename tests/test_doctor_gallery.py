@@ -338,6 +338,8 @@ def test_the_peers_benchmark_builds_its_table_and_totals(tmp_path, monkeypatch):
         torch.set_num_threads(threads)  # main() pins one thread for the benchmark; leave the other tests theirs
     data = json.loads(out.read_text())
     assert [r["case"] for r in data["rows"]] == ["multi_call", "ref_mlp"]
+    m = data["measured"]  # when and where: the README quotes it
+    assert m["cores"] >= 1 and len(m["load_before"]) == 3 and m["wall_s"] > 0 and m["utc_end"] >= m["utc_start"]
     s = data["summary"]
     assert (s["planted"], s["healthy"]) == (1, 1)
     assert s["debug_underflow_overflow"] == {"right": 1, "found": 1, "named": 1, "false_alarms": 0}
