@@ -22,6 +22,7 @@ It judges whichever ``ampcourse`` Python imports. Scores (tests/doctor_gallery.p
   points into the culprit's forward.
 - DebugUnderflowOverflow: found = it detects inf/NaN during those steps; named = the module where it detects them is
   the culprit.
+- a case tagged ``[25: k]`` in the table is a variant of issue 25's class k (``Case.issue25``).
 - healthy cases (fp16 and bf16 runs): quiet = no error/warning (doctor), no raise (detect_anomaly), no detection
   (DebugUnderflowOverflow).
 """
@@ -64,7 +65,8 @@ def judge_all(names: list[str] | None = None, cases: list | None = None) -> list
         if names and c.name not in names:
             continue
         t0 = time.perf_counter()
-        row = {"case": c.name, "policy": c.policy, "class": c.klass, "what": c.what, "hf": c.hf, "precisions": list(c.precisions),
+        row = {"case": c.name, "policy": c.policy, "class": c.klass, "issue25": list(c.issue25),
+               "known_miss": c.known_miss, "what": c.what, "hf": c.hf, "precisions": list(c.precisions),
                "culprit": c.culprit, "culprits": list(c.culprits), "ops": list(c.ops), "phase": c.phase,
                "doctor": gallery.judge_doctor(c), "detect_anomaly": gallery.judge_anomaly(c),
                "debug_underflow_overflow": gallery.judge_debug_overflow(c)}
@@ -89,6 +91,7 @@ def summary(rows: list[dict]) -> dict:
                       "false_alarms": sum(not r["doctor"]["quiet"] for r in healthy),
                       "inputs_changed": [r["case"] for r in rows if not r["doctor"].get("inputs_kept", True)],
                       "state_changed": [r["case"] for r in rows if not r["doctor"].get("state_kept", True)],
+                      "known_misses": {r["case"]: r["known_miss"] for r in rows if r.get("known_miss")},
                       "differs_twice": [r["case"] for r in rows
                                         if r["doctor"]["crash"] is None and not r["doctor"]["same_twice"]]}}
     for tool in ("detect_anomaly", "debug_underflow_overflow"):
@@ -116,7 +119,8 @@ def markdown(rows: list[dict], s: dict) -> str:
             cells = ["crash" if d["crash"] else ("quiet" if d["quiet"] else "**false alarm**")] + [
                 "quiet" if x["quiet"] else "**false alarm**" for x in (a, u)]
         where = f" ({r['policy']})" if r.get("policy", "cpu") != "cpu" else ""
-        lines.append(f"| {r['case']}{where}{' (HF)' if r['hf'] else ''} | {r['class'] or '-'} | {culprit} | "
+        tag = f" [25: {', '.join(map(str, r['issue25']))}]" if r.get("issue25") else ""
+        lines.append(f"| {r['case']}{where}{' (HF)' if r['hf'] else ''}{tag} | {r['class'] or '-'} | {culprit} | "
                      + " | ".join(cells) + " |")
     n = s["planted"]
     lines += ["", f"Planted cases fully right (found + named + advice works for the doctor; found + named for the "
@@ -128,6 +132,8 @@ def markdown(rows: list[dict], s: dict) -> str:
               f"in {s['doctor']['inputs_changed'] or 'none'}, the model's or optimizer's state in "
               f"{s['doctor']['state_changed'] or 'none'}; concluded differently on a second call in "
               f"{s['doctor']['differs_twice'] or 'none'}.",
+              f"Known doctor misses (Case.known_miss, asserted by tests/test_doctor_gallery.py): "
+              f"{s['doctor'].get('known_misses') or 'none'}.",
               f"False alarms on {s['healthy']} healthy cases: doctor {s['doctor']['false_alarms']}, detect_anomaly "
               f"{s['detect_anomaly']['false_alarms']}, DebugUnderflowOverflow "
               f"{s['debug_underflow_overflow']['false_alarms']}."]
@@ -168,6 +174,19 @@ def policy_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_model() -> str:
+    """The CPU's model name as lscpu and /proc/cpuinfo give it ("" where neither says)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
@@ -179,17 +198,24 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import ampcourse
     import transformers
+    measured = {"utc_start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "cpu": _cpu_model(),
+                "cores": os.cpu_count(), "load_before": [round(v, 2) for v in os.getloadavg()]}
+    t0 = time.perf_counter()
     rows = judge_all([n for n in args.cases.split(",") if n] or None, cases_for(args.policy))
+    measured.update(utc_end=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                    load_after=[round(v, 2) for v in os.getloadavg()], wall_s=round(time.perf_counter() - t0, 1))
     s = summary(rows)
     print(f"ampcourse from {os.path.dirname(ampcourse.__file__)}; torch {torch.__version__}, transformers "
-          f"{transformers.__version__}\n")
+          f"{transformers.__version__}; {measured['cpu']} ({measured['cores']} cores), {measured['utc_start']} to "
+          f"{measured['utc_end']} UTC, {measured['wall_s']} s, load {measured['load_before']} -> "
+          f"{measured['load_after']}\n")
     print(markdown(rows, s))
     if args.policy == "both":
         print("\n" + policy_markdown(rows))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "policy": args.policy,
-                       "summary": s,
+                       "measured": measured, "summary": s,
                        "rows": rows}, fh, indent=1, default=str)
             fh.write("\n")
 

@@ -21,6 +21,15 @@ forward / backward / optimizer / model), how a learner would train it (:class:`R
 diverges from fp32 and that its fix tracks fp32; ``benchmarks/doctor_peers.py`` judges the AMP doctor,
 ``torch.autograd.detect_anomaly`` and transformers' ``DebugUnderflowOverflow`` on it.
 
+Issue 25's classes (a verdict against its findings, one step certifying a run, more than one dtype, gradient loss
+judged by output dtype, randomness and inline tolerances) have variants here too, in own models and in Hugging Face
+Llama, Qwen2, GPT-NeoX, DistilBERT, ViT, Wav2Vec2 and MusicGen from tiny configs; ``Case.issue25`` names the class
+of each, and ``Case.known_miss`` records what the doctor is measured to get wrong on a case (the gallery test
+asserts it still does):
+
+    >>> case("llama_large_qk").issue25, case("llama_large_qk").known_miss
+    ((2,), 'named')
+
 A case's truth holds under the autocast lists named by its ``policy``: "cpu" for every entry of ``CASES``. Issue 26's
 cases (``POLICY_DIFFERS``) are a problem under one policy's lists only, so each has a second entry, in
 ``POLICY_CASES``, with its truth under CUDA's lists; those entries train inside ``ampcourse.emulate`` and are
@@ -117,6 +126,11 @@ class Case:
         policy: whose autocast lists the truth above holds under: "cpu" (this machine's, ``examine(policy=None)``)
             or "cuda" (CUDA's, emulated on the CPU through ampcourse.emulate, ``examine(policy="cuda")``). A case
             whose truth differs between them has one entry per policy (same name; see POLICY_CASES).
+        issue25: the classes of issue 25 (1-6: a verdict against its findings, one step certifying a run, more than
+            one dtype, fp32's own failure, gradient loss judged by output dtype, randomness and inline tolerances)
+            the case is a variant of; () for none.
+        known_miss: what the doctor is known to get wrong on this case, measured ("" = nothing): the gallery test
+            asserts that it still does (so a doctor that learns it fails the test until this is cleared).
     """
 
     name: str
@@ -133,6 +147,8 @@ class Case:
     watch: tuple[str, ...] = ()
     innocents: tuple[str, ...] = ()
     policy: str = "cpu"
+    issue25: tuple[int, ...] = ()
+    known_miss: str = ""
 
     @property
     def planted(self) -> bool:
@@ -717,6 +733,283 @@ def build_t5_overflow(seed: int) -> Setup:
     return Setup(model, inputs, None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
+# -- issue 25 in Hugging Face models from tiny configs ----------------------------------------------------------------
+#
+# Each builder below seeds, builds from a config (no download, random init) and plants (or keeps healthy) one of issue
+# 25's classes in a real Hugging Face architecture. Truths are established by training (tests/test_doctor_gallery.py).
+
+def _llama(seed: int, **overrides) -> nn.Module:
+    """A 2-layer Llama (vocab 128, width 32, 2 heads sharing 1 KV head), eager attention, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    seed_all(seed)
+    kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    kw.update(overrides)
+    cfg = LlamaConfig(**kw)
+    cfg._attn_implementation = "eager"  # the logits q @ k.T inline in eager_attention_forward (sdpa hides them)
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2(seed: int) -> nn.Module:
+    """A 2-layer Qwen2 (vocab 128, width 32; q/k/v with biases), eager attention."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    seed_all(seed)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0, tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    return Qwen2ForCausalLM(cfg)
+
+
+def _neox(seed: int) -> nn.Module:
+    """A 2-layer GPT-NeoX (vocab 128, width 32, parallel residual, LayerNorms), eager attention, no dropout."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    seed_all(seed)
+    cfg = GPTNeoXConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+    cfg._attn_implementation = "eager"
+    return GPTNeoXForCausalLM(cfg)
+
+
+def _distilbert(seed: int, **overrides) -> nn.Module:
+    """A 2-layer DistilBERT classifier (vocab 128, width 32, 4 labels), no dropout unless overridden."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+    seed_all(seed)
+    kw = dict(vocab_size=128, dim=32, hidden_dim=64, n_layers=2, n_heads=2, max_position_embeddings=32,
+              num_labels=4, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, initializer_range=0.05)
+    kw.update(overrides)
+    cfg = DistilBertConfig(**kw)
+    cfg._attn_implementation = "eager"
+    return DistilBertForSequenceClassification(cfg)
+
+
+def _vit(seed: int) -> nn.Module:
+    """A 2-layer ViT classifier on 16x16 images in 4x4 patches (width 32, 4 labels), no dropout."""
+    from transformers import ViTConfig, ViTForImageClassification
+    seed_all(seed)
+    cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=64, num_labels=4, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    return ViTForImageClassification(cfg)
+
+
+def _image_inputs(seed: int, n: int = 16) -> dict[str, torch.Tensor]:
+    """Random 16x16 RGB images labelled by the mean of their first channel's top half (learnable)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    px = torch.randn(n, 3, 16, 16, generator=g)
+    return {"pixel_values": px, "labels": (px[:, 0, :8].mean((1, 2)) * 8).long().clamp(-2, 1) + 2}
+
+
+def build_llama(seed: int) -> Setup:
+    """Tiny Llama, AdamW: healthy (RMSNorm and rotary embeddings inline, many roundings each)."""
+    model = _llama(seed)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_qwen2(seed: int) -> Setup:
+    """Tiny Qwen2, AdamW: healthy."""
+    model = _qwen2(seed)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_neox(seed: int) -> Setup:
+    """Tiny GPT-NeoX, AdamW: healthy."""
+    model = _neox(seed)
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_vit(seed: int) -> Setup:
+    """Tiny ViT, AdamW: healthy."""
+    model = _vit(seed)
+    return Setup(model, _image_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_qwen2_fp16_adam(seed: int) -> Setup:
+    """Tiny Qwen2 converted with .half(), Adam(eps=1e-8) (issue 25 class 1: the report once read "fp16: clean" above
+    its own optimizer error): eps is 0 in fp16 and small grad**2 flush, so one step makes weights inf/NaN."""
+    model = _qwen2(seed).half()
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8))
+
+
+def build_neox_bf16_adamw(seed: int) -> Setup:
+    """Tiny GPT-NeoX converted with .bfloat16(), AdamW(lr=1e-4) (issue 25 class 1: a pure-bf16 model once got "use
+    fp16" and fp16-parameter advice): most updates are below half a bf16 step of their weight and round away."""
+    model = _neox(seed).bfloat16()
+    return Setup(model, _lm_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+
+def build_vit_fp16_fused_adam(seed: int) -> Setup:
+    """Tiny ViT converted with .half(), Adam(fused=True) (issue 25 class 2): step 1 computes the second moment in
+    fp32 inside the kernel and is right; it is stored in fp16, where (1-beta2)*g**2 underflows, so later steps divide
+    by sqrt(0) + eps and move weights by ~lr * sign(g) / eps-sized steps."""
+    model = _vit(seed).half()
+    return Setup(model, _image_inputs(seed), None, None,
+                 torch.optim.Adam(model.parameters(), lr=1e-3, fused=True))
+
+
+def _max_qk(model: nn.Module, inputs: Mapping[str, torch.Tensor], layer: int = 0) -> float:
+    """The largest |q . k| of a Llama layer's attention on inputs (before the 1/sqrt(d) factor and rotary, which
+    keeps norms): what eager attention's fp16 matmul must hold."""
+    seen = {}
+    att = model.model.layers[layer].self_attn
+    hooks = [att.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("q", o.detach())),
+             att.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("k", o.detach()))]
+    with torch.no_grad():
+        model(**inputs)
+    for h in hooks:
+        h.remove()
+    d = att.head_dim
+    q = seen["q"].unflatten(-1, (-1, d)).transpose(1, 2)
+    k = seen["k"].unflatten(-1, (-1, d)).transpose(1, 2)
+    return float((q @ k.transpose(-1, -2)).abs().max())
+
+
+def build_llama_large_qk(seed: int) -> Setup:
+    """Tiny Llama whose layer-0 q/k weights are scaled so that its largest q . k on the batch is 90% of fp16's max,
+    AdamW(lr=1e-2) (issue 25 class 2): every op is finite at the initial weights, so one step certifies fp16; training
+    sharpens the attention, the products pass 65504 within a few steps and eager attention's fp16 matmul makes inf
+    (bf16 has the range). A plain x50-x400 scale at lr 1e-3-1e-2 did not diverge within 10 steps on this CPU."""
+    model = _llama(seed)
+    inputs = _lm_inputs(seed)
+    k = (0.9 * torch.finfo(torch.float16).max / _max_qk(model, inputs)) ** 0.5
+    with torch.no_grad():
+        att = model.model.layers[0].self_attn
+        att.q_proj.weight.mul_(k)
+        att.k_proj.weight.mul_(k)
+    return Setup(model, inputs, None, None, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+class SmallLoss:
+    """A loss weighted down by a constant (auxiliary loss weights, per-token averaging over long sequences): fp16 at
+    scale 1 flushes the gradients that reach the model."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+
+    def __call__(self, out, _targets=None) -> torch.Tensor:
+        return out.loss.float() * self.weight
+
+
+def build_llama_embedding_underflow(seed: int) -> Setup:
+    """Tiny Llama with its loss weighted by 2**-24 and SGD (lr x 2**24: the weight is a learning-rate factor there)
+    (issue 25 class 5): embed_tokens' output stays fp32 under autocast, its gradient arrives through the fp16
+    q/k/v projections and the fp16 MLP and flushes at scale 1."""
+    model = _llama(seed)
+    return Setup(model, _lm_inputs(seed), None, SmallLoss(2.0**-24),
+                 torch.optim.SGD(model.parameters(), lr=0.5 * 2.0**24))
+
+
+class LoRALinear(nn.Module):
+    """A frozen half-precision Linear plus trainable fp32 low-rank adapters (LoRA written by hand): base(x) +
+    up(down(x)) * alpha / rank, the adapter in its own dtype, the sum in the base's."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.up.weight, std=0.02)  # not zero, so every adapter weight gets a gradient at step 1
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x.to(self.base.weight.dtype))
+        return out + (self.up(self.down(x.to(self.down.weight.dtype))) * self.scale).to(out.dtype)
+
+
+def build_lora_llama(seed: int) -> Setup:
+    """Tiny Llama converted to fp16 and frozen, with fp32 LoRA adapters on every q_proj and v_proj; AdamW over the
+    adapters only (issue 25 class 3: healthy; fp32 master weights would double the frozen base for nothing)."""
+    model = _llama(seed).half().requires_grad_(False)
+    torch.manual_seed(seed + 1)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return Setup(model, _lm_inputs(seed), None, None, opt)
+
+
+class HalfBodyClassifier(nn.Module):
+    """A Hugging Face encoder in bf16 with a classification head of one's own in fp32 (the head reads the body's
+    first-token state cast up, as a learner writes it)."""
+
+    def __init__(self, body: nn.Module, dim: int, classes: int):
+        super().__init__()
+        self.body = body.bfloat16()
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.body(input_ids=input_ids).last_hidden_state[:, 0]
+        return self.head(h.to(self.head.weight.dtype))
+
+
+def build_distilbert_bf16_body(seed: int) -> Setup:
+    """DistilBERT's encoder in bf16 with an fp32 head, AdamW(lr=1e-3) over both (issue 25 class 3: a mixed-dtype
+    model; healthy)."""
+    from transformers import DistilBertConfig, DistilBertModel
+    seed_all(seed)
+    cfg = DistilBertConfig(vocab_size=128, dim=32, hidden_dim=64, n_layers=2, n_heads=2, max_position_embeddings=32,
+                           dropout=0.0, attention_dropout=0.0, initializer_range=0.05)
+    cfg._attn_implementation = "eager"
+    model = HalfBodyClassifier(DistilBertModel(cfg), 32, 4)
+    inputs = _cls_inputs(seed)
+    return Setup(model, inputs["input_ids"], inputs["labels"], _xent, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def _wav2vec2(seed: int) -> nn.Module:
+    """A tiny Wav2Vec2 classifier with its randomness on: dropout 0.1 everywhere, LayerDrop 0.2 (torch.rand per
+    layer), SpecAugment time masks (NumPy's random: np.random.rand, np.random.choice); the positional conv has an odd
+    kernel (an even one meets a CPU bf16 grouped-conv1d bug: issue 25's report)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+    seed_all(seed)
+    cfg = Wav2Vec2Config(vocab_size=32, hidden_size=32, initializer_range=0.1, num_hidden_layers=2,
+                         num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2),
+                         conv_kernel=(8, 4), num_conv_pos_embeddings=5, num_conv_pos_embedding_groups=4, num_labels=4,
+                         hidden_dropout=0.1, activation_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1,
+                         final_dropout=0.1, layerdrop=0.2, mask_time_prob=0.2, mask_time_length=2,
+                         classifier_proj_size=16, do_stable_layer_norm=True, feat_extract_norm="layer")
+    cfg._attn_implementation = "eager"
+    return Wav2Vec2ForSequenceClassification(cfg)
+
+
+def build_wav2vec2_random(seed: int) -> Setup:
+    """Tiny Wav2Vec2 in training mode with dropout, LayerDrop and SpecAugment on, AdamW (issue 25 class 6: healthy; a
+    rerun that does not replay torch's and NumPy's random reads it as precision loss)."""
+    model = _wav2vec2(seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    wave = torch.randn(8, 400, generator=g)
+    labels = (wave[:, :100].mean(1) * 20).long().clamp(-2, 1) + 2
+    return Setup(model, {"input_values": wave, "labels": labels}, None, None,
+                 torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_musicgen_random(seed: int) -> Setup:
+    """A tiny MusicGen decoder (2 codebooks) in training mode with its decoder's own randomness: inline dropout 0.1
+    (nn.functional.dropout in MusicgenDecoder.forward) and LayerDrop 0.3 decided by Python's random.uniform, AdamW
+    (issue 25 class 6, as the issue found it: healthy; a rerun that does not replay Python's random reads it as
+    precision loss)."""
+    from transformers import MusicgenDecoderConfig, MusicgenForCausalLM
+    seed_all(seed)
+    cfg = MusicgenDecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                ffn_dim=64, num_codebooks=2, max_position_embeddings=32, dropout=0.1,
+                                attention_dropout=0.1, activation_dropout=0.1, layerdrop=0.3, pad_token_id=0,
+                                bos_token_id=0)
+    cfg._attn_implementation = "eager"
+    model = MusicgenForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed + 1000)
+    codes = torch.randint(1, 64, (8, 16, 2), generator=g)  # (batch, time, codebooks)
+    ids = codes.permute(0, 2, 1).reshape(16, 16)  # (batch x codebooks, time), as MusicGen reads them
+    return Setup(model, {"input_ids": ids, "labels": codes}, None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def build_distilbert_dropout(seed: int) -> Setup:
+    """Tiny DistilBERT classifier with dropout 0.1 (hidden, attention, classifier) in training mode, AdamW (issue 25
+    class 6: healthy)."""
+    model = _distilbert(seed, dropout=0.1, attention_dropout=0.1, seq_classif_dropout=0.1)
+    return Setup(model, _cls_inputs(seed), None, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
 # -- the course's reference models ------------------------------------------------------------------------------
 
 def _reference(name: str) -> Callable[[int], Setup]:
@@ -952,6 +1245,14 @@ POLICY_DIFFERS: dict[str, dict[str, Case]] = {
 }
 
 
+#: The LayerNorm gains of the tiny GPT-NeoX and DistilBERT above: at 1.0, where bf16's half-ulp (3.9e-3) is above any
+#: AdamW update of lr <= 1e-3, so in bf16 weights they never move (their fp32 updates are ~3e-3 over 6 steps).
+NEOX_NORMS = tuple(f"gpt_neox.layers.{i}.{n}.weight" for i in (0, 1)
+                   for n in ("input_layernorm", "post_attention_layernorm")) + ("gpt_neox.final_layer_norm.weight",)
+DISTILBERT_NORMS = ("body.embeddings.LayerNorm.weight",) + tuple(
+    f"body.transformer.layer.{i}.{n}.weight" for i in (0, 1) for n in ("sa_layer_norm", "output_layer_norm"))
+
+
 # -- the gallery ---------------------------------------------------------------------------------------------------
 
 CASES: tuple[Case, ...] = (
@@ -963,9 +1264,12 @@ CASES: tuple[Case, ...] = (
     Case("gpt2_unscaled_attention", 1, "GPT-2 with scale_attn_weights=False and large q/k: inline logits overflow "
          "fp16", build_gpt2_unscaled_attention, ("fp16",), ("transformer.h.0.attn",), MATMUL_OPS, "forward",
          fix=_islands("transformer.h.0.attn"), hf=True, innocents=("transformer.h.0.attn.c_proj",)),
+    # bf16 only: fp16's spacing there is 8x finer (2 against 16), and over 6 steps it moves the attention's bias
+    # update by 64% (measured 2026-12-02, torch 2.13, transformers 5.24), under the gallery's bar for a clear
+    # divergence (75%, check_planted), so fp16 is no longer counted as broken here (it failed that bar on main)
     Case("gpt2_attention_precision", 1, "GPT-2 with scale_attn_weights=False and moderate q/k: finite logits that "
-         "bf16 and fp16 round coarsely, inline in GPT2Attention (called with a KV cache)",
-         build_gpt2_attention_precision, ("bf16", "fp16"), ("transformer.h.0.attn",),
+         "bf16 rounds coarsely, inline in GPT2Attention (called with a KV cache)",
+         build_gpt2_attention_precision, ("bf16",), ("transformer.h.0.attn",),
          ("aten::_softmax", *MATMUL_OPS), "forward", fix=_islands("transformer.h.0.attn"), hf=True,
          watch=("transformer.h.0.attn.",), innocents=("transformer.h.0.attn.c_proj",)),
     Case("custom_backward", 2, "custom autograd.Function: safe forward, its backward overflows fp16 (x*x)",
@@ -976,7 +1280,7 @@ CASES: tuple[Case, ...] = (
          (), "backward", fix=_islands("logp"), watch=("stem.", "head.")),
     Case("pure_fp16_adamw", 3, "pure fp16 weights + AdamW(eps=1e-8): one step turns weights NaN",
          build_pure_fp16_adamw, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
-         fix=_master_weights("fp16")),
+         fix=_master_weights("fp16"), issue25=(1,)),
     Case("pure_fp16_adam_eps", 3, "pure fp16 weights + Adam(eps=1e-7): the loss blows up after one step",
          build_pure_fp16_adam_eps, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
          fix=_master_weights("fp16")),
@@ -985,14 +1289,14 @@ CASES: tuple[Case, ...] = (
          watch=("",)),
     Case("pure_bf16_adamw", 4, "a .bfloat16() model with AdamW(lr=1e-4): most updates round away in bf16 weights",
          build_pure_bf16_adamw, ("bf16",), ("",), (), "model", regimen=_pure("bf16"), fix=_master_weights("bf16"),
-         watch=("",)),
+         watch=("",), issue25=(1,)),
     Case("bert_fp16", 4, "tiny BERT converted with .half(), AdamW: pure fp16 weights and optimizer state",
          build_bert_fp16, ("fp16",), ("",), (), "model", regimen=_pure("fp16"), fix=_master_weights("fp16"),
          hf=True),
     Case("layer_local_underflow", 5, "the early layers' gradients (<3e-8) flush to zero in fp16 at scale 1, a few "
          "percent of all gradients", build_layer_local_underflow, ("fp16",), ("early", "early.0", "early.2"), (),
          "backward",
-         regimen=_no_scaler, fix=_with_scaler(2.0**16), watch=("early.",)),
+         regimen=_no_scaler, fix=_with_scaler(2.0**16), watch=("early.",), issue25=(1, 5)),
     Case("bert_key_underflow", 5, "tiny BERT at its default init: its key weights' gradients flush in fp16 at scale 1",
          build_bert_key_underflow, ("fp16",), tuple(f"bert.encoder.layer.{i}.attention.self.key" for i in (0, 1)),
          (), "backward", regimen=_no_scaler, fix=_with_scaler(2.0**16), hf=True,
@@ -1007,10 +1311,34 @@ CASES: tuple[Case, ...] = (
     # healthy
     Case("runaway", 6, "issue 25: healthy at its first step; trained, its outputs pass fp16's max within a few steps "
          "(only training shows it)", build_runaway, ("fp16",), ("",), (), "model",
-         fix=lambda model, opt: Regimen(autocast="bf16")),
+         fix=lambda model, opt: Regimen(autocast="bf16"), issue25=(2,)),
     Case("embedding_underflow", 6, "issue 25: an Embedding whose output stays fp32 loses its whole gradient through "
          "the fp16 Linear that reads it (scale 1)", build_embedding_underflow, ("fp16",), ("emb",), (), "backward",
-         regimen=_no_scaler, fix=_with_scaler(2.0**24), watch=("emb.",)),
+         regimen=_no_scaler, fix=_with_scaler(2.0**24), watch=("emb.",), issue25=(5,)),
+    # issue 25's classes in Hugging Face models from tiny configs
+    Case("qwen2_fp16_adam", 3, "issue 25 (1): tiny Qwen2 converted with .half(), Adam(eps=1e-8): one step makes "
+         "weights inf/NaN", build_qwen2_fp16_adam, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
+         fix=_master_weights("fp16"), hf=True, issue25=(1,)),
+    Case("neox_bf16_adamw", 4, "issue 25 (1): tiny GPT-NeoX converted with .bfloat16(), AdamW(lr=1e-4): every "
+         "LayerNorm gain's update rounds away (0.8% of the whole update)", build_neox_bf16_adamw, ("bf16",), ("",),
+         (), "model", regimen=_pure("bf16"), fix=_master_weights("bf16"), hf=True, issue25=(1,),
+         watch=NEOX_NORMS),
+    Case("vit_fp16_fused_adam", 3, "issue 25 (2, 3): tiny ViT converted with .half(), Adam(fused=True): step 1 is "
+         "right, the stored fp16 second moment underflows from step 2; bf16 autocast cannot run its fp16 weights",
+         build_vit_fp16_fused_adam, ("fp16",), ("",), (), "optimizer", regimen=_pure("fp16"),
+         fix=_master_weights("fp16"), hf=True, issue25=(2, 3)),
+    Case("llama_large_qk", 1, "issue 25 (2): tiny Llama, layer-0 q.k at 90% of fp16's max, AdamW(lr=1e-2): finite "
+         "at the initial weights, inf in eager attention's fp16 matmul within 6 steps", build_llama_large_qk,
+         ("fp16",), ("model.layers.0.self_attn",), MATMUL_OPS, "forward", fix=_islands("model.layers.0.self_attn"),
+         hf=True, issue25=(2,), known_miss="named"),
+    Case("llama_embedding_underflow", 6, "issue 25 (1, 5): tiny Llama, loss x 2**-24: embed_tokens (fp32 output) "
+         "loses its whole gradient through the fp16 projections that read it (scale 1)",
+         build_llama_embedding_underflow, ("fp16",), ("model.embed_tokens",), (), "backward", regimen=_no_scaler,
+         fix=_with_scaler(2.0**24), hf=True, watch=("model.embed_tokens.",), issue25=(1, 5)),
+    Case("distilbert_bf16_body", 4, "issue 25 (3): DistilBERT encoder in bf16 with an fp32 head, AdamW(lr=1e-3): "
+         "runs; its LayerNorm gains never train in bf16 weights; fp16 autocast cannot run them on a CPU",
+         build_distilbert_bf16_body, ("bf16",), ("",), (), "model", fix=_master_weights("bf16"), hf=True,
+         watch=DISTILBERT_NORMS, issue25=(3,)),
     *(by["cpu"] for by in POLICY_DIFFERS.values()),  # issue 26: CPU's truth here, CUDA's in POLICY_CASES
     Case("ref_mlp", 0, "ampcourse's reference MLP", _reference("mlp"), ("fp16", "bf16")),
     Case("ref_cnn", 0, "ampcourse's reference CNN (batch norm)", _reference("cnn"), ("fp16", "bf16")),
@@ -1023,9 +1351,20 @@ CASES: tuple[Case, ...] = (
     Case("inline_attention_small", 0, "unscaled inline attention on unit inputs (near miss of class 1)",
          build_inline_attention_small, ("fp16", "bf16")),
     Case("lora_fp16_base", 0, "issue 25: a frozen fp16 base with trainable fp32 adapters (no master weights needed)",
-         build_lora_fp16_base, ("fp16", "bf16")),
+         build_lora_fp16_base, ("fp16", "bf16"), issue25=(3,)),
     Case("inline_random", 0, "issue 25: inline dropout and a layer drop by Python's random (replayed in every rerun)",
-         build_inline_random, ("fp16", "bf16")),
+         build_inline_random, ("fp16", "bf16"), issue25=(6,)),
+    Case("llama", 0, "issue 25 (6): tiny Llama (RMSNorm and rotary embeddings inline: many roundings per module)",
+         build_llama, ("fp16", "bf16"), hf=True, issue25=(6,)),
+    Case("vit", 0, "tiny ViT", build_vit, ("fp16", "bf16"), hf=True),
+    Case("lora_llama", 0, "issue 25 (3): tiny Llama, frozen fp16 base, fp32 LoRA adapters on q_proj and v_proj "
+         "(no master weights needed)", build_lora_llama, ("fp16", "bf16"), hf=True, issue25=(3,)),
+    Case("distilbert_dropout", 0, "issue 25 (6): tiny DistilBERT with dropout 0.1 in training mode",
+         build_distilbert_dropout, ("fp16", "bf16"), hf=True, issue25=(6,)),
+    Case("wav2vec2_random", 0, "issue 25 (6): tiny Wav2Vec2 with dropout, LayerDrop (torch.rand) and SpecAugment "
+         "(NumPy's random) on", build_wav2vec2_random, ("fp16", "bf16"), hf=True, issue25=(6,)),
+    Case("musicgen_random", 0, "issue 25 (6): tiny MusicGen decoder with inline dropout and LayerDrop by Python's "
+         "random.uniform on", build_musicgen_random, ("fp16", "bf16"), hf=True, issue25=(6,)),
 )
 
 
@@ -1163,8 +1502,10 @@ def lost_at_scale_1(c: Case, precision: str = "fp16", seed: int = 0) -> dict[str
     for ac in (None, precision):
         s = c.build(seed)
         s.model.float()
-        ctx = torch.autocast("cpu", dtype=DTYPES[ac]) if ac else torch.autocast("cpu", enabled=False)
         with policy_region(c.policy):
+            # made inside the region: an autocast object made before ampcourse.emulate's region and entered inside it
+            # is not emulated (it ran everything in fp32, so CUDA's entries measured no loss at all)
+            ctx = torch.autocast("cpu", dtype=DTYPES[ac]) if ac else torch.autocast("cpu", enabled=False)
             with ctx:
                 loss = model_loss(call_model(s.model, clone_inputs(cast_inputs(s.inputs, torch.float32))),
                                   s.targets, s.loss_fn)
@@ -1327,7 +1668,7 @@ def _inputs_equal(a, b) -> bool:
 
 def _state(s: Setup) -> dict[str, Any]:
     """Copies of what examine must leave as it found it: parameters, buffers, their .grad, training flags, the
-    optimizer's state and the torch RNG."""
+    optimizer's state and the torch, Python and NumPy RNGs."""
     out = {f"model.{k}": v.detach().clone() for k, v in s.model.state_dict(keep_vars=True).items()}
     out.update({f"grad.{n}": (p.grad.clone() if p.grad is not None else "none")
                 for n, p in s.model.named_parameters()})
@@ -1335,6 +1676,8 @@ def _state(s: Setup) -> dict[str, Any]:
     if s.optimizer is not None:
         out["optimizer"] = repr(s.optimizer.state_dict())
     out["rng"] = torch.get_rng_state()
+    out["python_rng"] = repr(random.getstate())  # the doctor promises every RNG stream back (issue 25)
+    out["numpy_rng"] = repr(np.random.get_state())
     return out
 
 
@@ -1400,8 +1743,8 @@ def judge_doctor(c: Case, examine: Callable | None = None, seed: int = 0, steps:
     for p in c.precisions[:1] if c.planted else ():
         fresh = c.build(seed)
         used, islands, reg = advised_regimen(report, c, p)
-        if reg.weights == "fp32":
-            fresh.model.float()
+        if reg.weights == "fp32" and advises_master_weights(report):
+            fresh.model.float()  # only when advised: a mixed-dtype model (a bf16 body) keeps its dtypes otherwise
         if islands:
             from ampcourse.policy import apply_policy
             try:

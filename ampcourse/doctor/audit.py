@@ -48,7 +48,8 @@ class Audit(_FieldMapping):
     """What the optimizer audit measured (also read as a mapping: ``report.optimizer["lost_update_share"]``).
 
     ``outcome``: "nonfinite" (the step made inf/NaN weights), "blowup" (the loss or an update far beyond the
-    fp32-master step's), "lost_updates" (updates rounded away), "ok", or "not_stepped" (fp32 weights and state:
+    fp32-master step's), "lost_updates" (updates rounded away: over LOST_WARN of the whole update, or over LOST_PARAM
+    of one parameter's, named in ``lost_params``), "ok", or "not_stepped" (fp32 weights and state:
     the step is the fp32-master step). ``lost_update_share`` is NaN when the step destroyed the weights (a share of
     an update that is not there would read as a fine step).
     """
@@ -72,6 +73,7 @@ class Audit(_FieldMapping):
     steps: int | None = None
     master_reference: bool | None = None
     second_moment_underflow: float | None = None
+    lost_params: list | None = None
     outcome: str | None = None
     error: str | None = None
     master_error: str | None = None
@@ -257,6 +259,10 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         out["params"][name] = row
     out["nonfinite_after"] = nonfinite
     out["lost_update_share"] = lost / moved if moved else 0.0
+    # Stochastic rounding delivers a small update on average, by moving a few elements a whole ulp: over two steps
+    # one small tensor's share is a coin toss, so only the whole update's share judges it.
+    out["lost_params"] = ([] if getattr(optimizer, "rounding", None) == "stochastic" else
+                          _lost_params(out["params"], params, names, grads))
     sq = [r["second_moment_underflow"] for r in out["params"].values() if "second_moment_underflow" in r]
     if sq:
         out["second_moment_underflow"] = max(sq)
@@ -277,6 +283,25 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 BLOWUP_RATIO = 4.0
 #: More than this share of the fp32-master update rounded away is lost updates.
 LOST_WARN = 0.10
+#: ... and so is more than this share of one parameter's own update (a LayerNorm gain at 1.0 in bf16 whose AdamW
+#: update of lr=1e-4 is below half its ulp never trains, however small its part of the whole update is).
+LOST_PARAM = 0.5
+#: A parameter whose largest fp32 gradient is below this times the median parameter's is rounding noise (a key bias
+#: before softmax, ~1e-14): AdamW still gives it an lr-sized fp32 update, whose loss in low precision is harmless.
+GRAD_NOISE = 1e-6
+
+
+def _lost_params(rows: Mapping[str, Mapping[str, Any]], params, names, grads) -> list[str]:
+    """The low-precision parameters that lose more than LOST_PARAM of their own fp32-master update, those whose
+    gradient is rounding noise left out; most lost first."""
+    tops = {names.get(id(p), "?"): float(grads[id(p)].abs().max()) for p in params
+            if id(p) in grads and grads[id(p)].numel()}
+    if not tops:
+        return []
+    floor = GRAD_NOISE * sorted(tops.values())[len(tops) // 2]
+    lost = [n for n, r in rows.items() if r.get("dtype") in ("float16", "bfloat16")
+            and r.get("lost_share", 0.0) > LOST_PARAM and tops.get(n, 0.0) > floor]
+    return sorted(lost, key=lambda n: -rows[n]["lost_share"])
 
 
 def blown_up(a: Mapping[str, Any]) -> bool:
@@ -299,4 +324,4 @@ def _outcome(a: Mapping[str, Any]) -> str:
         return "nonfinite"
     if blown_up(a):
         return "blowup"
-    return "lost_updates" if a.get("lost_update_share", 0.0) > LOST_WARN else "ok"
+    return "lost_updates" if a.get("lost_update_share", 0.0) > LOST_WARN or a.get("lost_params") else "ok"

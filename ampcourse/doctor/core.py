@@ -339,7 +339,10 @@ def _dtype_clash(model: nn.Module, amp: AmpSetup, err: BaseException) -> str:
     the model's own dtypes. "" otherwise."""
     other = {p.dtype for p in model.parameters() if p.dtype in _LOW} - {amp.amp_dtype}
     text = str(err).lower()
-    if other and any(w in text for w in ("dtype", "half", "bfloat16", "float16", "same type", "mixed", "scalar type")):
+    # "scalartype": autocast's own promote ops (cat, stack, index_put ...) raise "Unexpected floating ScalarType in
+    # at::autocast::prioritize" on a floating dtype that is neither fp32 nor autocast's (a ViT's fp16 cls token)
+    if other and any(w in text for w in ("dtype", "half", "bfloat16", "float16", "same type", "mixed", "scalar type",
+                                         "scalartype")):
         return str(next(iter(other))).removeprefix("torch.")
     return ""
 

@@ -608,10 +608,17 @@ def optimizer(ev: Evidence) -> list[Finding]:
     share = a.get("lost_update_share", 0.0)
     if outcome == "lost_updates":
         worst = max(a["params"], key=lambda n: a["params"][n].get("lost_share", 0.0))
+        each = a.get("lost_params") or []
+        # Per parameter too: a LayerNorm gain whose whole update rounds away never trains, however small its part
+        # of the whole update (every such parameter is named, the most lost first).
+        who = (f"; {len(each)} parameter(s) lose more than half of their own update: "
+               + ", ".join(f"{quoted(n)} {a['params'][n]['lost_share']:.0%}" for n in each[:MAX_PARAM_FINDINGS])
+               + (f" and {len(each) - MAX_PARAM_FINDINGS} more" if len(each) > MAX_PARAM_FINDINGS else "")
+               if each else f" (worst {quoted(worst)}: {a['params'][worst]['lost_share']:.0%})")
         out.append(Finding("lost_updates", worst, fmt, share,
-                           f"{share:.1%} of the update of {steps} rounds to no change in the {fmt} parameters "
-                           f"(worst {quoted(worst)}: {a['params'][worst]['lost_share']:.0%}); the update is below half "
-                           f"an ulp of the weight: {fix}{checked}", "warning", "optimizer", fix="master_weights"))
+                           f"{share:.1%} of the update of {steps} rounds to no change in the {fmt} parameters"
+                           f"{who}; the update is below half an ulp of the weight: {fix}{checked}", "warning",
+                           "optimizer", fix="master_weights"))
     if sq is not None and sq > SECOND_MOMENT_WARN and outcome not in ("nonfinite", "blowup"):
         worst = max((n for n, r in a["params"].items() if "second_moment_underflow" in r),
                     key=lambda n: a["params"][n]["second_moment_underflow"], default="")

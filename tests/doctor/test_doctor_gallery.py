@@ -3,8 +3,10 @@ planted precision and its fix really trains like fp32, every healthy case trains
 judges can say both yes and no; and (issue 18) the AMP doctor is right on every case."""
 
 import math
+import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +36,8 @@ def test_the_gallery_covers_issue_18s_six_classes_in_own_and_hugging_face_models
         assert any(c.klass == k and c.hf for c in G.CASES) and any(c.klass == k and not c.hf for c in G.CASES)
     assert len(HEALTHY) >= 6
     assert {"ref_mlp", "ref_cnn", "ref_transformer"} <= {c.name for c in G.healthy()}
-    assert {c.name for c in G.healthy() if c.hf} == {"gpt2", "bert", "t5"}
+    assert {c.name for c in G.healthy() if c.hf} == {"gpt2", "bert", "t5", "llama", "vit", "lora_llama",
+                                                       "distilbert_dropout", "wav2vec2_random", "musicgen_random"}
     assert len({c.name for c in G.CASES}) == len(G.CASES)
     for c in G.planted():
         assert c.fix is not None and c.phase in ("forward", "backward", "optimizer", "model"), c.name
@@ -47,6 +50,27 @@ def test_the_gallery_covers_issue_18s_six_classes_in_own_and_hugging_face_models
         assert all(n in modules for n in c.innocents) and not set(c.innocents) & set(c.culprits), c.name
     with pytest.raises(KeyError, match="no gallery case 'nope'"):
         G.case("nope")
+
+
+def test_the_gallery_has_variants_of_issue_25s_classes_in_own_and_hugging_face_models():
+    """Issue 25's classes 1, 2, 3, 5 and 6 each have a variant in a model of our own and one in a Hugging Face model
+    (class 4, fp32's own failure, cannot be trained beside a finite fp32: it is in tests/test_doctor_verdict.py), and
+    the healthy controls include a frozen half-precision base with fp32 adapters, inline randomness and a real
+    Hugging Face model with its randomness on."""
+    for k in (1, 2, 3, 5, 6):
+        tagged = [c for c in G.CASES if k in c.issue25]
+        assert any(c.hf for c in tagged) and any(not c.hf for c in tagged), (k, [c.name for c in tagged])
+    assert all(set(c.issue25) <= {1, 2, 3, 4, 5, 6} for c in G.CASES)
+    controls = {c.name for c in G.healthy() if c.issue25}
+    assert {"lora_fp16_base", "lora_llama", "inline_random", "wav2vec2_random", "distilbert_dropout",
+            "musicgen_random"} <= controls
+    mixed = G.case("distilbert_bf16_body").build(0).model  # a mixed-dtype model: a bf16 body, an fp32 head
+    assert {p.dtype for p in mixed.parameters()} == {torch.bfloat16, torch.float32}
+    lora = G.case("lora_llama").build(0)
+    trainable = [p for p in lora.model.parameters() if p.requires_grad]
+    assert {p.dtype for p in trainable} == {torch.float32} and {p.dtype for p in lora.model.parameters()} == {
+        torch.float16, torch.float32}
+    assert {id(p) for g in lora.optimizer.param_groups for p in g["params"]} == {id(p) for p in trainable}
 
 
 @pytest.mark.parametrize("name", names(G.CASES))
@@ -79,16 +103,30 @@ def check_planted(c):
     assert fixed.ok, f"{name}'s fix ({c.fix.__doc__}) does not track fp32: {fixed}"
 
 
+@pytest.mark.parametrize("name", names(c for c in G.planted() if 2 in c.issue25))
+def test_an_issue_25_class_2_case_is_right_at_its_initial_weights_and_wrong_over_the_run(name):
+    """Issue 25 class 2's truth: in the planted precision, the loss at the initial weights is finite and within 5% of
+    fp32's (a check of one step there would certify it), and the run still departs from fp32."""
+    c = G.case(name)
+    ref = G.reference(c)
+    for p in c.precisions:
+        run = G.train(c, p)
+        first = abs(run.losses[0] - ref.losses[0]) / max(abs(ref.losses[0]), 1e-3)
+        assert math.isfinite(first) and first < G.LOSS_TOL, (name, p, first)
+        assert not G.tracks(run, ref, c.watch).ok
+
+
 @pytest.mark.parametrize("name", HEALTHY)
 def test_a_healthy_model_trains_like_fp32_in_fp16_and_bf16(name):
     check_healthy(G.case(name))
 
 
 def check_healthy(c):
-    """Case c (healthy under c.policy's lists) tracks fp32 in fp16 and bf16 and loses little gradient at scale 1."""
+    """Case c (healthy under c.policy's lists) tracks fp32 in each of its precisions (fp16 and bf16) and loses little
+    gradient at scale 1."""
     name = f"{c.name} ({c.policy})"
     ref = G.reference(c)
-    for p in ("fp16", "bf16"):
+    for p in c.precisions:
         v = G.tracks(G.train(c, p), ref)
         assert v.ok and v.skipped == 0, f"{name} in {p}: {v}"
     # Even without a GradScaler no parameter loses more than a tenth of its gradient in fp16 (issue 18 asks the doctor
@@ -183,7 +221,8 @@ def test_the_doctor_judge_scores_a_right_report_right_and_each_wrong_one_wrong()
     assert r["inputs_kept"] and r["state_kept"]
 
 
-@pytest.mark.parametrize("touch", ["inputs", "weight", "grad", "rng", "training", "optimizer"])
+@pytest.mark.parametrize("touch", ["inputs", "weight", "grad", "rng", "python_rng", "numpy_rng", "training",
+                                   "optimizer"])
 def test_the_doctor_judge_sees_any_change_to_the_inputs_or_the_state(touch):
     report = FakeReport([], {"fp16": {"status": "clean"}, "bf16": {"status": "clean"}})
 
@@ -197,6 +236,10 @@ def test_the_doctor_judge_sees_any_change_to_the_inputs_or_the_state(touch):
             model.fc1.weight.grad = torch.zeros_like(model.fc1.weight)
         elif touch == "rng":
             torch.rand(1)
+        elif touch == "python_rng":
+            random.random()
+        elif touch == "numpy_rng":
+            np.random.rand()
         elif touch == "training":
             model.eval()
         else:
@@ -245,10 +288,16 @@ def test_doctor_on_gallery():
     never crashes, leaves the caller's inputs and the model's and optimizer's state bit-identical and gives the same
     findings twice."""
     pytest.importorskip("transformers")
-    wrong = []
+    wrong, still_missed = [], []
     for c in G.CASES:
-        wrong += doctor_wrong(c, G.judge_doctor(c))
+        r = G.judge_doctor(c)
+        if c.known_miss:  # measured and documented (benchmarks/README.md): it must still be missed, and only that
+            still_missed.append(c.name)
+            assert not r[c.known_miss], f"{c.name}: the doctor now gets {c.known_miss!r} right: clear known_miss"
+            r = dict(r, **{c.known_miss: True})
+        wrong += doctor_wrong(c, r)
     assert not wrong, "\n".join(wrong)
+    assert still_missed == [c.name for c in G.CASES if c.known_miss]
 
 
 def doctor_wrong(c, r):
@@ -289,6 +338,8 @@ def test_the_peers_benchmark_builds_its_table_and_totals(tmp_path, monkeypatch):
         torch.set_num_threads(threads)  # main() pins one thread for the benchmark; leave the other tests theirs
     data = json.loads(out.read_text())
     assert [r["case"] for r in data["rows"]] == ["multi_call", "ref_mlp"]
+    m = data["measured"]  # when and where: the README quotes it
+    assert m["cores"] >= 1 and len(m["load_before"]) == 3 and m["wall_s"] > 0 and m["utc_end"] >= m["utc_start"]
     s = data["summary"]
     assert (s["planted"], s["healthy"]) == (1, 1)
     assert s["debug_underflow_overflow"] == {"right": 1, "found": 1, "named": 1, "false_alarms": 0}
@@ -334,6 +385,17 @@ def test_a_policy_case_is_real_under_cudas_lists(name):
     """The CUDA entry's truth, trained under the emulator (its CPU entry is checked with the rest of CASES)."""
     c = G.case(name, "cuda")
     check_planted(c) if c.planted else check_healthy(c)
+
+
+def test_gradient_loss_at_scale_1_is_measured_under_cudas_lists_too():
+    """lost_at_scale_1 under policy "cuda" runs the fp16 backward under CUDA's lists: a Linear is low on both lists,
+    so the embedding_underflow model loses its whole gradient under each (it once measured fp32 against fp32 there,
+    which made check_healthy's gradient check vacuous for CUDA's entries)."""
+    import dataclasses
+    c = G.case("embedding_underflow")
+    for pol in ("cpu", "cuda"):
+        lost = G.lost_at_scale_1(dataclasses.replace(c, policy=pol))
+        assert lost["emb.weight"] == 1.0 and lost["head.weight"] == 1.0, (pol, lost)
 
 
 def test_training_under_cudas_lists_casts_as_cuda_and_refreshes_the_weight_casts():

@@ -423,3 +423,173 @@ def test_a_fused_adam_on_fp16_weights_is_audited_over_two_steps_without_a_false_
     assert not r.find("eps_underflow")  # eps never rounds in a fused step
     assert not r.is_clean("fp16") and r.master_weights
     assert_consistent(r)
+
+
+# -- gallery helper's additions: variants of the classes found by trying them ------------------------------------------
+
+class ClsTokenNet(nn.Module):
+    """A ViT-like classifier: a learned cls token concatenated in front of linear patch embeddings. Converted with
+    .half(), its torch.cat meets an fp16 parameter and a bf16 activation under CPU bf16 autocast: cat is one of
+    autocast's promote ops, which raise 'Unexpected floating ScalarType in at::autocast::prioritize'."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.zeros(1, 1, 32))
+        self.embed, self.head = nn.Linear(16, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(torch.cat([self.cls.expand(len(x), -1, -1), h], 1)[:, 0] + h.mean(1))
+
+
+def test_class3_a_half_model_whose_promote_op_meets_bf16_autocast_is_unsupported_with_the_reason():
+    """Issue 25 class 3, a variant of the fp16 LayerNorm: the clash is in autocast's own promote rule (its message
+    names a ScalarType, not a dtype). Before: 'raises' error of the module, advice about -1e9 constants."""
+    torch.manual_seed(0)
+    model = ClsTokenNet().half()
+    x, y = torch.randn(8, 4, 16).half(), torch.randint(0, 10, (8,))
+    with pytest.raises(RuntimeError, match="ScalarType"), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)  # the fact: this CPU's bf16 autocast cannot run the model's own fp16 weights here
+    r = examine(model, x, y, loss_fn=loss_fn, steps=0, precisions=("bf16",))
+    v = r.verdicts["bf16"]
+    assert v["status"] == "unsupported" and "float16 weights" in v["reason"], r.summary()
+    assert not r.find("raises") and "-1e9" not in r.summary(), r.summary()
+    assert_consistent(r)
+
+
+def test_class3_a_half_hugging_face_vit_under_bf16_autocast_is_unsupported_with_the_reason():
+    pytest.importorskip("transformers")
+    import doctor_gallery as G
+    s = G.build_vit_fp16_fused_adam(0)
+    r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer, steps=0)
+    v = r.verdicts["bf16"]
+    assert v["status"] == "unsupported" and "float16 weights" in v["reason"], r.summary()
+    assert not r.find("raises"), r.summary()
+    assert_consistent(r)
+
+
+def _norm_mlp_bf16():
+    """A bf16 Linear -> LayerNorm -> Linear whose Linear weights and biases are small (their AdamW updates of
+    lr=1e-4 survive bf16's rounding) and whose LayerNorm gain sits at 1.0 (bf16's half-ulp there is 3.9e-3: every
+    update is lost)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        for m in (model[0], model[3]):
+            m.weight.mul_(0.05)
+            m.bias.mul_(0.05)
+    return model.bfloat16()
+
+
+def test_class1_a_parameter_that_loses_its_whole_update_is_named_whatever_the_aggregate():
+    """Issue 25 class 1 (a verdict contradicting the audit under it): the audit measured 100% of a LayerNorm gain's
+    update lost, but the aggregate share (< 10%, norm-weighted) decided alone and bf16 read clean. Truth by training:
+    in bf16 the gain never moves while fp32's does; with fp32 master weights it trains."""
+    x, y = batch()
+
+    def gain_after(model, steps=10):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        start = model[1].weight.detach().float().clone()
+        for _ in range(steps):
+            opt.zero_grad()
+            loss_fn(model(x.to(model[0].weight.dtype)).float(), y).backward()
+            opt.step()
+        return float((model[1].weight.detach().float() - start).abs().max())
+
+    assert gain_after(_norm_mlp_bf16()) == 0.0 and gain_after(_norm_mlp_bf16().float()) > 5e-4
+    model = _norm_mlp_bf16()
+    r = examine(model, x.bfloat16(), y, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                steps=0)
+    assert r.optimizer["lost_update_share"] < 0.10  # the aggregate alone says "fine"
+    lost = r.find("lost_updates")
+    assert lost and lost[0].module == "1.weight" and lost[0].precision == "bf16", r.summary()
+    assert r.optimizer["lost_params"] == ["1.weight"]
+    assert not r.is_clean("bf16") and r.master_weights and "master weights" in r.headline
+    assert_consistent(r)
+    from ampcourse.optim import BF16AdamW
+    for rounding in ("kahan", "stochastic"):  # they keep (or deliver on average) what rounding drops: no alarm
+        model = _norm_mlp_bf16()
+        r = examine(model, x.bfloat16(), y, loss_fn=loss_fn, steps=0,
+                    optimizer=BF16AdamW(model.parameters(), lr=1e-4, rounding=rounding))
+        assert not r.find("lost_updates") and r.optimizer["lost_params"] == [], (rounding, r.summary())
+
+
+class MaskedMeanPool(nn.Module):
+    """A tiny DistilBERT encoder with a masked-mean pooling head of one's own, "safe" for an all-padding row by
+    torch.where: the discarded branch's 0/0 is NaN, and its backward (grad / count = 0 / 0) is NaN too."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import DistilBertConfig, DistilBertModel
+        cfg = DistilBertConfig(vocab_size=128, dim=32, hidden_dim=64, n_layers=2, n_heads=2, max_position_embeddings=32,
+                               dropout=0.0, attention_dropout=0.0, initializer_range=0.05)
+        cfg._attn_implementation = "eager"
+        self.body, self.head = DistilBertModel(cfg), nn.Linear(32, 4)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        n = m.sum(1)
+        pooled = torch.where(n > 0, (h * m).sum(1) / n, torch.zeros_like(n))
+        return self.head(pooled)
+
+
+def test_class4_a_hugging_face_encoder_with_a_guarded_masked_mean_is_fp32s_own_failure():
+    """Issue 25 class 4 in a Hugging Face model: fp32's loss is finite, fp32's backward NaN (truth by training: one
+    fp32 step makes the weights NaN); the doctor says so as an fp32 finding and blames no precision."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (8, 12), generator=g)
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[0] = 0  # an all-padding row: the guard's case
+    y = torch.randint(0, 4, (8,), generator=g)
+    model = MaskedMeanPool()
+    torch.manual_seed(0)
+    probe = MaskedMeanPool()
+    opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
+    loss = loss_fn(probe(ids, mask), y)
+    assert torch.isfinite(loss)
+    loss.backward()
+    opt.step()
+    assert not all(bool(torch.isfinite(p).all()) for p in probe.parameters())  # fp32 training itself breaks
+    r = examine(model, (ids, mask), y, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters()), steps=0)
+    f32 = [f for f in r.findings if f.precision == "fp32" and f.severity == "error"]
+    assert f32 and f32[0].kind == "backward_nonfinite" and "not a precision problem" in f32[0].message, r.summary()
+    assert not [f for f in r.findings if f.precision in ("fp16", "bf16") and f.severity != "info"], r.summary()
+    assert "fp32 itself fails" in r.headline
+    assert_consistent(r)
+
+
+def test_class3_a_hugging_face_bf16_body_with_an_fp32_head_runs_and_gets_the_verdict_its_training_shows():
+    """The gallery's distilbert_bf16_body (its truth by training is in tests/test_doctor_gallery.py: the bf16
+    LayerNorm gains never move; fp32 master weights fix it): it runs, fp16 is unsupported with the reason (CPU
+    autocast cannot run bf16 LayerNorm weights in fp16), and bf16 needs master weights, naming the gains."""
+    pytest.importorskip("transformers")
+    import doctor_gallery as G
+    s = G.case("distilbert_bf16_body").build(0)
+    r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer, steps=3)
+    assert not any("cannot run on this data" in f.message for f in r.findings), r.summary()
+    assert r.verdicts["fp16"]["status"] == "unsupported" and "bfloat16 weights" in r.verdicts["fp16"]["reason"]
+    lost = r.find("lost_updates")
+    assert lost and lost[0].precision == "bf16" and set(r.optimizer["lost_params"]) == set(G.DISTILBERT_NORMS)
+    assert r.master_weights and r.recommended_precision == "bf16" and r.verdicts["bf16"].confirmed, r.summary()
+    assert_consistent(r)
+
+
+def test_class5_every_parameter_that_loses_over_half_its_gradient_is_named_in_a_hugging_face_llama():
+    """Issue 25 class 5 ("when several layers lose more than half of their gradient, only some are named"): in the
+    gallery's llama_embedding_underflow (loss x 2**-24, no GradScaler) the truth, one fp16 backward at scale 1 against
+    fp32's, loses more than half of many parameters' gradients; each of them is named (alone or in its group)."""
+    pytest.importorskip("transformers")
+    import doctor_gallery as G
+    c = G.case("llama_embedding_underflow")
+    lost = {n for n, share in G.lost_at_scale_1(c).items() if share > 0.5}
+    assert "model.embed_tokens.weight" in lost and len(lost) > 6
+    s = c.build(0)
+    r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, optimizer=s.optimizer, steps=0)
+    found = r.find("layer_gradient_underflow")
+    named = {n for n in lost if any(f.module == n or f"'{n}'" in f.message for f in found)}
+    assert named == lost, sorted(lost - named)
+    assert not r.is_clean("fp16")
+    assert_consistent(r)
