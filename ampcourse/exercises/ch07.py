@@ -791,7 +791,10 @@ def _run_restartable(fn: Callable, ctx, params: dict) -> dict:
     finally:
         torch.save = real_save
     if rnd == kill_round + 1 and ctx.rank == 0:
-        (work / f"resume-{case}.json").write_text(json.dumps(log[:1]))
+        # atomic: the other ranks read this file while rank 0 may still be writing it (a plain write_text let
+        # rank 1 read an empty file under load: JSONDecodeError, a failed exercise for a correct solution)
+        from ..checkpoint.saving import replace_atomically
+        replace_atomically(work / f"resume-{case}.json", json.dumps(log[:1]).encode())
     resumed = work / f"resume-{case}.json"
     savers = work / f"savers-{case}.txt"
     return {"want": want, "weights": _flat(net), "scale": float(scaler.get_scale()), "round": rnd,

@@ -93,3 +93,20 @@ def test_state_bytes_rejects_wrong_answers(wrong, hint, capsys):
     with pytest.raises(ExerciseError, match=hint):
         exercises.check_state_bytes(wrong)
     assert "❌" in capsys.readouterr().out
+
+
+def test_worker_side_files_another_rank_reads_are_written_atomically():
+    """The runners (`_run_*`, under torchrun) share files between ranks: one rank writes, the others read. A plain
+    write_text truncates first, so a reader can see an empty file: 7.6's resume-<case>.json did, under load (rank 1
+    raised JSONDecodeError and a correct solution failed). Every such write goes through replace_atomically."""
+    import ast
+    import inspect
+
+    from ampcourse.exercises import ch07 as ch07_mod
+
+    tree = ast.parse(inspect.getsource(ch07_mod))
+    runners = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("_run_")]
+    assert runners, "no worker-side runners found"
+    plain = [(f.name, n.lineno) for f in runners for n in ast.walk(f)
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("write_text", "write_bytes")]
+    assert not plain, f"write_text/write_bytes in worker-side runners (use checkpoint.saving.replace_atomically): {plain}"
