@@ -333,8 +333,9 @@ class OpEvent:
         return name + (" (inline in forward)" if self.inline and self.phase == "forward" else "")
 
 
+@functools.cache
 def _op_name(func) -> str:
-    """'aten::mul' for aten.mul.Tensor."""
+    """'aten::mul' for aten.mul.Tensor (once per op: the op watcher asks at every call)."""
     return func._schema.name if hasattr(func, "_schema") else str(func)
 
 
@@ -441,7 +442,10 @@ class OpWatch(TorchDispatchMode):
             raise
         if self.tracker.quiet or _is_view(func):
             return out
-        outs = [t for t in float_tensors(out) if t.numel()]
+        if isinstance(out, torch.Tensor):  # most ops: one tensor (no generator walk)
+            outs = [out] if out.is_floating_point() and out.numel() else []
+        else:
+            outs = [t for t in float_tensors(out) if t.numel()]
         if not outs:
             return out
         self.ops += 1
@@ -499,6 +503,8 @@ class Tracker:
         self.handles: list = []
         self.grad_handles: list = []  # tensor hooks: removed when the pass ends (a module may return a parameter)
         self.leaves: dict[str, bool] = {}
+        self.reruns: dict[str, bool] = {}  # module -> its own error is measured by an fp32 rerun (_reruns)
+        self.own_dtype: dict[str, torch.dtype] = {}  # module -> the dtype of its own parameters (a rerun's dtype)
         self.out_dtypes: dict[str, tuple[torch.dtype, ...]] = {}  # module -> its last call's floating output dtypes
         self.host_rng = True  # replay Python's and NumPy's streams in reruns (off when the model never draws on them)
 
@@ -508,6 +514,7 @@ class Tracker:
             self.leaves[name] = leaf
             if name not in self.records:
                 self.records[name] = ModuleRecord(name, leaf)
+            self.reruns[name] = self._reruns(module)
             self.handles.append(module.register_forward_pre_hook(self._pre(name, module), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True, always_call=True))
         return self
@@ -554,7 +561,7 @@ class Tracker:
             rec = self.records[name]
             self.stack.append((name, rec.calls))
             rec.calls += 1
-            if self.precision != "fp32" and (self._reruns(module) or not self.leaves[name]):
+            if self.precision != "fp32" and (self.reruns[name] or not self.leaves[name]):
                 # The inputs' versions too: a forward that edits its input in place leaves nothing to rerun it on.
                 # A non-leaf module handed a stateful object (a Hugging Face KV cache, which the call appends to)
                 # is rerun on a copy of that object as it was now, taken before the call changes it.
@@ -590,16 +597,10 @@ class Tracker:
             return None
         return hook
 
-    @contextlib.contextmanager
-    def measuring(self):
+    def measuring(self) -> _Measuring:
         """The doctor's own ops (histograms, fp32 reruns): off the op watcher's books, and outside every dispatch mode
         (a Python call per op would cost more than the measuring itself)."""
-        self.quiet += 1
-        try:
-            with _disable_current_modes():
-                yield
-        finally:
-            self.quiet -= 1
+        return _Measuring(self)
 
     def _reruns(self, module: nn.Module) -> bool:
         """Leaf modules whose own error is measured; not dropout (random by design) nor in-place ones."""
@@ -692,7 +693,10 @@ class Tracker:
         after = self._rng_state()
         self._set_rng_state(before)
         # Without autocast, in the dtype of the module's own parameters (fp32 normally; bf16 for a pure-bf16 model).
-        dtype = next((q.dtype for q in module.parameters(recurse=False) if q.is_floating_point()), torch.float32)
+        dtype = self.own_dtype.get(rec.name)
+        if dtype is None:
+            dtype = self.own_dtype[rec.name] = next((q.dtype for q in module.parameters(recurse=False)
+                                                     if q.is_floating_point()), torch.float32)
         self.busy = True
         try:
             with torch.no_grad(), torch.autocast(self.dev.type, enabled=False):
@@ -755,6 +759,67 @@ class Tracker:
             rec.inline_ops[p] = low_ops.errors(ref_ops)
 
 
+class _ModesOff:
+    """Every TorchDispatchMode off while inside, as torch's ``_disable_current_modes``, at a sixth of its cost (about
+    6 us against 39 us, paid at every module call of a watched pass): the modes are popped and pushed back through
+    torch's own stack calls. With a pre-dispatch mode (torch.export's tracing) or without those calls, it is torch's
+    context manager itself."""
+
+    __slots__ = ("modes", "inner")
+
+    def __enter__(self) -> _ModesOff:
+        self.inner = None
+        if _LEAN_MODES and not _pre_dispatch_modes():
+            self.modes = [_pop_mode() for _ in range(_len_modes())]
+        else:
+            self.inner = _disable_current_modes()
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.inner is not None:
+            self.inner.__exit__(*exc)
+            return
+        for mode in reversed(self.modes):
+            _push_mode(mode)
+
+
+_len_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_pop_mode = functools.partial(torch._C._pop_torch_dispatch_stack, None) if hasattr(
+    torch._C, "_pop_torch_dispatch_stack") else None
+_push_mode = getattr(torch._C, "_push_on_torch_dispatch_stack", None)
+try:
+    from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _pre_dispatch_modes
+except ImportError:  # an older torch: no pre-dispatch stack (then _LEAN_MODES decides alone)
+    _pre_dispatch_modes = lambda: 0  # noqa: E731
+_LEAN_MODES = None not in (_len_modes, _pop_mode, _push_mode)
+
+
+class _Measuring:
+    """Tracker.measuring(): the tracker quiet and every dispatch mode off while inside (a class: a generator-based
+    context manager costs more per module call)."""
+
+    __slots__ = ("tracker", "modes")
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def __enter__(self) -> None:
+        self.tracker.quiet += 1
+        self.modes = _ModesOff()
+        try:
+            self.modes.__enter__()
+        except BaseException:
+            self.tracker.quiet -= 1
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.modes.__exit__(*exc)
+        finally:
+            self.tracker.quiet -= 1
+
+
 class _InlineOps(TorchDispatchMode):
     """A sample of every op output a module's own forward computes (its children run outside this mode)."""
 
@@ -799,7 +864,7 @@ def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, 
                 return forward(*args, **kwargs)
             depth[0] += 1
             try:
-                with _disable_current_modes(), torch.autocast(device_type, enabled=False):
+                with _ModesOff(), torch.autocast(device_type, enabled=False):
                     out = forward(*copy_as(args, torch.float32), **copy_as(kwargs, torch.float32))
             finally:
                 depth[0] -= 1
