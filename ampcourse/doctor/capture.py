@@ -1060,7 +1060,7 @@ def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[s
                     loss.backward()
                     tracker.in_backward = False
         if keep:
-            counter = _Counter()
+            counter = tracker.counter  # its buffer, flushed: one buffer per pass
             for n, p in params:
                 if p.grad is not None:
                     counter.add(p.grad, [ctx.param_grads.setdefault(n, Log2Hist())], COUNT_CAP)

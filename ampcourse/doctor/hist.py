@@ -49,6 +49,7 @@ class Log2Hist:
         self._max = 0.0
         self._frozen: tuple[np.ndarray, int, int, int, float] | None = None
         self._cum: np.ndarray | None = None  # counts below each (binade, Q), in table order: counts() in O(1)
+        self._min: float | None = None  # min, since the last add
         self._counts: dict[tuple[float, str], dict[str, int]] = {}  # counts() per (scale, fmt) since the last add
 
     @property
@@ -107,7 +108,7 @@ class Log2Hist:
         self._n += n
         self._max = max(self._max, top)
         self._nonfinite += nonfinite
-        self._frozen, self._cum, self._counts = None, None, {}
+        self._frozen, self._cum, self._counts, self._min = None, None, {}, None
 
     def merge(self, other: Log2Hist) -> Log2Hist:
         """A new histogram holding the counts of both."""
@@ -171,8 +172,10 @@ class Log2Hist:
     @property
     def min(self) -> float:
         """The lower edge of the smallest occupied binade (0.0 if none)."""
-        nz = np.flatnonzero(self._values()[0].sum(1))
-        return math.ldexp(1.0, int(nz[0]) + self.LO) if nz.size else 0.0
+        if self._min is None:  # kept until the next add (the module table asks for it per module)
+            nz = np.flatnonzero(self._values()[0].sum(1))
+            self._min = math.ldexp(1.0, int(nz[0]) + self.LO) if nz.size else 0.0
+        return self._min
 
     def _below(self, t: float, goes_up: bool, shift: int) -> int:
         """How many values x have x * 2**shift below t (x * 2**shift == t included when t rounds down)."""
@@ -262,11 +265,11 @@ class _Counter:
 
     Per-tensor small ops, host reads (a sync on CUDA) and fresh allocations (page faults on a CPU), not the counting
     itself, dominated the doctor's time on small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT
-    values wait: memory stays bounded (three rows of LIMIT int32, 768 KiB: a CPU's L2 cache holds the rows the
-    integer ops run over).
+    values wait: memory stays bounded (three rows of LIMIT int32, 3 MiB; fewer, longer flushes measured faster in
+    the doctor's passes than L2-sized ones, whose fixed cost per flush then dominates).
     """
 
-    LIMIT = 2**16
+    LIMIT = 2**18
     _NONFINITE = 0x7F800000  # |x| bits at or above it: inf or NaN
 
     def __init__(self) -> None:
