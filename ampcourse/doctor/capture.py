@@ -198,7 +198,9 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     got, ref = (t.float() if t.dtype == torch.float64 else t for t in (got, ref))  # compared as float32 values
     if got.shape != ref.shape:
         return math.inf
-    num = float(torch.linalg.vector_norm(got.float() - ref.float()))
+    # a float32 operand makes the difference float32 (the other converted exactly): no float copy of it first
+    diff = got - ref if torch.float32 in (got.dtype, ref.dtype) else got.float() - ref.float()
+    num = float(torch.linalg.vector_norm(diff))
     den = float(torch.linalg.vector_norm(ref.float()))
     if not (math.isfinite(num) and math.isfinite(den)):
         num = float(torch.linalg.vector_norm(got.double().sub_(ref)))
@@ -1234,8 +1236,9 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
     """Per parameter: relative error against fp32's gradient, the share of fp32's nonzero entries that came back
     zero (flushed), and the inf/NaN count, after dividing by the scale (a handful of batched reductions and one
     read-back for all parameters: a loop of small reductions per parameter cost more than the backward). What
-    depends on fp32's gradients alone (their norms, where they are nonzero) is computed once per examine
-    (:func:`_ref_layout`); the flushed counts come from one flat comparison of all parameters at once."""
+    depends on fp32's gradients alone (their norms, their nonzero counts, where their few zeros are) is computed
+    once per examine (:func:`_ref_layout`); the flushed counts are each gradient's zeros (one foreach count of the
+    nonzero values for all parameters) less fp32's own zeros that stayed zero."""
     out = {}
     pairs = [(n, p.grad.detach(), ctx.ref_grads[n]) for n, p in params if n in ctx.ref_grads and p.grad is not None]
     for n, p in params:
@@ -1247,13 +1250,14 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
         return out
     names = [n for n, _, _ in pairs]
     refs = [r for _, _, r in pairs]
-    dens, lives, mask, ends = _ref_layout(ctx, names, refs)
+    dens, lives, ref_zeros = _ref_layout(ctx, names, refs)
     grads = [g.float() if g.dtype != torch.float32 else g for _, g, _ in pairs]
     # g / scale - ref, as (g - scale * ref) / scale: the same roundings (scale is a power of two), one copy fewer
     diffs = torch._foreach_sub(grads, refs, alpha=scale) if scale != 1.0 else torch._foreach_sub(grads, refs)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    zeros = (flat == 0).nonzero().reshape(-1)  # few: fp32's own zeros (unused embedding rows) and the flushed
-    flushed = _per_segment(zeros[mask[zeros]], ends)
+    flushed = [g.numel() - nz for g, nz in zip(grads, _nonzero_counts(grads))]  # zeros, fp32's own ones included
+    for i, where in ref_zeros.items():
+        if flushed[i]:  # fp32's own zeros (unused embedding rows) that stayed zero were not flushed
+            flushed[i] -= int((grads[i].reshape(-1)[where] == 0).sum())
     nums = [x / scale for x in torch.stack(torch._foreach_norm(diffs)).double().cpu().tolist()]
     for i, (n, num, n_flushed) in enumerate(zip(names, nums, flushed)):
         den, n_live = dens[i], lives[i]
@@ -1270,22 +1274,25 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
 
 
 def _ref_layout(ctx: Context, names: list[str], refs: list[torch.Tensor]
-                ) -> tuple[list[float], list[int], torch.Tensor, torch.Tensor]:
-    """(norm of each fp32 gradient, its count of nonzero values, where all of them are nonzero as one flat mask, the
-    flat end of each parameter) for these parameters, computed once per examine and kept on ctx."""
+                ) -> tuple[list[float], list[int], dict[int, torch.Tensor]]:
+    """(norm of each fp32 gradient, its count of nonzero values, the flat positions of its zeros for those that
+    have any) for these parameters, computed once per examine and kept on ctx."""
     key = tuple(names)
     if ctx.ref_layout is None or ctx.ref_layout[0] != key:
-        flat = torch.cat([r.reshape(-1) for r in refs])
-        mask = flat != 0
-        sizes = [r.numel() for r in refs]
-        ends = torch.tensor(sizes, device=flat.device).cumsum(0)
-        zeros = _per_segment((~mask).nonzero().reshape(-1), ends)  # a gradient is mostly nonzero: count the zeros
-        lives = [n - z for n, z in zip(sizes, zeros)]
+        lives = _nonzero_counts(refs)
+        zeros = {i: (r.reshape(-1) == 0).nonzero().reshape(-1) for i, (r, live) in enumerate(zip(refs, lives))
+                 if live < r.numel()}  # a gradient is mostly nonzero: few parameters have zeros, and few of them
         dens = torch.stack(torch._foreach_norm(refs)).double().cpu().tolist()
-        ctx.ref_layout = (key, dens, lives, mask, ends)
+        ctx.ref_layout = (key, dens, lives, zeros)
     return ctx.ref_layout[1:]
 
 
-def _per_segment(index: torch.Tensor, ends: torch.Tensor) -> list[int]:
-    """How many of the flat positions in index fall in each segment (segment i ends before ends[i])."""
-    return torch.bincount(torch.searchsorted(ends, index, right=True), minlength=ends.numel()).tolist()
+#: the most values a float32 count holds exactly: a larger tensor's nonzero values are counted on their own
+_EXACT_COUNT = 2**24
+
+
+def _nonzero_counts(tensors: list[torch.Tensor]) -> list[int]:
+    """How many values of each tensor are not zero (an inf or NaN is not zero; -0.0 is), all in one foreach L0 norm
+    read back once: float32 counts, exact up to 2**24 values (a larger tensor is counted exactly on its own)."""
+    counts = torch.stack(torch._foreach_norm(tensors, 0)).double().cpu().tolist()
+    return [int(c) if t.numel() <= _EXACT_COUNT else int((t != 0).sum()) for c, t in zip(counts, tensors)]
