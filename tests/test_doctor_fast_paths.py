@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from ampcourse.doctor.capture import _ModesOff
+from ampcourse.doctor.watch import _ModesOff
 from ampcourse.doctor.hist import COUNT_CAP, Log2Hist, _Counter
 
 
