@@ -8,7 +8,8 @@
 The path given (the doctor package's folder, or the single module it was before) is loaded as a second copy of
 ampcourse.doctor, named ampcourse.doctor_before (its relative imports resolve to this checkout's ampcourse). For each
 precision set, one fp32 forward + backward, examine() from that copy and examine() from this checkout run in turn,
-``--repeats`` times; medians of this process's CPU time (one torch thread), and examine / (fp32 forward + backward).
+``--repeats`` times; medians of this process's CPU time (one torch thread), and examine / (fp32 forward + backward);
+"paired" is the median of after / before over the repeats (each pair ran back to back: steadier under load).
 ``--steps`` (default 0: the forensic pass) is passed to both copies' examine() where it takes one (the doctor before
 issue 25 had no confirmation); ``--sets`` picks the precision sets.
 """
@@ -87,7 +88,8 @@ def main() -> None:
     for key in sets:
         cells = [f"{label} {med[f'{label} {key}'] * 1e3:7.1f} ms ({med[f'{label} {key}'] / base:.1f}x fp32 fwd+bwd)"
                  for label in versions]
-        print(f"  {key:10s} " + "   ".join(cells))
+        pairs = [a / b for a, b in zip(samples[f"after {key}"], samples[f"before {key}"])]
+        print(f"  {key:10s} " + "   ".join(cells) + f"   paired after/before {statistics.median(pairs):.3f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@
 Time: for each model, one fp32 forward + backward, one forward + backward under fp16 and under bf16 autocast (the
 hardware's part: examine cannot run those passes faster than the device does), and examine() with fp16+bf16
 (forward and backward per precision, op watch, optimizer audit), interleaved, ``--repeats`` times each; medians.
+The forensic pass's own share ("own"): its time minus the model's passes it runs (fp32, fp16 and bf16 forward +
+backward, and where it runs one, a second fp16 backward at scale 1), so that a CPU without fp16 units (whose fp16
+passes alone take many fp32 ones) still shows what the doctor adds.
 Goal (issue 18): examine's forensic pass (steps=0) <= 10x one fp32 forward + backward on models whose fp32 step
 takes >= 5 ms; the tiny MLP shows the fixed overhead. Goal (issue 25): the confirmation (the default examine minus
 the forensic pass) <= 1.2x the plain training steps it runs (fp32 and each recipe it trains, ``--steps`` each, through
@@ -103,6 +106,18 @@ def fwd_bwd(model, x, y, loss_fn, amp=None) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def backward_seconds(model, x, y, loss_fn, amp, dev, scale: float = 1.0) -> float:
+    """Seconds of one backward under autocast (the forward before it untimed): what the forensic pass's extra fp16
+    backward at scale 1 costs the hardware (it runs off the watched pass's own forward graph)."""
+    with amp.autocast():
+        loss = _loss(model, x, y, loss_fn)
+    t0 = clock(dev)
+    (loss.float() * scale).backward()
+    seconds = clock(dev) - t0
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
 def time_one(fn, dev) -> float:
     t0 = clock(dev)
     fn()
@@ -146,22 +161,29 @@ def timings(name: str, dev: torch.device, repeats: int, steps: int = 10) -> dict
                             steps=n)
     fwd_bwd(model, x, y, loss_fn)  # warm-up: first-call costs (allocator, kernels) are not what we measure
     report = run(steps)
-    samples: dict[str, list[float]] = {"fp32 fwd+bwd": [], "fp16 fwd+bwd": [], "bf16 fwd+bwd": [], "examine": [],
-                                       "examine confirmed": [], "plain steps": []}
+    samples: dict[str, list[float]] = {"fp32 fwd+bwd": [], "fp16 fwd+bwd": [], "bf16 fwd+bwd": [], "fp16 bwd": [],
+                                       "examine": [], "examine confirmed": [], "plain steps": []}
     trained = ["fp32", *report.confirmation.get("trained", [])]
+    at_1 = "measured" in report.gradients  # the forensic pass ran an extra fp16 backward at scale 1
     for _ in range(repeats):
         samples["fp32 fwd+bwd"].append(time_one(lambda: fwd_bwd(model, x, y, loss_fn), dev))
         for p, amp in amps.items():
             samples[f"{p} fwd+bwd"].append(time_one(lambda: fwd_bwd(model, x, y, loss_fn, amp), dev))
+        samples["fp16 bwd"].append(backward_seconds(model, x, y, loss_fn, amps["fp16"], dev))
         samples["examine"].append(time_one(lambda: run(0), dev))
         samples["examine confirmed"].append(time_one(lambda: run(steps), dev))
         samples["plain steps"].append(sum(plain_steps(model, x, y, loss_fn, dev, p, steps, report.recommended_init_scale)
                                           for p in trained))
     med = {k: statistics.median(v) for k, v in samples.items()}
     floor = med["fp32 fwd+bwd"] + med["fp16 fwd+bwd"] + med["bf16 fwd+bwd"]
+    # the model's own passes in the forensic pass: fp32, fp16 and bf16 forward + backward, and the fp16 backward at
+    # scale 1 where it runs; the rest ("own") is the doctor's instruments, reruns and tables
+    forensic_floor = floor + (med["fp16 bwd"] if at_1 else 0.0)
     confirmation = med["examine confirmed"] - med["examine"]
     return {"seconds": med, "ratio": med["examine"] / med["fp32 fwd+bwd"], "hardware_floor": floor,
-            "over_floor": med["examine"] / floor, "steps": steps, "trained": trained,
+            "over_floor": med["examine"] / floor, "backward_at_1": at_1, "forensic_floor": forensic_floor,
+            "own": med["examine"] - forensic_floor, "own_over_fp32": (med["examine"] - forensic_floor) / med["fp32 fwd+bwd"],
+            "steps": steps, "trained": trained,
             "confirmation": confirmation, "confirmation_over_plain_steps": confirmation / med["plain steps"]}
 
 
@@ -280,6 +302,9 @@ def main() -> None:
               f"ms); examine fp16+bf16 {s['examine'] * 1e3:.0f} ms = {t['ratio']:.1f}x fp32 fwd+bwd "
               + (f"(goal <= {GOAL:g}x: {'met' if t['ratio'] <= GOAL else 'missed'})" if big else
                  "(step < 5 ms: fixed overhead)") + f", {t['over_floor']:.2f}x the floor")
+        print(f"{name}: the model's own passes in it {t['forensic_floor'] * 1e3:.0f} ms (fp16 backward at scale 1 "
+              f"{'included' if t['backward_at_1'] else 'not run'}): the doctor's own work {t['own'] * 1e3:.0f} ms = "
+              f"{t['own_over_fp32']:.1f}x fp32 fwd+bwd")
         print(f"{name}: confirmation over {t['steps']} steps of {', '.join(t['trained'])}: {t['confirmation'] * 1e3:.0f} ms"
               f" = {t['confirmation_over_plain_steps']:.2f}x the plain steps it runs ({s['plain steps'] * 1e3:.0f} ms; "
               f"goal <= {CONFIRM_GOAL:g}x); default examine {s['examine confirmed'] * 1e3:.0f} ms")

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from .. import _args, formats
 from ..scaling import range_counts
-from .capture import Context, fresh_copy, scalar_loss
+from .calls import fresh_copy, scalar_loss
+from .passes import Context
 from .verdict import _FieldMapping
 
 _LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats

@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from .. import _args, formats
 from ..policy import apply_policy, remove_policy
-from .capture import Context, call, fresh_copy, scalar_loss
+from .calls import call, fresh_copy, scalar_loss
+from .passes import Context
 from .verdict import Confirmation, Decision, _rank
 
 __all__ = ["confirm", "departure", "loss_tolerance", "LOSS_DEPARTS", "DEFAULT_LR"]

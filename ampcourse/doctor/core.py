@@ -16,8 +16,9 @@ from .. import inputs as _inputs
 from ..device import AmpSetup, pick
 from . import rules
 from .audit import audit
-from .capture import (Context, PassFailed, PassResult, Snapshot, autocast_pass, check_inputs,
-                      gradient_pass, reference_pass, resolve_device, to_device)
+from .calls import check_inputs, resolve_device, to_device
+from .passes import Context, PassFailed, PassResult, autocast_pass, gradient_pass, reference_pass
+from .snapshot import Snapshot
 from . import confirm
 from .report import Finding, Report, _sort_key, quoted
 from .rules import MAX_ISLANDS, Evidence

@@ -49,6 +49,7 @@ class Log2Hist:
         self._max = 0.0
         self._frozen: tuple[np.ndarray, int, int, int, float] | None = None
         self._cum: np.ndarray | None = None  # counts below each (binade, Q), in table order: counts() in O(1)
+        self._min: float | None = None  # min, since the last add
         self._counts: dict[tuple[float, str], dict[str, int]] = {}  # counts() per (scale, fmt) since the last add
 
     @property
@@ -64,22 +65,27 @@ class Log2Hist:
         counter.add(t, [self], cap)
         counter.flush()
 
-    @classmethod
-    def _fast_index(cls, values: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
-        """_bin_index for normal numbers, zeros, infs and NaNs, from float32 values seen as int32, in cheap integer
-        ops written into the four rows of work (no compares, no where, no allocation); returns one of those rows.
+    #: _fast_index's layout: value i of a flush lands at 14 * e + 150 - Q (e its exponent field, 0..255), so a table
+    #: row of 14 bins per exponent, Q reversed, starting at bin _I0; each queued entry gets its own _K bins.
+    _I0 = 137
+    _K = 256 * (QMAX + 1)
 
-        Zeros and fp32 subnormals (exponent field 0) land in the row of binade -127: zeros at Q 0, subnormals at Q >= 1,
-        which _Counter.flush() checks on the host (an fp32 subnormal is rare: it then recounts with _bin_index).
+    @classmethod
+    def _fast_index(cls, bits: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+        """The bin of each |x| (float32 bits as int32, sign cleared) in 7 cheap in-place ops written into the rows r1
+        and r2 (no compares, no where, no allocation); returns r2: 14 * e + 150 - Q, e the exponent field.
+
+        Q = 1 + leading ones of the fraction (capped at QMAX), 0 for a power of two, read off the float32 exponent of
+        c = fraction ^ 0x7FFFFF, whose bit length is 23 - leading ones: Q = 150 - (bits(float(c + 0.75)) >> 23),
+        capped. The 0.75 is exact for every c below 2**22 and rounds (to even) into c + 1 above, which moves the
+        exponent only for c = 2**23 - 1: a power of two (fraction 0) gets Q 0 with no test of its own.
+        Zeros and fp32 subnormals (exponent field 0) land at e 0: zeros at Q 0, subnormals at Q >= 1, which
+        _Counter.flush() checks on the host (an fp32 subnormal is rare: it then recounts with _bin_index).
         """
-        bits, frac, nz, q = work
-        torch.bitwise_and(values, 0x7FFFFFFF, out=bits)
-        torch.bitwise_and(bits, 0x7FFFFF, out=frac)
-        torch.add(frac, 0x7FFFFF, out=nz).bitwise_right_shift_(23)  # 0 iff frac == 0 (a power of two: Q 0), else 1
-        # Q = 1 + leading ones of the fraction = 24 - bit length of its complement (read off a float's exponent).
-        q.view(torch.float32).copy_(frac.bitwise_xor_(0x7FFFFF))
-        q.bitwise_right_shift_(23).neg_().add_(150).clamp_(max=cls.QMAX).mul_(nz)
-        return q.add_(bits.bitwise_right_shift_(23).add_(cls._ROW0).mul_(cls.QMAX + 1))
+        torch.bitwise_and(bits, 0x7FFFFF, out=r1).bitwise_xor_(0x7FFFFF)  # c: the fraction's complement
+        torch.add(r1, 0.75, out=r2.view(torch.float32))  # float32 arithmetic: c exact (< 2**24), then one rounding
+        r2.bitwise_right_shift_(23).clamp_(min=150 - cls.QMAX)  # 150 - Q
+        return r2.add_(torch.bitwise_right_shift(bits, 23, out=r1), alpha=cls.QMAX + 1)
 
     @classmethod
     def _bin_index(cls, bits: torch.Tensor) -> torch.Tensor:
@@ -102,7 +108,7 @@ class Log2Hist:
         self._n += n
         self._max = max(self._max, top)
         self._nonfinite += nonfinite
-        self._frozen, self._cum, self._counts = None, None, {}
+        self._frozen, self._cum, self._counts, self._min = None, None, {}, None
 
     def merge(self, other: Log2Hist) -> Log2Hist:
         """A new histogram holding the counts of both."""
@@ -166,8 +172,10 @@ class Log2Hist:
     @property
     def min(self) -> float:
         """The lower edge of the smallest occupied binade (0.0 if none)."""
-        nz = np.flatnonzero(self._values()[0].sum(1))
-        return math.ldexp(1.0, int(nz[0]) + self.LO) if nz.size else 0.0
+        if self._min is None:  # kept until the next add (the module table asks for it per module)
+            nz = np.flatnonzero(self._values()[0].sum(1))
+            self._min = math.ldexp(1.0, int(nz[0]) + self.LO) if nz.size else 0.0
+        return self._min
 
     def _below(self, t: float, goes_up: bool, shift: int) -> int:
         """How many values x have x * 2**shift below t (x * 2**shift == t included when t rounds down)."""
@@ -249,19 +257,23 @@ class _Entry:
 
 
 class _Counter:
-    """Histogram counting, batched: per tensor only its max (and inf/NaN count) is taken when it is queued, and its
-    values (or COUNT_CAP of them) are copied into one reusable buffer; flush() bins the buffer in a few in-place integer
-    ops and one bincount, read back with the queued maxima (on CUDA: two host syncs per flush, not one per tensor).
+    """Histogram counting, batched: each queued tensor's |x| float32 bits (or COUNT_CAP of them) go into one reusable
+    buffer as it is queued (its sign cleared in the same pass as the copy) with one int32 max; flush() bins the buffer
+    in a few in-place integer ops and one bincount, read back once with the queued maxima (on CUDA: two host syncs per
+    flush, not one per tensor). A tensor's max and its inf/NaN count come from those bits (every value is there) or,
+    for a capped tensor, from the tensor itself.
 
     Per-tensor small ops, host reads (a sync on CUDA) and fresh allocations (page faults on a CPU), not the counting
     itself, dominated the doctor's time on small models (benchmarks/README.md, "AMP doctor cost"). At most LIMIT
-    values wait: memory stays bounded (five buffers of LIMIT int32, about 2.5 MiB).
+    values wait: memory stays bounded (three rows of LIMIT int32, 3 MiB; fewer, longer flushes measured faster in
+    the doctor's passes than L2-sized ones, whose fixed cost per flush then dominates).
     """
 
-    LIMIT = 2**17
+    LIMIT = 2**18
+    _NONFINITE = 0x7F800000  # |x| bits at or above it: inf or NaN
 
     def __init__(self) -> None:
-        self._work: torch.Tensor | None = None  # 5 x size int32: the values, then four scratch rows for flush()
+        self._work: torch.Tensor | None = None  # 3 x size int32: the |x| bits, then two scratch rows for flush()
         self._reset()
 
     def _reset(self) -> None:
@@ -269,15 +281,17 @@ class _Counter:
         self.spans: list[tuple[int, int]] = []  # (offset, length) of each entry's values in the buffer
         self.steps: list[int] = []  # each binned value stands for this many
         self.numels: list[int] = []
-        self.tops: list[float | torch.Tensor] = []  # max |finite x|: a float where already read, else a 0-dim tensor
-        self.nonfinite: list[int | torch.Tensor] = []
+        #: max |finite x| (a float, or a 0-dim tensor not read yet); for an uncapped entry, the max of its bits (a
+        #: 0-dim int32 tensor), finished at the flush
+        self.tops: list[float | torch.Tensor] = []
+        self.nonfinite: list[int | torch.Tensor | None] = []  # None: read off the entry's bins (every value counted)
         self.entries: list[_Entry] = []
         self.pending = 0
 
     def _buffer(self, size: int, dev: torch.device) -> torch.Tensor:
         """The work buffer, at least size values per row, on dev (kept between flushes: no fresh pages each time)."""
         if self._work is None or self._work.shape[1] < size or self._work.device != dev:
-            self._work = torch.empty(5, max(size, self.LIMIT), dtype=torch.int32, device=dev)
+            self._work = torch.empty(3, max(size, self.LIMIT), dtype=torch.int32, device=dev)
         return self._work
 
     def add(self, t: torch.Tensor, targets: list[Log2Hist], cap: int | None = None) -> _Entry | None:
@@ -288,8 +302,22 @@ class _Counter:
         if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             a = a.float()  # float64 is counted as float32 (out-of-range values become inf); fp16/bf16 widen exactly
         n = a.numel()
+        step = max(1, -(-n // cap)) if cap else 1
+        m = -(-n // step)
+        if self.entries and (self.pending + m > self.LIMIT or self._work.device != a.device):
+            self.flush()
+        # Copied now: the model may still change the tensor in place (a residual's +=) before the flush.
+        row = self._buffer(self.pending + m, a.device)[0, self.pending:self.pending + m]
+        part = a[::step] if step > 1 else a
+        if part.dtype == torch.float32:
+            torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=row)
+        else:
+            row.view(torch.float32).copy_(part)
+            row.bitwise_and_(0x7FFFFFFF)
         if n == 0:
             top, nonfinite = 0.0, 0
+        elif step == 1:  # every value is in the buffer: the max of the bits, the inf/NaN count from the bins
+            top, nonfinite = row.max(), None
         else:
             top = _abs_max(a)  # inf or NaN if any value is
             if a.device.type == "cpu" and math.isfinite(top := float(top)):  # all finite (a read-back is free on a CPU)
@@ -298,12 +326,6 @@ class _Counter:
                 finite = torch.isfinite(a)
                 top = torch.where(finite, a.abs(), 0).max().float()
                 nonfinite = n - finite.sum()
-        step = max(1, -(-n // cap)) if cap else 1
-        m = -(-n // step)
-        if self.entries and (self.pending + m > self.LIMIT or self._work.device != a.device):
-            self.flush()
-        # Copied now (as float32): the model may still change the tensor in place (a residual's +=) before the flush.
-        self._buffer(self.pending + m, a.device)[0, self.pending:self.pending + m].view(torch.float32).copy_(a[::step])
         entry = _Entry(targets)
         self.spans.append((self.pending, m))
         self.steps.append(step)
@@ -320,30 +342,50 @@ class _Counter:
         """Bin every queued tensor and add the counts to their histograms: one bincount, read back once."""
         if not self.entries:
             return
-        nb, nq, n = Log2Hist._NB, Log2Hist.QMAX + 1, self.pending
+        nq, n, e = Log2Hist.QMAX + 1, self.pending, len(self.entries)
         w = self._work[:, :n]
-        idx = Log2Hist._fast_index(w[0], w[1:])
-        for i, (start, length) in enumerate(self.spans[1:], 1):  # entry i counts into table i
-            idx[start:start + length].add_(i * nb)
-        bins = torch.bincount(idx, minlength=len(self.entries) * nb).view(len(self.entries), nb)
-        lazy = [i for i, v in enumerate(self.tops) if isinstance(v, torch.Tensor)]
+        idx = Log2Hist._fast_index(w[0], w[1], w[2])
+        k = Log2Hist._K
+        for i, (start, length) in enumerate(self.spans[1:], 1):  # entry i counts into bins i * _K onwards
+            if length:
+                idx[start:start + length].add_(i * k)
+        bins = torch.bincount(idx, minlength=e * k + Log2Hist._I0)
         tops, nonfinite = list(self.tops), list(self.nonfinite)
-        if lazy:
+        mine = [i for i, v in enumerate(nonfinite) if v is None]  # uncapped: the max of their bits, read at once
+        if mine:
+            for i, m in zip(mine, torch.stack([self.tops[i] for i in mine]).cpu().tolist()):
+                tops[i] = m
+        lazy = [i for i, v in enumerate(self.tops) if isinstance(v, torch.Tensor) and nonfinite[i] is not None]
+        if lazy:  # capped, off a CPU: the max and inf/NaN count taken when queued, read now
             read = torch.stack([torch.stack([self.tops[i].double(), torch.as_tensor(self.nonfinite[i]).double()])
                                 for i in lazy]).cpu().tolist()
             for i, (m, nf) in zip(lazy, read):
                 tops[i], nonfinite[i] = m, int(nf)
-        table = bins.cpu().numpy()
-        sub_row = Log2Hist._ROW0 * nq  # the row of binade -127, where the fast index puts exponent field 0
-        for i, (start, length) in enumerate(self.spans):
-            if table[i, sub_row + 1:sub_row + nq].any():  # fp32 subnormals: count this tensor exactly
-                bits = w[0, start:start + length] & 0x7FFFFFFF
-                table[i] = torch.bincount(Log2Hist._bin_index(bits), minlength=nb).cpu().numpy()
-            else:  # what the fast index put at (binade -127, Q 0) are the zeros: row 0
-                table[i, 0], table[i, sub_row] = table[i, sub_row], 0
-        table *= np.asarray(self.steps, dtype=table.dtype)[:, None]
+        # bins 14 * exponent + 150 - Q: per entry a (256 exponents x 14 Q) block, Q reversed; rows ROW0.. of the table
+        got = bins[Log2Hist._I0:Log2Hist._I0 + e * k].cpu().numpy().reshape(e, 256, nq)[:, :, ::-1]
+        table = np.zeros((e, Log2Hist._ROWS, nq), np.int64)
+        r0 = Log2Hist._ROW0
+        table[:, r0:] = got
+        sub = table[:, r0, 1:].any(axis=1)  # exponent field 0 beyond Q 0: fp32 subnormals
+        for i in np.flatnonzero(sub):  # count this tensor exactly
+            start, length = self.spans[i]
+            table[i] = torch.bincount(Log2Hist._bin_index(w[0, start:start + length]),
+                                      minlength=Log2Hist._NB).cpu().numpy().reshape(Log2Hist._ROWS, nq)
+        plain = ~sub if sub.any() else slice(None)
+        table[plain, 0, 0] = table[plain, r0, 0]  # otherwise what landed at (exponent 0, Q 0) are the zeros: row 0
+        table[plain, r0, 0] = 0
+        if mine:  # uncapped: every value is counted, and tops[i] is the max of its bits
+            for i, nf in zip(mine, table[mine, -1].sum(axis=1).tolist()):
+                nonfinite[i], top = nf, tops[i]
+                if top >= self._NONFINITE:  # the largest finite value, without the infs/NaNs
+                    start, length = self.spans[i]
+                    s = w[0, start:start + length]
+                    top = int(torch.where(s < self._NONFINITE, s, 0).max())
+                tops[i] = float(np.array(top, np.int32).view(np.float32))
+        if any(st > 1 for st in self.steps):
+            table *= np.asarray(self.steps, dtype=table.dtype)[:, None, None]
         for i, entry in enumerate(self.entries):
-            entry.result = (table[i], self.numels[i], float(tops[i]), int(nonfinite[i]))
+            entry.result = (table[i].reshape(-1), self.numels[i], float(tops[i]), int(nonfinite[i]))
             for h in entry.targets:
                 h._add_counts(*entry.result)
         self._reset()

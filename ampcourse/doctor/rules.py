@@ -18,13 +18,14 @@ import torch
 from .. import formats
 from ..scaling import zone_thresholds
 from .audit import BLOWUP_RATIO, LOST_WARN, second_moment_threshold  # noqa: F401 (thresholds live there)
-from .capture import Context, OpEvent, PassResult
 from .hist import Log2Hist
+from .passes import Context, PassResult
 from .report import Finding, quoted
 from .vocab import Quoted
+from .watch import OpEvent
 
 #: A module's own relative error under autocast (a leaf's output against the same module rerun in fp32 on the same,
-#: already-rounded inputs; a non-leaf module's with its children exact, see capture.Tracker._inline_error) that counts
+#: already-rounded inputs; a non-leaf module's with its children exact, see watch.Tracker._inline_error) that counts
 #: as precision loss: 8 eps (fp16 ~0.8%, bf16 ~6%). eps is the format's spacing at
 #: 1 (2**-10, 2**-7); the rounding unit is u = eps/2. Calibration, measured by tests/doctor/test_doctor.py::
 #: test_rel_tol_is_calibrated_on_linear_layers: an nn.Linear's own error is 0.2-0.4 eps in both formats (the output
@@ -109,7 +110,7 @@ def own_tolerance(res: PassResult, module: str) -> float:
 
 def lossy_modules(ctx: Context, res: PassResult) -> list[str]:
     """Modules whose own relative error exceeds their tolerance (not counting inf/NaN ones): a leaf's, or a non-leaf
-    module's inline code (measured with its children exact, see capture.Tracker._inline_error)."""
+    module's inline code (measured with its children exact, see watch.Tracker._inline_error)."""
     p = res.precision
     return [n for n in ctx.order if res.records[n].nonfinite.get(p, 0) == 0
             and res.records[n].local_error.get(p, 0.0) > own_tolerance(res, n)]

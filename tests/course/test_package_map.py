@@ -83,6 +83,31 @@ def test_checkpoint_and_the_scaler_settings_do_not_climb():
     assert graph["ampcourse._scaler"] == {"ampcourse._args"}
 
 
+#: ampcourse.doctor's passes, split along their sections (issue 31): each file imports only the floors below it
+#: (and the histograms); the module hooks and the op watcher call each other, so they share one floor (watch).
+DOCTOR_FLOORS = {
+    "ampcourse.doctor.calls": set(),
+    "ampcourse.doctor.snapshot": set(),
+    "ampcourse.doctor.watch": {"ampcourse.doctor.calls"},
+    "ampcourse.doctor.passes": {"ampcourse.doctor.calls", "ampcourse.doctor.snapshot", "ampcourse.doctor.watch"},
+}
+
+
+def test_the_doctors_passes_are_a_stack_of_floors():
+    graph = _imports()
+    for name, below in DOCTOR_FLOORS.items():
+        climbing = {d for d in graph[name] if d.startswith("ampcourse.doctor.") and d not in below
+                    and d != "ampcourse.doctor.hist"}
+        assert not climbing, f"{name} imports {sorted(climbing)}"
+    assert "ampcourse.doctor.capture" not in graph  # split into the four above: nothing imports it
+
+
+def test_no_doctor_file_passes_900_lines():
+    long = {p.name: n for p in (ROOT / "ampcourse" / "doctor").glob("*.py")
+            if (n := p.read_text().count("\n")) > 900}
+    assert not long, f"split these along their sections: {long}"
+
+
 CONCEPT_MODULES = ("formats", "fp8", "policy", "memory", "autocast_ops", "device", "models", "scaling", "bench", "plots",
                    "optim", "reduce_sim", "emulate", "trial", "course", "distributed")
 

@@ -435,10 +435,10 @@ def test_value_selecting_modules_report_the_error_a_rerun_measures():
 
 def _fp16_context(model, x, y):
     """A Context with the fp32 reference run, as examine() builds it."""
-    from ampcourse.doctor import capture
-    snap = capture.Snapshot.take(model, None)
-    ctx = capture.Context(model, model, x, y, F.cross_entropy, torch.device("cpu"), snap)
-    ctx.ref_loss = capture.reference_pass(ctx)
+    from ampcourse.doctor import passes, snapshot
+    snap = snapshot.Snapshot.take(model, None)
+    ctx = passes.Context(model, model, x, y, F.cross_entropy, torch.device("cpu"), snap)
+    ctx.ref_loss = passes.reference_pass(ctx)
     return ctx, snap
 
 
@@ -446,16 +446,16 @@ def test_backward_at_scale_1_off_the_verdict_pass_equals_a_separate_gradient_pas
     """The fp16 pass's extra unwatched backward at scale 1 (same forward graph) gives what a second, plain forward +
     backward at scale 1 gives, parameter by parameter, and the scaled backward's figures are unchanged by it."""
     from ampcourse.device import pick
-    from ampcourse.doctor import capture
+    from ampcourse.doctor import passes
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.1), nn.GELU(), nn.Linear(64, 4))
     x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
     ctx, snap = _fp16_context(model, x, y)
     amp = pick(torch.device("cpu"), "fp16")
     try:
-        with_1 = capture.autocast_pass(ctx, amp, scale=2.0**10, at_1=True)
-        alone = capture.autocast_pass(ctx, amp, scale=2.0**10)
-        at_1 = capture.gradient_pass(ctx, amp, [], 1.0)
+        with_1 = passes.autocast_pass(ctx, amp, scale=2.0**10, at_1=True)
+        alone = passes.autocast_pass(ctx, amp, scale=2.0**10)
+        at_1 = passes.gradient_pass(ctx, amp, [], 1.0)
     finally:
         snap.restore(model)
     assert with_1.grads_at_1 is not None and alone.grads_at_1 is None
@@ -465,7 +465,7 @@ def test_backward_at_scale_1_off_the_verdict_pass_equals_a_separate_gradient_pas
 
 def test_compare_grads_batched_matches_the_per_parameter_definition():
     """error, flushed share, inf/NaN count and live count, batched over parameters, as defined one by one."""
-    from ampcourse.doctor import capture
+    from ampcourse.doctor import passes
     ctx, _ = _fp16_context(nn.Linear(4, 3), torch.randn(8, 4), torch.randint(0, 3, (8,)))
     ref = {"a": torch.tensor([1.0, -2.0, 0.0, 3e-8]), "b": torch.tensor([0.5, 0.25]), "c": torch.tensor([1.0, 2.0])}
     got = {"a": torch.tensor([1.0, 0.0, 0.0, 0.0]), "b": torch.tensor([0.5, 0.25]),
@@ -476,7 +476,7 @@ def test_compare_grads_batched_matches_the_per_parameter_definition():
         p = nn.Parameter(torch.zeros_like(g))
         p.grad = g * 4.0  # the backward ran at scale 4
         params.append((n, p))
-    out = capture._compare_grads(ctx, params, 4.0)
+    out = passes._compare_grads(ctx, params, 4.0)
     for n in ref:
         r, g = ref[n].double(), got[n].double()
         live = int((r != 0).sum())
@@ -485,11 +485,11 @@ def test_compare_grads_batched_matches_the_per_parameter_definition():
         assert out[n]["nonfinite"] == int((~torch.isfinite(g)).sum())
         want = math.inf if out[n]["nonfinite"] else float((g - r).norm() / r.norm())
         assert out[n]["error"] == pytest.approx(want, rel=1e-6)
-    assert capture._compare_grads(ctx, params, 4.0) == out  # the cached fp32 side gives the same the second time
+    assert passes._compare_grads(ctx, params, 4.0) == out  # the cached fp32 side gives the same the second time
 
 
 def test_rel_error_in_float32_agrees_with_float64_and_falls_back_past_float32s_range():
-    from ampcourse.doctor.capture import rel_error
+    from ampcourse.doctor.calls import rel_error
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(5000, generator=g)
     got = (ref + 1e-3 * torch.randn(5000, generator=g)).half()
@@ -503,7 +503,7 @@ def test_rel_error_in_float32_agrees_with_float64_and_falls_back_past_float32s_r
 def test_uninitialised_memory_is_not_an_inf_nan_a_pass_has_seen():
     """An empty_like whose garbage bits read as NaN (dropout allocates its mask so) does not make the watcher count
     every later module output as possibly inf/NaN; a real inf does, and is an origin."""
-    from ampcourse.doctor import capture
+    from ampcourse.doctor import watch as watch_module
 
     class GarbageEmptyLike:  # aten::empty_like whose memory happens to hold NaN bit patterns
         _schema = torch.ops.aten.empty_like.default._schema
@@ -511,8 +511,8 @@ def test_uninitialised_memory_is_not_an_inf_nan_a_pass_has_seen():
         def __call__(self, t):
             return torch.full_like(t, math.nan)
 
-    tracker = capture.Tracker(nn.Identity(), {}, [], "fp16", torch.device("cpu"))
-    watch = capture.OpWatch(tracker)
+    tracker = watch_module.Tracker(nn.Identity(), {}, [], "fp16", torch.device("cpu"))
+    watch = watch_module.OpWatch(tracker)
     out = watch.__torch_dispatch__(GarbageEmptyLike(), (), (torch.zeros(4),))
     assert out.isnan().all() and not watch.seen_nonfinite and not watch.origins
     with watch:

@@ -289,7 +289,7 @@ def test_inline_code_of_the_model_itself_is_pinned_on_the_model():
 
 def test_a_child_that_cannot_be_wrapped_leaves_every_other_child_as_it_was(monkeypatch):
     """If wrapping a child's forward fails half-way, the children wrapped so far get their own forward back."""
-    from ampcourse.doctor import capture
+    from ampcourse.doctor import watch
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].__dict__["forward"] = own = model[1].forward  # an instance forward of the caller's, kept as it is
@@ -302,7 +302,7 @@ def test_a_child_that_cannot_be_wrapped_leaves_every_other_child_as_it_was(monke
 
     kids = [("0", model[0]), ("1", model[1]), ("2", Refuses())]
     with pytest.raises(AttributeError, match="refuses a new forward"):
-        with capture._exact_children(kids, {}, "cpu"):
+        with watch._exact_children(kids, {}, "cpu"):
             pass
     assert "forward" not in model[0].__dict__ and model[1].__dict__["forward"] is own
 

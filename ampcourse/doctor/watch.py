@@ -1,4 +1,4 @@
-"""Capture: run the model forward and backward, and record what every module call and every aten op did.
+"""What a pass records: what every module call and every aten op did, forward and backward.
 
 Two instruments, both removed when a pass ends:
 
@@ -15,9 +15,8 @@ output values (to compare a precision's outputs with fp32's, call by call), and 
 autocast, what its children do not explain: for a leaf, its output against the module rerun in fp32 on the same
 inputs; for a non-leaf module whose inline code ran fp16/bf16 compute ops (the op watcher counts them per call; a
 container that only calls its children is not rerun), its output rerun under autocast with every descendant exact
-(fp32 inside, outputs handed back in the dtypes autocast gave them) against its fp32 rerun. Every pass starts from
-cloned inputs and the caller's torch, CUDA, Python and NumPy RNG states, so passes see the same data and dropout
-masks.
+(fp32 inside, outputs handed back in the dtypes autocast gave them) against its fp32 rerun. The passes that run
+these instruments are in :mod:`.passes`.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import math
 import random
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,18 +37,15 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .. import _args, formats
-from ..device import AmpSetup, pick
-from ..models import data_errors
-from ..policy import apply_policy, policy_of, remove_policy
+from .. import _args
+from ..formats import AUTOCAST_DTYPES as _LOW
+from .calls import _sum_finite, copy_as, count_nonfinite, float_tensors, fresh_copy, is_leaf, rel_error, sample
 from .hist import COUNT_CAP, Log2Hist, _abs_max, _Counter
 
-_SAMPLE = 1024  # output values per module call kept to compare a precision's outputs with fp32
 #: Modules whose output only selects or rearranges input values: rerun in fp32 on the same inputs (converted exactly),
 #: they return the same values, so their own error is 0 (or inf with an inf/NaN) without running them again.
 _EXACT = frozenset({nn.Identity, nn.Flatten, nn.Unflatten, nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d})
 _TAG = "ampcourse.doctor"  # key of the (module, call) tag in an autograd node's metadata
-_LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
 #: Ops whose output is uninitialised memory or a fill value: never the origin of an inf/NaN.
 #: Ops that move or cast values without computing new ones: inline code made of these alone has no own error worth a
 #: rerun (autocast's own casts, aten::_to_copy, are attributed to the module whose op autocast lowers).
@@ -64,219 +60,6 @@ _UNINITIALISED = frozenset(("empty", "new_empty", "empty_like", "empty_strided")
 _NO_ORIGIN = ("empty", "new_empty", "empty_like", "empty_strided", "full", "full_like", "fill", "scalar_tensor",
               "lift_fresh", "detach", "alias")
 
-
-# -- argument checks and calling the model -------------------------------------------------------------------
-
-def check_inputs(inputs) -> None:
-    """TypeError unless inputs is a tensor, a tuple (positional arguments) or a dict (keyword arguments)."""
-    if isinstance(inputs, (torch.Tensor, tuple)):
-        return
-    if isinstance(inputs, Mapping) and all(isinstance(k, str) for k in inputs):
-        return
-    raise TypeError(f"inputs must be a tensor, a tuple of tensors (positional arguments) or a dict with str keys "
-                    f"(keyword arguments), got {type(inputs).__name__}")
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter or buffer (cpu for a model without either)."""
-    t = next(iter(model.parameters()), None)
-    if t is None:
-        t = next(iter(model.buffers()), None)
-    return t.device if t is not None else torch.device("cpu")
-
-
-def resolve_device(model: nn.Module, device) -> torch.device:
-    """The device to examine on: the model's own, which device= (if given) must name."""
-    here = model_device(model)
-    if device is None:
-        return here
-    dev = pick(device, "fp32").device  # validates the name and that CUDA exists
-    if dev.type != here.type or (dev.index is not None and here.index is not None and dev.index != here.index):
-        raise ValueError(f"device={str(device)!r} but the model is on {here}: move it first "
-                         f"(model.to({str(dev)!r})) or leave device=None")
-    return here
-
-
-def to_device(obj, dev: torch.device):
-    """Tensors in a (nested) tuple, list or dict, detached (backward must not reach the caller's) and on dev."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to(dev)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(o, dev) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: to_device(v, dev) for k, v in obj.items()}
-    return obj
-
-
-def fresh_copy(obj, dtype: torch.dtype | None = None):
-    """A clone of every tensor in obj (floating ones in dtype, if given): each pass gets its own inputs, so a forward
-    that edits its input in place changes neither the caller's batch nor the next pass."""
-    if isinstance(obj, torch.Tensor):
-        if dtype is not None and obj.is_floating_point():
-            return obj.detach().to(dtype, copy=True)
-        return obj.detach().clone()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(fresh_copy(o, dtype) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: fresh_copy(v, dtype) for k, v in obj.items()}
-    return obj
-
-
-def call(model: nn.Module, inputs):
-    """model(inputs), model(*inputs) or model(**inputs)."""
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
-def scalar_loss(output, targets, loss_fn: Callable | None) -> torch.Tensor:
-    """The scalar loss: loss_fn(output, targets), else the output itself or its .loss / ['loss']."""
-    if loss_fn is None:
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, Mapping):
-            loss = output.get("loss")
-        if loss is None:
-            loss = output
-    else:
-        loss = loss_fn(output) if targets is None else loss_fn(output, targets)
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
-        what = f"a {tuple(loss.shape)} {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"the loss must be a one-element floating-point tensor, got {what}: with loss_fn=None the "
-                         "model must return a scalar loss or an output with .loss (pass labels in inputs); "
-                         "otherwise pass loss_fn=")
-    return loss.reshape(())
-
-
-def first_tensor(inputs):
-    """The first tensor of inputs (for error messages)."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs
-    values = inputs.values() if isinstance(inputs, Mapping) else inputs
-    return next((v for v in values if isinstance(v, torch.Tensor)), inputs)
-
-
-def float_tensors(obj) -> Iterator[torch.Tensor]:
-    """Every floating-point tensor in a module's output (tensor, tuple, list, dict or ModelOutput)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from float_tensors(o)
-    elif isinstance(obj, Mapping):
-        for o in obj.values():
-            yield from float_tensors(o)
-
-
-def is_leaf(module: nn.Module) -> bool:
-    """No child modules: its forward is the math the doctor can rerun on its own."""
-    return next(module.children(), None) is None
-
-
-def sample(t: torch.Tensor) -> torch.Tensor:
-    """Up to _SAMPLE evenly spaced values of t, as float32 (the same positions in every pass)."""
-    flat = t.detach().reshape(-1)
-    step = max(1, flat.numel() // _SAMPLE)
-    return flat[::step][:_SAMPLE].float()
-
-
-def count_nonfinite(t: torch.Tensor) -> int:
-    """How many values of t are inf or NaN (a finite float32 sum first, one reduction; the max |x| next: a bool mask
-    only when one is there)."""
-    if t.numel() == 0 or _sum_finite(t) or math.isfinite(float(_abs_max(t.detach()))):
-        return 0
-    return int((~torch.isfinite(t)).sum())
-
-
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """||got - ref|| / ||ref|| (0 when both are 0, inf when got is not finite or ref is 0): the norms in float32, a
-    quarter of float64's cost on a CPU (its copies, not its arithmetic, cost the time), and again in float64 when a
-    float32 norm is not finite (an inf/NaN, or finite values whose squares pass float32's range)."""
-    got, ref = (t.detach().reshape(-1) for t in (got, ref))
-    got, ref = (t.float() if t.dtype == torch.float64 else t for t in (got, ref))  # compared as float32 values
-    if got.shape != ref.shape:
-        return math.inf
-    num = float(torch.linalg.vector_norm(got.float() - ref.float()))
-    den = float(torch.linalg.vector_norm(ref.float()))
-    if not (math.isfinite(num) and math.isfinite(den)):
-        num = float(torch.linalg.vector_norm(got.double().sub_(ref)))
-        den = float(torch.linalg.vector_norm(ref, dtype=torch.float64))
-    if not math.isfinite(num) and (math.isfinite(den) or not bool(torch.isfinite(got).all())):
-        return math.inf
-    if den == 0:
-        return 0.0 if num == 0 else math.inf
-    return num / den
-
-
-def copy_as(obj, dtype: torch.dtype):
-    """Fresh copies in dtype of the floating tensors in obj (a rerun must not write into the real activations)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to(dtype, copy=True) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(copy_as(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: copy_as(v, dtype) for k, v in obj.items()}
-    return obj
-
-
-# -- saving and restoring everything examine() could touch ---------------------------------------------------
-
-@dataclass
-class Snapshot:
-    """Gradients, buffers, training flags, the policy and the RNG streams, to restore after examining."""
-
-    grads: dict[int, tuple[torch.nn.Parameter, torch.Tensor | None]]
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]
-    training: list[tuple[nn.Module, bool]]
-    policy: dict[str, str]
-    cpu_rng: torch.Tensor
-    cuda_rng: list[torch.Tensor] | None
-    py_rng: object
-    np_rng: object
-
-    @classmethod
-    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Snapshot:
-        """Record the state (gradients by reference: nothing is copied but the buffers)."""
-        params = list(model.parameters())
-        if optimizer is not None:
-            params += [p for g in optimizer.param_groups for p in g["params"]]
-        grads = {id(p): (p, p.grad) for p in params}
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(grads, buffers, [(m, m.training) for m in model.modules()], policy_of(model), torch.get_rng_state(),
-                   cuda, random.getstate(), np.random.get_state())
-
-    def reset_rng(self) -> None:
-        """Put every RNG stream (torch CPU and CUDA, Python's random, NumPy's) back where the caller left them, so each
-        pass draws the same dropout masks and the same random numbers a forward may take from Python or NumPy."""
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        random.setstate(self.py_rng)
-        np.random.set_state(self.np_rng)
-
-    def reset_buffers(self) -> None:
-        """Buffers (BatchNorm's running statistics) as the caller left them: each pass starts from the same state."""
-        with torch.no_grad():
-            for b, saved in self.buffers:
-                b.copy_(saved)
-
-    def restore(self, model: nn.Module) -> None:
-        """Everything back as it was."""
-        for p, g in self.grads.values():
-            p.grad = g
-        self.reset_buffers()
-        for m, mode in self.training:
-            m.training = mode
-        remove_policy(model)
-        if self.policy:
-            apply_policy(model, self.policy)
-        self.reset_rng()
-
-
-# -- what a pass records ----------------------------------------------------------------------------------------
 
 @dataclass
 class ModuleRecord:
@@ -333,8 +116,9 @@ class OpEvent:
         return name + (" (inline in forward)" if self.inline and self.phase == "forward" else "")
 
 
+@functools.cache
 def _op_name(func) -> str:
-    """'aten::mul' for aten.mul.Tensor."""
+    """'aten::mul' for aten.mul.Tensor (once per op: the op watcher asks at every call)."""
     return func._schema.name if hasattr(func, "_schema") else str(func)
 
 
@@ -375,13 +159,6 @@ def _finite(x) -> bool:
     if isinstance(x, (list, tuple)):
         return all(_finite(v) for v in x)
     return True
-
-
-def _sum_finite(t: torch.Tensor) -> bool:
-    """Whether a non-empty floating tensor surely has no inf/NaN, in one reduction (an op watcher's test per op): its
-    float32 sum is finite. A non-finite sum may still come from finite values past float32's range: then the caller
-    looks again with the exact max."""
-    return math.isfinite(float(t.detach().sum(dtype=torch.float32)))
 
 
 def _input_max(args) -> float:
@@ -441,7 +218,10 @@ class OpWatch(TorchDispatchMode):
             raise
         if self.tracker.quiet or _is_view(func):
             return out
-        outs = [t for t in float_tensors(out) if t.numel()]
+        if isinstance(out, torch.Tensor):  # most ops: one tensor (no generator walk)
+            outs = [out] if out.is_floating_point() and out.numel() else []
+        else:
+            outs = [t for t in float_tensors(out) if t.numel()]
         if not outs:
             return out
         self.ops += 1
@@ -499,6 +279,8 @@ class Tracker:
         self.handles: list = []
         self.grad_handles: list = []  # tensor hooks: removed when the pass ends (a module may return a parameter)
         self.leaves: dict[str, bool] = {}
+        self.reruns: dict[str, bool] = {}  # module -> its own error is measured by an fp32 rerun (_reruns)
+        self.own_dtype: dict[str, torch.dtype] = {}  # module -> the dtype of its own parameters (a rerun's dtype)
         self.out_dtypes: dict[str, tuple[torch.dtype, ...]] = {}  # module -> its last call's floating output dtypes
         self.host_rng = True  # replay Python's and NumPy's streams in reruns (off when the model never draws on them)
 
@@ -508,6 +290,7 @@ class Tracker:
             self.leaves[name] = leaf
             if name not in self.records:
                 self.records[name] = ModuleRecord(name, leaf)
+            self.reruns[name] = self._reruns(module)
             self.handles.append(module.register_forward_pre_hook(self._pre(name, module), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True, always_call=True))
         return self
@@ -554,7 +337,7 @@ class Tracker:
             rec = self.records[name]
             self.stack.append((name, rec.calls))
             rec.calls += 1
-            if self.precision != "fp32" and (self._reruns(module) or not self.leaves[name]):
+            if self.precision != "fp32" and (self.reruns[name] or not self.leaves[name]):
                 # The inputs' versions too: a forward that edits its input in place leaves nothing to rerun it on.
                 # A non-leaf module handed a stateful object (a Hugging Face KV cache, which the call appends to)
                 # is rerun on a copy of that object as it was now, taken before the call changes it.
@@ -590,16 +373,10 @@ class Tracker:
             return None
         return hook
 
-    @contextlib.contextmanager
-    def measuring(self):
+    def measuring(self) -> _Measuring:
         """The doctor's own ops (histograms, fp32 reruns): off the op watcher's books, and outside every dispatch mode
         (a Python call per op would cost more than the measuring itself)."""
-        self.quiet += 1
-        try:
-            with _disable_current_modes():
-                yield
-        finally:
-            self.quiet -= 1
+        return _Measuring(self)
 
     def _reruns(self, module: nn.Module) -> bool:
         """Leaf modules whose own error is measured; not dropout (random by design) nor in-place ones."""
@@ -692,7 +469,10 @@ class Tracker:
         after = self._rng_state()
         self._set_rng_state(before)
         # Without autocast, in the dtype of the module's own parameters (fp32 normally; bf16 for a pure-bf16 model).
-        dtype = next((q.dtype for q in module.parameters(recurse=False) if q.is_floating_point()), torch.float32)
+        dtype = self.own_dtype.get(rec.name)
+        if dtype is None:
+            dtype = self.own_dtype[rec.name] = next((q.dtype for q in module.parameters(recurse=False)
+                                                     if q.is_floating_point()), torch.float32)
         self.busy = True
         try:
             with torch.no_grad(), torch.autocast(self.dev.type, enabled=False):
@@ -755,6 +535,67 @@ class Tracker:
             rec.inline_ops[p] = low_ops.errors(ref_ops)
 
 
+class _ModesOff:
+    """Every TorchDispatchMode off while inside, as torch's ``_disable_current_modes``, at a sixth of its cost (about
+    6 us against 39 us, paid at every module call of a watched pass): the modes are popped and pushed back through
+    torch's own stack calls. With a pre-dispatch mode (torch.export's tracing) or without those calls, it is torch's
+    context manager itself."""
+
+    __slots__ = ("modes", "inner")
+
+    def __enter__(self) -> _ModesOff:
+        self.inner = None
+        if _LEAN_MODES and not _pre_dispatch_modes():
+            self.modes = [_pop_mode() for _ in range(_len_modes())]
+        else:
+            self.inner = _disable_current_modes()
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.inner is not None:
+            self.inner.__exit__(*exc)
+            return
+        for mode in reversed(self.modes):
+            _push_mode(mode)
+
+
+_len_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_pop_mode = functools.partial(torch._C._pop_torch_dispatch_stack, None) if hasattr(
+    torch._C, "_pop_torch_dispatch_stack") else None
+_push_mode = getattr(torch._C, "_push_on_torch_dispatch_stack", None)
+try:
+    from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _pre_dispatch_modes
+except ImportError:  # an older torch: no pre-dispatch stack (then _LEAN_MODES decides alone)
+    _pre_dispatch_modes = lambda: 0  # noqa: E731
+_LEAN_MODES = None not in (_len_modes, _pop_mode, _push_mode)
+
+
+class _Measuring:
+    """Tracker.measuring(): the tracker quiet and every dispatch mode off while inside (a class: a generator-based
+    context manager costs more per module call)."""
+
+    __slots__ = ("tracker", "modes")
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def __enter__(self) -> None:
+        self.tracker.quiet += 1
+        self.modes = _ModesOff()
+        try:
+            self.modes.__enter__()
+        except BaseException:
+            self.tracker.quiet -= 1
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.modes.__exit__(*exc)
+        finally:
+            self.tracker.quiet -= 1
+
+
 class _InlineOps(TorchDispatchMode):
     """A sample of every op output a module's own forward computes (its children run outside this mode)."""
 
@@ -799,7 +640,7 @@ def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, 
                 return forward(*args, **kwargs)
             depth[0] += 1
             try:
-                with _disable_current_modes(), torch.autocast(device_type, enabled=False):
+                with _ModesOff(), torch.autocast(device_type, enabled=False):
                     out = forward(*copy_as(args, torch.float32), **copy_as(kwargs, torch.float32))
             finally:
                 depth[0] -= 1
@@ -909,318 +750,3 @@ def _cast_like(obj, dtypes: Iterator[torch.dtype]):
             out[k] = _cast_like(v, dtypes)
         return out
     return obj
-
-
-# -- the passes ------------------------------------------------------------------------------------------------
-
-@dataclass
-class Context:
-    """What every pass needs: the model (and its fp32 reference copy), its inputs and loss, the device, the snapshot."""
-
-    model: nn.Module
-    ref_model: nn.Module  # the model itself when it is fp32 (or float64), else an fp32 copy
-    inputs: Any
-    targets: Any
-    loss_fn: Callable | None
-    dev: torch.device
-    snapshot: Snapshot
-    records: dict[str, ModuleRecord] = field(default_factory=dict)
-    order: list[str] = field(default_factory=list)
-    param_grads: dict[str, Log2Hist] = field(default_factory=dict)
-    ref_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 gradients of the reference pass
-    ref_loss: float = math.nan
-    ref_watch: OpWatch | None = None
-    ref_layout: tuple | None = None  # _ref_layout's per-examine cache of what fp32's gradients alone determine
-    host_rng: bool = True  # the fp32 reference drew from Python's random or NumPy's global stream
-    overflow_at: float = 65504.0  # fp32 op outputs beyond this (fp16's max) are recorded by the reference op watch
-
-    def reference_watch(self) -> OpWatch:
-        """The op watcher's record of the fp32 reference, forward and backward. Run only when a precision made an
-        inf/NaN (to tell its origins from those fp32 has too, and to say what an overflowing op reaches in fp32):
-        a healthy model does not pay for a second reference pass."""
-        if self.ref_watch is None:
-            self.ref_watch = _reference_run(self, {}, [], True, keep=False)[1]
-        return self.ref_watch
-
-    def forward_loss(self, model: nn.Module, inputs, about_data: bool = True) -> torch.Tensor:
-        """One forward pass and the loss, with the model's own errors turned into a ValueError about the data (not
-        with about_data=False: under autocast, after the fp32 reference ran on the same data, the data is not it)."""
-        if not about_data:
-            return scalar_loss(call(model, inputs), self.targets, self.loss_fn)
-        targets = self.targets if isinstance(self.targets, torch.Tensor) else None
-        with data_errors(model, first_tensor(inputs), targets):
-            return scalar_loss(call(model, inputs), self.targets, self.loss_fn)
-
-
-def _float_dtype(model: nn.Module) -> torch.dtype | None:
-    """The floating dtype of the model's parameters when it is not float32 (float16, bfloat16, float64), else None."""
-    dts = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return None if not dts or dts == {torch.float32} else max(dts, key=lambda d: (d == torch.float64, d.itemsize))
-
-
-def reference_pass(ctx: Context, watch_ops: bool = False) -> float:
-    """fp32 forward + backward on the reference model: activation and gradient histograms; keeps the fp32 parameter
-    gradients; returns the loss. With watch_ops, the op watcher runs too (see Context.reference_watch)."""
-    loss, watch = _reference_run(ctx, ctx.records, ctx.order, watch_ops, keep=True)
-    # did the forward draw from Python's or NumPy's stream? (reset_rng put them at the caller's state first)
-    ctx.host_rng = random.getstate() != ctx.snapshot.py_rng or not _same_np_state(np.random.get_state(),
-                                                                                  ctx.snapshot.np_rng)
-    if watch is not None:
-        ctx.ref_watch = watch
-    return loss
-
-
-def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[str], watch_ops: bool,
-                   keep: bool) -> tuple[float, OpWatch | None]:
-    """One fp32 forward + backward of the reference model from the caller's RNG and buffers."""
-    ctx.snapshot.reset_rng()
-    ctx.snapshot.reset_buffers()
-    model = ctx.ref_model
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    saved = {id(p): p.grad for _, p in params}  # the reference may be the model itself: its .grad is the caller's
-    for _, p in params:
-        p.grad = None
-    low = _float_dtype(ctx.model)  # an fp16/bf16 model's batch is fp16/bf16 too: the fp32 copy takes it in fp32
-    inputs = fresh_copy(ctx.inputs, torch.float32 if low in _LOW else None)
-    tracker = Tracker(model, records, order, "fp32", ctx.dev, grads=True, tag=watch_ops)
-    watch = OpWatch(tracker, ctx.overflow_at) if watch_ops else None
-    try:
-        with tracker, torch.autocast(ctx.dev.type, enabled=False):
-            with watch if watch is not None else contextlib.nullcontext():
-                loss = ctx.forward_loss(model, inputs)
-                if tracker.tagging:
-                    tracker.tag([loss], ("", -1))
-                if loss.requires_grad:
-                    tracker.in_backward = True
-                    loss.backward()
-                    tracker.in_backward = False
-        if keep:
-            counter = _Counter()
-            for n, p in params:
-                if p.grad is not None:
-                    counter.add(p.grad, [ctx.param_grads.setdefault(n, Log2Hist())], COUNT_CAP)
-                    ctx.ref_grads[n] = p.grad.detach().float()
-            counter.flush()
-    finally:
-        for _, p in params:
-            p.grad = saved[id(p)]
-    return float(loss.detach()), watch
-
-
-def _same_np_state(a, b) -> bool:
-    """Two NumPy legacy RNG states are the same (their key arrays compared by value)."""
-    return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and tuple(a[2:]) == tuple(b[2:])
-
-
-class PassFailed(Exception):
-    """An autocast pass raised where the fp32 reference ran: the error, and the op and module where it was raised
-    (None when it was not an op: a Python check in the model's code)."""
-
-    def __init__(self, error: BaseException, where: OpEvent | None) -> None:
-        super().__init__(f"{type(error).__name__}: {_first_line(error)}")
-        self.error, self.where = error, where
-
-
-@dataclass
-class PassResult:
-    """One pass under autocast, forward and backward: what it measured."""
-
-    precision: str
-    loss: float
-    records: dict[str, ModuleRecord]
-    watch: OpWatch
-    scale: float
-    grads: dict[str, dict[str, float]] = field(default_factory=dict)  # per parameter: error, flushed share, nonfinite
-    error: str = ""  # the exception's first line, when the pass could not run
-    islands: tuple[str, ...] = ()  # the fp32 islands it ran with
-    #: fp16 with at_1: the same per-parameter comparison for the backward at scale 1 (no GradScaler); None if not run
-    grads_at_1: dict[str, dict[str, float]] | None = None
-
-
-def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0,
-                  backward: bool = True, tag: bool = False, at_1: bool = False) -> PassResult:
-    """One forward (and backward) pass of the model as it is under autocast, with fp32 islands if given.
-
-    fp16's backward runs through a real ``torch.amp.GradScaler`` at ``scale`` (its scale(), as a training step's);
-    the gradients are divided by the scale (exact: a power of two) and compared with fp32's, parameter by parameter.
-    With ``at_1`` (and a scale other than 1) the same forward's graph is also run backward at scale 1 first,
-    unwatched (no op watch, no tags: only the parameter gradients count), into ``result.grads_at_1``: what a
-    separate :func:`gradient_pass` at scale 1 gives, without a second forward.
-    """
-    ctx.snapshot.reset_rng()
-    ctx.snapshot.reset_buffers()
-    model = ctx.model
-    records = {n: ModuleRecord(n, r.leaf, samples=r.samples) for n, r in ctx.records.items()}
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    for _, p in params:
-        p.grad = None  # the caller's gradients are in the snapshot
-    remove_policy(model)
-    rules = {**ctx.snapshot.policy, **{n: "fp32" for n in islands}}
-    if rules:
-        apply_policy(model, rules)
-    # Tagging autograd nodes with module calls costs a walk of the graph per module call; it only matters when a
-    # backward op makes an inf/NaN, so the pass runs again with tags then (same inputs, RNG: the same ops).
-    tracker = Tracker(model, records, [], amp.precision, ctx.dev, grads=backward, tag=tag)
-    tracker.host_rng = ctx.host_rng
-    watch = OpWatch(tracker)
-    tracker.watch = watch
-    inputs = fresh_copy(ctx.inputs)
-    result = PassResult(amp.precision, math.nan, records, watch, scale, islands=tuple(islands))
-    at_1_grads = None
-    # Autocast caches its casts of the weights until the outermost autocast context exits; examine() runs inside a
-    # disabled one (the caller's autocast off), so the cache would carry fp16 weights into the bf16 pass: clear it.
-    torch.clear_autocast_cache()
-    try:
-        with tracker, torch.set_grad_enabled(backward), _raising_as(watch):
-            with watch:
-                with amp.autocast():
-                    loss = ctx.forward_loss(model, inputs, about_data=False)
-                result.loss = float(loss.detach().float())
-            if backward and loss.requires_grad:
-                if tracker.tagging:
-                    tracker.tag([loss], ("", -1))
-                at_1_grads = _backward_at_1(params, loss) if at_1 and scale != 1.0 else None
-                scaler = torch.amp.GradScaler(ctx.dev.type, init_scale=scale, enabled=scale != 1.0)
-                scaled = scaler.scale(loss)
-                # The backward's only use of the op watch is an inf/NaN's origin: it runs watched (and tagged) only
-                # in the rerun below, when the loss or a parameter's gradient came back inf/NaN (what a GradScaler
-                # skips a step for). A healthy pass skips a Python call per backward op.
-                with watch if tag else contextlib.nullcontext():
-                    tracker.in_backward = True
-                    scaled.backward()
-                    tracker.in_backward = False
-        if backward:
-            result.grads = _compare_grads(ctx, params, scale)
-        if backward and not tag and (not math.isfinite(result.loss)
-                                     or any(g["nonfinite"] for g in result.grads.values())):
-            remove_policy(model)
-            return autocast_pass(ctx, amp, islands, scale, backward, tag=True, at_1=at_1)
-        if backward and at_1_grads is not None:
-            for n, p in params:
-                p.grad = at_1_grads.get(n)
-            result.grads_at_1 = _compare_grads(ctx, params, 1.0)
-    finally:
-        torch.clear_autocast_cache()
-        remove_policy(model)
-        for _, p in params:
-            p.grad = None
-    return result
-
-
-def _backward_at_1(params, loss: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The parameter gradients of one unwatched backward at scale 1 through loss's graph (kept for the scaled
-    backward after it), taken off the parameters; None when it raises (the watched passes report what raises)."""
-    try:
-        loss.backward(retain_graph=True)
-    except Exception:  # noqa: BLE001
-        for _, p in params:
-            p.grad = None
-        return None
-    grads = {n: p.grad for n, p in params if p.grad is not None}
-    for _, p in params:
-        p.grad = None
-    return grads
-
-
-def gradient_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0
-                  ) -> dict[str, dict[str, float]]:
-    """One forward + backward of the model as it is under autocast, with nothing watched (no hooks, no op watch, no
-    reruns): only its parameter gradients against fp32's (:func:`_compare_grads`), at ``scale`` (1.0: no
-    GradScaler). What a second scale needs, at the price of the plain passes alone."""
-    ctx.snapshot.reset_rng()
-    ctx.snapshot.reset_buffers()
-    model = ctx.model
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    for _, p in params:
-        p.grad = None
-    remove_policy(model)
-    rules = {**ctx.snapshot.policy, **{n: "fp32" for n in islands}}
-    if rules:
-        apply_policy(model, rules)
-    torch.clear_autocast_cache()
-    try:
-        with amp.autocast():
-            loss = ctx.forward_loss(model, fresh_copy(ctx.inputs), about_data=False)
-        if loss.requires_grad:
-            (loss * scale if scale != 1.0 else loss).backward()
-        return _compare_grads(ctx, params, scale)
-    finally:
-        torch.clear_autocast_cache()
-        remove_policy(model)
-        for _, p in params:
-            p.grad = None
-
-
-@contextlib.contextmanager
-def _raising_as(watch: OpWatch):
-    """Turn what a pass raises (not running out of memory) into PassFailed, with the op where it was raised."""
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:
-        where, t = watch.raised, watch.tracker
-        if where is None and t.raised_in is not None:  # not an op: the module whose own code raised
-            where = OpEvent("forward", t.raised_in, -1, False, "", 0, math.nan, math.nan)
-        raise PassFailed(err, where) from err
-
-
-def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, float]]:
-    """Per parameter: relative error against fp32's gradient, the share of fp32's nonzero entries that came back
-    zero (flushed), and the inf/NaN count, after dividing by the scale (a handful of batched reductions and one
-    read-back for all parameters: a loop of small reductions per parameter cost more than the backward). What
-    depends on fp32's gradients alone (their norms, where they are nonzero) is computed once per examine
-    (:func:`_ref_layout`); the flushed counts come from one flat comparison of all parameters at once."""
-    out = {}
-    pairs = [(n, p.grad.detach(), ctx.ref_grads[n]) for n, p in params if n in ctx.ref_grads and p.grad is not None]
-    for n, p in params:
-        ref = ctx.ref_grads.get(n)
-        if ref is not None and p.grad is None:
-            den = float(torch.linalg.vector_norm(ref))
-            out[n] = {"error": 1.0, "num": den, "den": den, "flushed": 1.0 if den else 0.0, "nonfinite": 0}
-    if not pairs:
-        return out
-    names = [n for n, _, _ in pairs]
-    refs = [r for _, _, r in pairs]
-    dens, lives, mask, ends = _ref_layout(ctx, names, refs)
-    grads = [g.float() if g.dtype != torch.float32 else g for _, g, _ in pairs]
-    # g / scale - ref, as (g - scale * ref) / scale: the same roundings (scale is a power of two), one copy fewer
-    diffs = torch._foreach_sub(grads, refs, alpha=scale) if scale != 1.0 else torch._foreach_sub(grads, refs)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    zeros = (flat == 0).nonzero().reshape(-1)  # few: fp32's own zeros (unused embedding rows) and the flushed
-    flushed = _per_segment(zeros[mask[zeros]], ends)
-    nums = [x / scale for x in torch.stack(torch._foreach_norm(diffs)).double().cpu().tolist()]
-    for i, (n, num, n_flushed) in enumerate(zip(names, nums, flushed)):
-        den, n_live = dens[i], lives[i]
-        # a gradient with an inf/NaN makes the norm of its difference inf/NaN (fp32's is finite where this is asked)
-        bad = 0 if math.isfinite(num) else int((~torch.isfinite(grads[i])).sum())
-        if not bad and not (math.isfinite(num) and math.isfinite(den)):
-            # finite gradients whose squares (or scale x fp32's) pass float32's range: their norms in float64
-            num = float(torch.linalg.vector_norm(grads[i].double() / scale - refs[i].double()))
-            den = float(torch.linalg.vector_norm(refs[i], dtype=torch.float64))
-        num = num if not bad and math.isfinite(num) else math.inf
-        out[n] = {"error": num / den if den else (0.0 if num == 0 else math.inf), "num": num, "den": den,
-                  "flushed": n_flushed / n_live if n_live else 0.0, "nonfinite": bad, "live": int(n_live)}
-    return out
-
-
-def _ref_layout(ctx: Context, names: list[str], refs: list[torch.Tensor]
-                ) -> tuple[list[float], list[int], torch.Tensor, torch.Tensor]:
-    """(norm of each fp32 gradient, its count of nonzero values, where all of them are nonzero as one flat mask, the
-    flat end of each parameter) for these parameters, computed once per examine and kept on ctx."""
-    key = tuple(names)
-    if ctx.ref_layout is None or ctx.ref_layout[0] != key:
-        flat = torch.cat([r.reshape(-1) for r in refs])
-        mask = flat != 0
-        sizes = [r.numel() for r in refs]
-        ends = torch.tensor(sizes, device=flat.device).cumsum(0)
-        zeros = _per_segment((~mask).nonzero().reshape(-1), ends)  # a gradient is mostly nonzero: count the zeros
-        lives = [n - z for n, z in zip(sizes, zeros)]
-        dens = torch.stack(torch._foreach_norm(refs)).double().cpu().tolist()
-        ctx.ref_layout = (key, dens, lives, mask, ends)
-    return ctx.ref_layout[1:]
-
-
-def _per_segment(index: torch.Tensor, ends: torch.Tensor) -> list[int]:
-    """How many of the flat positions in index fall in each segment (segment i ends before ends[i])."""
-    return torch.bincount(torch.searchsorted(ends, index, right=True), minlength=ends.numel()).tolist()
