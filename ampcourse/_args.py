@@ -279,3 +279,18 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         """Print one line and exit 2 (argparse's own status for bad arguments)."""
         cli_error(self.error_prefix, f"{message} (see --help)")
+
+    def parse_or_status(self, argv: Sequence[str] | None = None) -> argparse.Namespace | int:
+        """The parsed arguments, or the exit status a `main()` returns instead of raising: 0 after --help, 2
+        after a bad flag (its one line already on stderr). The course's CLIs return a status, never exit.
+
+        Example (inside a CLI's ``main(argv)``)::
+
+            args = _parser().parse_or_status(argv)
+            if isinstance(args, int):
+                return args
+        """
+        try:
+            return self.parse_args(argv)
+        except SystemExit as done:
+            return done.code if isinstance(done.code, int) else 2

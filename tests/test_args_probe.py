@@ -45,3 +45,17 @@ def test_first_line_is_the_one_reading_of_an_error_message():
         "mat1 and mat2 shapes cannot be multiplied"
     assert first_line(ValueError(""), default="ValueError") == "ValueError"
     assert first_line("abcdef", 3) == "abc"
+
+
+def test_parse_or_status_returns_the_status_a_main_returns(capsys):
+    """The CLIs' one parse step: arguments, or 0 after --help and 2 after a bad flag (one line on stderr)."""
+    from ampcourse import _args
+
+    ap = _args.OneLineParser(prog="python -m demo", error_prefix="demo")
+    ap.add_argument("--steps", type=int, default=1)
+    assert ap.parse_or_status(["--steps", "3"]).steps == 3
+    assert ap.parse_or_status(["--help"]) == 0
+    capsys.readouterr()
+    assert ap.parse_or_status(["--steps", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("demo: error: argument --steps") and err.count("\n") == 1

@@ -93,10 +93,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the doctor from the command line; 0 on success, 2 with one line on stderr for bad input."""
     from ..models import MODELS
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
-        return done.code if isinstance(done.code, int) else 2
+    args = _parser().parse_or_status(argv)
+    if isinstance(args, int):  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return args
     try:
         if args.steps is not None and args.steps < 0:
             raise CliError(f"--steps must be >= 0 (0: the forensic pass), got {args.steps}")

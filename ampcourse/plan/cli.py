@@ -75,10 +75,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Plan from the command line; 0 on success, 2 with one line on stderr for bad input."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as done:  # --help (0) or a bad flag (2), already printed
-        return done.code if isinstance(done.code, int) else 2
+    args = _parser().parse_or_status(argv)
+    if isinstance(args, int):  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return args
     try:
         if args.out is not None:
             try:

@@ -54,10 +54,9 @@ def _check_plot_format(path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a trial from the command line; 0 on success, 2 with one line on stderr for bad input."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
-        return done.code if isinstance(done.code, int) else 2
+    args = _parser().parse_or_status(argv)
+    if isinstance(args, int):  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return args
     try:
         _args.output_files([("--out", args.out), ("--plot", args.plot)])  # before the work, not after it
         if args.plot is not None:

@@ -105,10 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     ap = _parser()
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as done:  # --help (0), or a bad flag (2) whose one line is already on stderr
-        return done.code if isinstance(done.code, int) else 2
+    args = ap.parse_or_status(argv)
+    if isinstance(args, int):  # --help (0), or a bad flag (2) whose one line is already on stderr
+        return args
     try:
         repeats = _args.integer(args.repeats, "--repeats", low=1)
     except ValueError as err:

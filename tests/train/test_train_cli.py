@@ -1,17 +1,16 @@
 """python -m ampcourse.train: a run writes its JSON summary; resume works; bad flags exit with one line."""
 
-import io
 import json
 import re
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 
 from ampcourse import train as train_mod
 from ampcourse.train import cli, main, state_checksum, train
+from clirun import run_cli
 
 BASE = ["--model", "mlp", "--steps", "3", "--global-batch-size", "32", "--samples", "256", "--no-progress"]
 SUMMARY_KEYS = {"world_size", "backend", "device_type", "precision", "steps_done", "skipped_steps", "final_loss",
@@ -144,18 +143,8 @@ def test_an_output_the_disk_refuses_is_one_line(tmp_path, capsys):
 
 # --- defects an independent tester hit in the CLI; each test failed before its fix (its comment says how) -----
 
-def _run_cli(main, argv: list[str]) -> tuple[int, str]:
-    err = io.StringIO()
-    with redirect_stderr(err), redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as done:
-            code = done.code
-    return code, err.getvalue()
-
-
 def test_train_cli_huge_lr_is_one_line_exit_2() -> None:
-    code, err = _run_cli(cli.main, ["--steps", "1", "--lr", "1e39", "--no-progress"])
+    code, err = run_cli(cli.main, ["--steps", "1", "--lr", "1e39", "--no-progress"])
     assert code == 2 and err.startswith("ampcourse.train: error: --lr must be") and err.count("\n") == 1
 
 
@@ -166,14 +155,14 @@ def test_train_cli_huge_lr_is_one_line_exit_2() -> None:
     (["--resume"], "error: --resume needs a --checkpoint-dir"),  # "resume and checkpoint_every need a checkpoint_dir"
 ])
 def test_train_cli_errors_name_the_flags(argv, says) -> None:
-    code, err = _run_cli(cli.main, ["--no-progress", *argv])
+    code, err = run_cli(cli.main, ["--no-progress", *argv])
     assert code == 2 and says in err, err
 
 
 def test_train_cli_existing_checkpoint_says_add_resume(tmp_path: Path) -> None:
     base = ["--no-progress", "--steps", "1", "--checkpoint-dir", str(tmp_path)]
-    assert _run_cli(cli.main, base)[0] == 0
-    code, err = _run_cli(cli.main, base)
+    assert run_cli(cli.main, base)[0] == 0
+    code, err = run_cli(cli.main, base)
     # before: "... pass resume=True to continue that run, or choose an empty checkpoint_dir" (Python names)
     assert code == 2 and "pass --resume to continue that run, or choose an empty --checkpoint-dir" in err, err
 
@@ -181,7 +170,7 @@ def test_train_cli_existing_checkpoint_says_add_resume(tmp_path: Path) -> None:
 def test_train_cli_refuses_one_file_for_summary_and_history(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     # before: the history was written, then the summary overwrote it: exit 0, history lost
-    code, err = _run_cli(cli.main, ["--no-progress", "--steps", "1", "--out", "r.json", "--history-out", "./r.json"])
+    code, err = run_cli(cli.main, ["--no-progress", "--steps", "1", "--out", "r.json", "--history-out", "./r.json"])
     assert code == 2 and "--out and --history-out name the same file" in err
     assert list(tmp_path.iterdir()) == []
 
@@ -200,7 +189,7 @@ def test_train_cli_ctrl_c_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Pa
     monkeypatch.setattr(loop, "train_step", interrupted_at_third)
     argv = ["--no-progress", "--steps", "5", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path)]
     # before: a KeyboardInterrupt traceback from inside train()
-    code, err = _run_cli(cli.main, argv)
+    code, err = run_cli(cli.main, argv)
     assert code == 130 and err.count("\n") == 1 and "add --resume to the same command" in err, err
     assert checkpoint.load(checkpoint.path_in(tmp_path))["step"] == 2  # the step-2 checkpoint survived
 
@@ -212,7 +201,7 @@ def test_train_cli_ctrl_c_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Pa
 def test_train_cli_refuses_flags_that_would_do_nothing(argv, says, monkeypatch) -> None:
     from ampcourse.train import loop
     monkeypatch.setattr(loop, "train_step", lambda *a, **k: pytest.fail("trained despite a flag that does nothing"))
-    code, err = _run_cli(cli.main, ["--no-progress", "--steps", "2", *argv])
+    code, err = run_cli(cli.main, ["--no-progress", "--steps", "2", *argv])
     assert code == 2 and says in err, err
 
 

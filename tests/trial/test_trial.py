@@ -6,10 +6,8 @@ a healthy model is not flagged; skipped steps show in the scaler's record and in
 only Python floats are kept; bad input gets one line that says what to pass (API and command line).
 """
 
-import io
 import json
 import math
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from ampcourse.models import TinyTransformer
 from ampcourse.trial import REFERENCE, Monitor, default_monitors, main, trial
 from ampcourse.trial import runs as trial_runs  # where trial() reads CHUNK_BYTES
 from ampcourse.trial import cli as trial_cli  # where main() calls trial()
+from clirun import run_cli
 
 
 class GrowingLogits(TinyTransformer):
@@ -396,30 +395,20 @@ def test_cli_shows_progress_unless_told_not_to(capsys):
 
 # --- defects an independent tester hit in trial; each test failed before its fix (its comment says how) -------
 
-def _run_cli(main, argv: list[str]) -> tuple[int, str]:
-    err = io.StringIO()
-    with redirect_stderr(err), redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as done:
-            code = done.code
-    return code, err.getvalue()
-
-
 def test_trial_refuses_an_lr_beyond_float32() -> None:
     with pytest.raises(ValueError, match="lr must be a number float32 can hold"):
         trial_mod.trial("mlp", steps=1, lr=1e39)
 
 
 def test_trial_cli_huge_lr_is_one_line_exit_2() -> None:
-    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--lr", "1e39"])
+    code, err = run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--lr", "1e39"])
     assert code == 2 and err.startswith("ampcourse.trial: error: lr must be")
 
 
 def test_trial_cli_refuses_an_unknown_plot_format_before_training(tmp_path: Path, monkeypatch) -> None:
     ran = []
     monkeypatch.setattr(trial_cli, "trial", lambda *a, **k: ran.append(1))
-    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--plot", str(tmp_path / "t.txt")])
+    code, err = run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--plot", str(tmp_path / "t.txt")])
     assert code == 2 and "--plot" in err and ".png" in err
     assert ran == []  # before: the trial ran to the end, printed its summary, then failed in savefig
 
@@ -428,7 +417,7 @@ def test_trial_cli_refuses_one_file_for_json_and_plot(tmp_path: Path, monkeypatc
     ran = []
     monkeypatch.setattr(trial_cli, "trial", lambda *a, **k: ran.append(1))
     out = str(tmp_path / "t.png")
-    code, err = _run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--out", out, "--plot", out])
+    code, err = run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--out", out, "--plot", out])
     assert code == 2 and "--out and --plot name the same file" in err and ran == []
 
 
