@@ -28,7 +28,7 @@ of each, and ``Case.known_miss`` records what the doctor is measured to get wron
 asserts it still does):
 
     >>> case("llama_large_qk").issue25, case("llama_large_qk").known_miss
-    ((2,), 'named')
+    ((2,), '')
 
 A case's truth holds under the autocast lists named by its ``policy``: "cpu" for every entry of ``CASES``. Issue 26's
 cases (``POLICY_DIFFERS``) are a problem under one policy's lists only, so each has a second entry, in
