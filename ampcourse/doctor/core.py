@@ -198,7 +198,8 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
 
 def _departures(confirmations: Mapping[str, Confirmation]) -> list[Finding]:
     """A recipe that departed from fp32 when trained is a finding of its own (what a one-step check cannot see),
-    naming the module and op where it breaks when the forensic pass at that run's later weights found them."""
+    naming the module and op where it breaks when the forensic pass at that run's later weights found them (its
+    phase stays "model": it is about a training run; the culprit's own phase is in its confirmation's culprit)."""
     out = []
     for p, c in confirmations.items():
         if c.status != "departed":
@@ -212,7 +213,7 @@ def _departures(confirmations: Mapping[str, Confirmation]) -> list[Finding]:
                            c.gap if c.gap is not None else math.inf,
                            f"Trained {c.steps} steps beside fp32 on this batch, the recipe ({c.recipe}) "
                            f"{c.sentence()}: the one-step measurements at the initial weights did not show it; do not "
-                           f"use this recipe ({fix})", "error", where.get("phase", "model"), op=where.get("op", "")))
+                           f"use this recipe ({fix})", "error", "model", op=where.get("op", "")))
     return out
 
 

@@ -48,6 +48,61 @@ def test_a_refused_fp16_whose_run_breaks_later_names_the_attention_matmul_at_tho
     assert not quick.find("training_departs")
 
 
+class Gram(nn.Module):
+    """Inline (y * gain) @ y.T with a trained gain: finite at the initial gain, past fp16's max a few steps later."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, y):
+        return (y * self.gain) @ y.T
+
+
+class GramNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.gram = nn.Linear(16, 16), Gram()
+
+    def forward(self, x):
+        return self.gram(self.lin(x))
+
+
+def _gram_setup():
+    """The largest product at 70% of fp16's max at the initial weights; Adam moves the gain by 12% a step, so the
+    products pass 65504 after a few steps (fp32 and bf16 have the range)."""
+    torch.manual_seed(0)
+    x, net = torch.randn(8, 16), GramNet()
+    with torch.no_grad():
+        y = net.lin(x)
+        gain = 0.7 * 65504 / float((y @ y.T).abs().max())
+        net.gram.gain.fill_(gain)
+    opt = torch.optim.Adam([{"params": net.lin.parameters(), "lr": 1e-4}, {"params": [net.gram.gain], "lr": 0.12 * gain}])
+    return net, x, (lambda out, t=None: -out.float().mean() / gain), opt
+
+
+def test_a_run_that_breaks_after_a_few_steps_names_the_module_and_op_only_the_later_weights_show():
+    """fp16 is finite and within tolerance at the initial weights (the forensic pass finds nothing to warn of); trained,
+    its loss goes inf at step 4. The departure names 'gram' and its inline aten::mm, past fp16's max in fp32, at that
+    run's weights. Before: 'departs at step 4' and no module, no op."""
+    net, x, loss, opt = _gram_setup()
+    quick = examine(net, x, None, loss_fn=loss, optimizer=opt, steps=0)
+    assert not [f for f in quick.findings if f.severity in ("error", "warning")], quick.summary()
+    before = _state(net, opt)
+    r = examine(net, x, None, loss_fn=loss, optimizer=opt, steps=6)
+    c = r.verdicts["fp16"].confirmation
+    assert c.status == "departed" and c.measure == "non-finite" and 0 < c.step < 6, r.summary()
+    assert (c.culprit["module"], c.culprit["op"], c.culprit["weights_step"]) == ("gram", "aten::mm", c.step)
+    dep = r.find("training_departs")
+    assert [(f.module, f.op, f.precision) for f in dep] == [("gram", "aten::mm", "fp16")]
+    assert "65504" in dep[0].message and "'gram'" in dep[0].message
+    assert r.verdicts["fp16"].status == "refused" and r.recommended_precision == "bf16" and r.is_clean("bf16")
+    assert_consistent(r)
+    after = _state(net, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and repr(before[1]) == repr(after[1])
+    assert r.to_json() == examine(net, x, None, loss_fn=loss, optimizer=opt, steps=6).to_json()
+
+
 def test_a_healthy_model_pays_for_no_replay(monkeypatch):
     """No departure, no re-run: locate() is never called on a model that trains like fp32."""
     torch.manual_seed(0)
