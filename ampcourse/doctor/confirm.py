@@ -256,7 +256,7 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
             # nothing, so a later non-finite step is the one examined
             bad = next((j for j, (a, b) in enumerate(zip(s["loss"], ref)) if not math.isfinite(a)
                         and math.isfinite(b)), k)
-            culprit = locate(ctx, recipe, train, p, label, bad)
+            culprit = locate(ctx, recipe, train, p, label, bad, islands[p])
             if culprit is not None and bad != k:
                 culprit["nonfinite_step"] = bad
             out[p] = Confirmation("departed", step=k, measure=measure, gap=gap, tolerance=tol, culprit=culprit,
@@ -266,12 +266,27 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
     return out, info
 
 
-def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int) -> dict[str, Any] | None:
+def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int,
+           islands: Sequence[str] = ()) -> dict[str, Any] | None:
     """Where a run that departed at step k breaks: replay it (``train([label], k)``, the same deterministic trial)
     up to its weights before step k (those of the last step where they were all finite, if step k's are not), and
     run the forensic pass (examine(steps=0), precision p only, on a copy of the run's model) there. Returns its worst
-    error or warning finding that names a module, as a dict (module, op, kind, phase, value, message,
-    weights_step), or None (nothing named there, or the replay failed).
+    error or warning finding that names a module outside the recipe's ``islands`` (those already run in fp32: not
+    where it breaks), as a dict (module, op, kind, phase, precision, value, message, weights_step), or None
+    (nothing named there, or the replay failed).
+
+    Args:
+        ctx: examine's context (the device, the learner's model for its train/eval mode).
+        recipe: the _Recipe the confirmation trained (its copies are what the trial trains).
+        train: callable(labels, steps) -> Trial: the confirmation's own trial call.
+        p, label: the precision ("fp16") and its trial label ("fp16" or "fp16-noscaler").
+        k: the step whose loss departed (or went inf/NaN).
+        islands: the recipe's fp32 modules.
+
+    Example::
+
+        culprit = locate(ctx, recipe, train, "fp16", "fp16", 6)
+        culprit["module"], culprit["op"]   # ('model.layers.0.self_attn', 'aten::bmm')
     """
     from .core import _examine  # the forensic pass itself (core imports this module)
 
@@ -299,7 +314,8 @@ def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int) -> 
         sub = _examine(net, recipe._batch[0], recipe._batch[1], recipe._loss_fn, None, ctx.dev, (p,), 0)
     except Exception:  # noqa: BLE001 (the forensic pass at those weights raised: nothing to name)
         return None
-    named = [f for f in sub.findings if f.severity in ("error", "warning") and f.module
+    inside = lambda n: any(n == i or n.startswith(i + ".") for i in islands)  # noqa: E731
+    named = [f for f in sub.findings if f.severity in ("error", "warning") and f.module and not inside(f.module)
              and f.precision in (p, "fp32") and f.phase in ("forward", "backward")]
     if not named:
         return None

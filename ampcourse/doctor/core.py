@@ -106,7 +106,10 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         device: must name the model's own device, if given (examine never moves a model).
         precisions: which of "fp16" and "bf16" to examine (default both).
         steps: training steps that confirm each recipe (default 10), on copies, with ``ampcourse.trial``; 0 gives
-            the quick forensic pass, whose verdicts say "unconfirmed".
+            the quick forensic pass, whose verdicts say "unconfirmed". Where a recipe departs, the forensic pass runs
+            again at that run's weights from just before it and the departure names the module and op it finds
+            (``verdicts[p].confirmation.culprit``); a precision refused by model-wide findings alone is trained
+            too, only to name where it breaks.
         policy: whose autocast lists to measure under: None (the device's own) or ``"cuda"`` on a CPU (CUDA's,
             through ``ampcourse.emulate``); ``report.policy`` names it.
 
