@@ -28,7 +28,7 @@ of each, and ``Case.known_miss`` records what the doctor is measured to get wron
 asserts it still does):
 
     >>> case("llama_large_qk").issue25, case("llama_large_qk").known_miss
-    ((2,), 'named')
+    ((2,), '')
 
 A case's truth holds under the autocast lists named by its ``policy``: "cpu" for every entry of ``CASES``. Issue 26's
 cases (``POLICY_DIFFERS``) are a problem under one policy's lists only, so each has a second entry, in
@@ -1330,7 +1330,7 @@ CASES: tuple[Case, ...] = (
     Case("llama_large_qk", 1, "issue 25 (2): tiny Llama, layer-0 q.k at 90% of fp16's max, AdamW(lr=1e-2): finite "
          "at the initial weights, inf in eager attention's fp16 matmul within 6 steps", build_llama_large_qk,
          ("fp16",), ("model.layers.0.self_attn",), MATMUL_OPS, "forward", fix=_islands("model.layers.0.self_attn"),
-         hf=True, issue25=(2,), known_miss="named"),
+         hf=True, issue25=(2,)),
     Case("llama_embedding_underflow", 6, "issue 25 (1, 5): tiny Llama, loss x 2**-24: embed_tokens (fp32 output) "
          "loses its whole gradient through the fp16 projections that read it (scale 1)",
          build_llama_embedding_underflow, ("fp16",), ("model.embed_tokens",), (), "backward", regimen=_no_scaler,

@@ -11,6 +11,12 @@ factory serves every precision. Every step trains on the same batch, the one exa
 own step-to-step noise)``, the largest relative change of fp32's loss from one step to the next: a recipe that
 lags fp32 by less than one step of its progress is not a departure (calibrated on the gallery's healthy models:
 tests/test_doctor_confirm.py).
+
+Where a run departs (:func:`locate`): the step where the loss leaves fp32 is not where it went wrong, so the run is
+replayed up to the departure and the forensic pass (examine(steps=0), on a copy) runs at its weights from just
+before it: the module and op it names are where training broke. A precision refused by model-wide findings alone
+(:func:`.verdict.refused_model_wide`) is trained too, for that only: never recommended, and a healthy model (no
+departure) pays nothing for it.
 """
 
 from __future__ import annotations
@@ -31,13 +37,30 @@ from .calls import call, fresh_copy, scalar_loss
 from .passes import Context
 from .verdict import Confirmation, Decision, _rank
 
-__all__ = ["confirm", "departure", "loss_tolerance", "LOSS_DEPARTS", "DEFAULT_LR"]
+__all__ = ["confirm", "departure", "locate", "loss_tolerance", "LOSS_DEPARTS", "DEFAULT_LR"]
 
 #: The smallest relative loss gap to fp32 that counts as a departure (the issue's 5%).
 LOSS_DEPARTS = 0.05
 #: The learning rate of the AdamW that trains a recipe when examine() got no optimizer.
 DEFAULT_LR = 1e-3
+#: torch.amp.GradScaler's own default init_scale: a refused fp16, trained only to locate where it breaks, uses it.
+DEFAULT_INIT_SCALE = 2.0**16
 _LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
+
+
+class _Spy:
+    """Shared by every deep copy of a _Recipe (deepcopy returns it as is): the replay of :func:`locate` reads the
+    run it watches through it."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision, self.run, self.weights, self.step, self.calls = precision, None, None, -1, 0
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
 
 
 class _Recipe(nn.Module):
@@ -51,6 +74,7 @@ class _Recipe(nn.Module):
         self._batch = (inputs, targets)  # plain attributes: deep copies take them along, parameters() does not
         self._loss_fn, self._islands, self._policy = loss_fn, dict(islands), dict(policy)
         self._device_type, self._rng, self._applied = device_type, rng, None
+        self._spy: _Spy | None = None  # set only while locate() replays a run
 
     def _precision(self) -> str:
         if not torch.is_autocast_enabled(self._device_type):
@@ -72,6 +96,13 @@ class _Recipe(nn.Module):
         # trial's own, per run): inline randomness draws the same numbers in fp32 and in each precision
         random.setstate(self._rng[0])
         np.random.set_state(self._rng[1])
+        spy = self._spy
+        if spy is not None and p == spy.precision:  # the replayed run: the forward of step j sees its weights W_j
+            spy.run = self
+            if _finite(self.model):
+                spy.weights = {k: t.detach().clone() for k, t in self.model.state_dict().items()}
+                spy.step = spy.calls
+            spy.calls += 1
         inputs, targets = self._batch
         return scalar_loss(call(self.model, fresh_copy(inputs)), targets, self._loss_fn)
 
@@ -152,19 +183,23 @@ def departure(loss: Sequence[float], ref: Sequence[float]) -> tuple[int, str, fl
 
 
 def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimizer | None,
-            steps: int) -> tuple[dict[str, Confirmation], dict[str, Any]]:
-    """Train every recipe the decision could recommend (rank 0 or 1) ``steps`` steps beside one fp32 reference.
+            steps: int, locate_only: Sequence[str] = ()) -> tuple[dict[str, Confirmation], dict[str, Any]]:
+    """Train every recipe the decision could recommend (rank 0 or 1) ``steps`` steps beside one fp32 reference,
+    and those of ``locate_only`` (refused precisions, trained only to name where they break); where a run departs,
+    :func:`locate` names the module and op.
 
     Returns (per precision its Confirmation, what was trained: steps, optimizer, master weights, islands, scale).
     """
     from ..trial import trial  # the trial module imports the training stack: only when confirming
 
-    candidates = [p for p, v in decision.verdicts.items() if _rank(v) <= 1]
+    recommendable = [p for p, v in decision.verdicts.items() if _rank(v) <= 1]
+    extra = [p for p in locate_only if p in decision.verdicts and p not in recommendable]
+    candidates = recommendable + extra
     out = {p: Confirmation("unconfirmed", steps, reason="not a candidate: its verdict is "
                            f"{decision.verdicts[p].status}") for p in decision.verdicts if p not in candidates}
     if not candidates:
         return out, {"steps": steps, "trained": []}
-    master = any(decision.verdicts[p].master_weights for p in candidates)
+    master = any(decision.verdicts[p].master_weights for p in recommendable)
     trainable = ({id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None
                  else {id(p) for p in ctx.model.parameters() if p.requires_grad})
     try:
@@ -176,20 +211,28 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
     remove_policy(net)
     inputs = fresh_copy(ctx.inputs, torch.float32) if master and any(
         p.dtype in _LOW for p in ctx.model.parameters() if id(p) in trainable) else ctx.inputs
-    islands = {p: list(decision.verdicts[p].fp32_modules) for p in candidates}
+    islands = {p: list(decision.verdicts[p].fp32_modules if p in recommendable else
+                       ev.verdicts[p].get("fp32_modules") or []) for p in candidates}
     rng = (random.getstate(), np.random.get_state())
     recipe = _Recipe(net, inputs, ctx.targets, ctx.loss_fn, islands, ctx.snapshot.policy, ctx.dev.type, rng)
     make_opt, opt_text = _optimizer_factory(ctx.model, optimizer, master)
     fp16_scaled = ev.low_trainable != "fp16" or master  # GradScaler refuses fp16 gradients
+    # a refused fp16 trains as a learner would run it anyway, with GradScaler's default init_scale: the doctor's own
+    # scale is part of a recipe it does not recommend (on llama_large_qk, 2**3 flushes half of q's gradient and the
+    # run stays finite over 10 steps, where 2**16 and the course's 2**12 reach inf in the attention's matmul)
+    scale = ev.scale if "fp16" in recommendable else DEFAULT_INIT_SCALE
     labels = {p: ("fp16" if fp16_scaled else "fp16-noscaler") if p == "fp16" else p for p in candidates}
     info: dict[str, Any] = {"steps": steps, "trained": candidates, "optimizer": opt_text, "master_weights": master,
-                            "fp32_modules": islands, "init_scale": ev.scale if fp16_scaled else None,
+                            "fp32_modules": islands, "init_scale": scale if fp16_scaled else None,
                             "batch": "the batch examine() was given, at every step"}
     data = (torch.zeros(1, 1), torch.zeros(1, dtype=torch.long))
+
+    def train(names: Sequence[str], n: int):
+        return trial(lambda: recipe, data, precisions=tuple(names), steps=n, optimizer_factory=make_opt,
+                     monitors=[], batch_size=1, loss_fn=_loss_of_output, tolerance=1e30, device=ctx.dev,
+                     scaler_kwargs={"init_scale": scale} if fp16_scaled and "fp16" in labels else None)
     try:
-        t = trial(lambda: recipe, data, precisions=tuple(labels.values()), steps=steps, optimizer_factory=make_opt,
-                  monitors=[], batch_size=1, loss_fn=_loss_of_output, tolerance=1e30, device=ctx.dev,
-                  scaler_kwargs={"init_scale": ev.scale} if fp16_scaled and "fp16" in labels else None)
+        t = train(labels.values(), steps)
     except Exception as err:  # noqa: BLE001 (the learner's model or optimizer may refuse to train: say so)
         why = f"training it failed: {type(err).__name__}: {_args.first_line(err, 160)}"
         out.update({p: Confirmation("unconfirmed", steps, reason=why) for p in candidates})
@@ -201,13 +244,84 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
         dep = departure(s["loss"], ref)
         skipped = int(sum(s.get("skipped", [])))
         common = {"steps": steps, "loss": s["loss"][-1], "ref_loss": ref[-1], "skipped": skipped,
-                  "recipe": _recipe_text(p, islands[p], master, ev.scale if p == "fp16" and fp16_scaled else None)}
-        if dep is None:
+                  "recipe": _recipe_text(p, islands[p], master, scale if p == "fp16" and fp16_scaled else None)}
+        if dep is None and p in extra:  # trained only to find where it breaks: still refused by its findings
+            out[p] = Confirmation("unconfirmed", steps, reason=f"not a candidate: its verdict is refused (trained "
+                                  f"{steps} steps to find where it breaks: it did not depart)")
+        elif dep is None:
             out[p] = Confirmation("confirmed", tolerance=loss_tolerance(ref), **common)
         else:
             k, measure, gap, tol = dep
-            out[p] = Confirmation("departed", step=k, measure=measure, gap=gap, tolerance=tol, **common)
+            # where the loss first goes inf/NaN is where it breaks; a loss that only lags (skipped steps) names
+            # nothing, so a later non-finite step is the one examined
+            bad = next((j for j, (a, b) in enumerate(zip(s["loss"], ref)) if not math.isfinite(a)
+                        and math.isfinite(b)), k)
+            culprit = locate(ctx, recipe, train, p, label, bad, islands[p])
+            if culprit is not None and bad != k:
+                culprit["nonfinite_step"] = bad
+            out[p] = Confirmation("departed", step=k, measure=measure, gap=gap, tolerance=tol, culprit=culprit,
+                                  **common)
+    if extra:
+        info["located_only"] = extra
     return out, info
+
+
+def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int,
+           islands: Sequence[str] = ()) -> dict[str, Any] | None:
+    """Where a run that departed at step k breaks: replay it (``train([label], k)``, the same deterministic trial)
+    up to its weights before step k (those of the last step where they were all finite, if step k's are not), and
+    run the forensic pass (examine(steps=0), precision p only, on a copy of the run's model) there. Returns its worst
+    error or warning finding that names a module outside the recipe's ``islands`` (those already run in fp32: not
+    where it breaks), as a dict (module, op, kind, phase, precision, value, message, weights_step), or None
+    (nothing named there, or the replay failed).
+
+    Args:
+        ctx: examine's context (the device, the learner's model for its train/eval mode).
+        recipe: the _Recipe the confirmation trained (its copies are what the trial trains).
+        train: callable(labels, steps) -> Trial: the confirmation's own trial call.
+        p, label: the precision ("fp16") and its trial label ("fp16" or "fp16-noscaler").
+        k: the step whose loss departed (or went inf/NaN).
+        islands: the recipe's fp32 modules.
+
+    Example::
+
+        culprit = locate(ctx, recipe, train, "fp16", "fp16", 6)
+        culprit["module"], culprit["op"]   # ('model.layers.0.self_attn', 'aten::bmm')
+    """
+    from .core import _examine  # the forensic pass itself (core imports this module)
+
+    spy = _Spy(p)
+    recipe._spy = spy
+    try:
+        if k > 0:
+            train([label], k)
+    except Exception:  # noqa: BLE001 (it trained the first time: a failure now names nothing)
+        return None
+    finally:
+        recipe._spy = None
+    if spy.run is None:
+        net, step = copy.deepcopy(recipe.model), 0  # departed at its first step: the initial weights
+    elif _finite(spy.run.model):
+        net, step = copy.deepcopy(spy.run.model), k  # the weights after k updates: what step k's forward ran on
+    elif spy.weights is not None:
+        net, step = copy.deepcopy(spy.run.model), spy.step
+        net.load_state_dict(spy.weights)
+    else:
+        return None
+    remove_policy(net)  # the recipe's islands: the forensic pass finds its own
+    net.train(ctx.model.training)
+    try:
+        sub = _examine(net, recipe._batch[0], recipe._batch[1], recipe._loss_fn, None, ctx.dev, (p,), 0)
+    except Exception:  # noqa: BLE001 (the forensic pass at those weights raised: nothing to name)
+        return None
+    inside = lambda n: any(n == i or n.startswith(i + ".") for i in islands)  # noqa: E731
+    named = [f for f in sub.findings if f.severity in ("error", "warning") and f.module and not inside(f.module)
+             and f.precision in (p, "fp32") and f.phase in ("forward", "backward")]
+    if not named:
+        return None
+    f = next((f for f in named if f.op), named[0])  # an op named beats a module alone
+    return {"module": f.module, "op": f.op, "kind": f.kind, "phase": f.phase, "precision": f.precision,
+            "value": f.value, "message": f.message, "weights_step": step}
 
 
 def _recipe_text(p: str, islands: Sequence[str], master: bool, scale: float | None) -> str:

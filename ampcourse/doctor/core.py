@@ -22,7 +22,7 @@ from .snapshot import Snapshot
 from . import confirm
 from .report import Finding, Report, _sort_key, quoted
 from .rules import MAX_ISLANDS, Evidence
-from .verdict import Confirmation, Decision, _rank, decide
+from .verdict import Confirmation, Decision, _rank, decide, refused_model_wide
 
 _LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
 #: Training steps examine() confirms each recipe over by default.
@@ -106,7 +106,10 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         device: must name the model's own device, if given (examine never moves a model).
         precisions: which of "fp16" and "bf16" to examine (default both).
         steps: training steps that confirm each recipe (default 10), on copies, with ``ampcourse.trial``; 0 gives
-            the quick forensic pass, whose verdicts say "unconfirmed".
+            the quick forensic pass, whose verdicts say "unconfirmed". Where a recipe departs, the forensic pass runs
+            again at that run's weights from just before it and the departure names the module and op it finds
+            (``verdicts[p].confirmation.culprit``); a precision refused by model-wide findings alone is trained
+            too, only to name where it breaks.
         policy: whose autocast lists to measure under: None (the device's own) or ``"cuda"`` on a CPU (CUDA's,
             through ``ampcourse.emulate``); ``report.policy`` names it.
 
@@ -176,7 +179,10 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
         findings = _findings(ev)
         decision = _decide(ev, findings, {})
         if steps:
-            confirmations, train_info = confirm.confirm(ctx, ev, decision, optimizer, steps)
+            # a precision refused by model-wide findings alone names no module: training it is what can
+            locate = [p for p, v in decision.verdicts.items()
+                      if refused_model_wide(p, ev.verdicts[p], v, findings, ev.low_trainable)]
+            confirmations, train_info = confirm.confirm(ctx, ev, decision, optimizer, steps, locate_only=locate)
             findings = sorted(findings + _departures(confirmations), key=_sort_key)
             decision = _decide(ev, findings, confirmations)
     finally:
@@ -194,15 +200,23 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
 
 
 def _departures(confirmations: Mapping[str, Confirmation]) -> list[Finding]:
-    """A recipe that departed from fp32 when trained is a finding of its own (what a one-step check cannot see)."""
+    """A recipe that departed from fp32 when trained is a finding of its own (what a one-step check cannot see),
+    naming the module and op where it breaks when the forensic pass at that run's later weights found them (its
+    phase stays "model": it is about a training run; the culprit's own phase is in its confirmation's culprit)."""
     out = []
     for p, c in confirmations.items():
-        if c.status == "departed":
-            out.append(Finding("training_departs", "", p, c.gap if c.gap is not None else math.inf,
-                               f"Trained {c.steps} steps beside fp32 on this batch, the recipe ({c.recipe}) "
-                               f"{c.sentence()}: the one-step measurements above did not show it; do not use this "
-                               "recipe (use another precision, or find what grows during training: the attention "
-                               "logits, the activations, ampcourse.trial's monitors show which)", "error", "model"))
+        if c.status != "departed":
+            continue
+        where = c.culprit or {}
+        fix = ("the forensic pass at those weights names where it breaks: run that module in fp32, or use another "
+               "precision" if where else
+               "use another precision, or find what grows during training: the attention logits, the activations, "
+               "ampcourse.trial's monitors show which")
+        out.append(Finding("training_departs", where.get("module", ""), p,
+                           c.gap if c.gap is not None else math.inf,
+                           f"Trained {c.steps} steps beside fp32 on this batch, the recipe ({c.recipe}) "
+                           f"{c.sentence()}: the one-step measurements at the initial weights did not show it; do not "
+                           f"use this recipe ({fix})", "error", "model", op=where.get("op", "")))
     return out
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from .vocab import STATUSES, quoted
 
-__all__ = ["Verdict", "Confirmation", "Decision", "affects", "decide", "headline_of", "FIXES"]
+__all__ = ["Verdict", "Confirmation", "Decision", "affects", "decide", "headline_of", "refused_model_wide", "FIXES"]
 
 #: What part of a recipe resolves a finding ("" = nothing the doctor can add: fix the code).
 FIXES = ("", "islands", "scaler", "master_weights", "loss_fp32", "fp32_first")
@@ -70,6 +70,11 @@ class _FieldMapping(Mapping):
         return {k: _plain(v) for k, v in self.items()}
 
 
+def _lower_first(text: str) -> str:
+    """'The model ...' -> 'the model ...' (a finding's message inside a sentence); quoted names keep their case."""
+    return text[:1].lower() + text[1:] if text[:1].isalpha() and text[1:2].islower() else text
+
+
 def _plain(v: Any) -> Any:
     if isinstance(v, _FieldMapping):
         return v.to_dict()
@@ -99,6 +104,10 @@ class Confirmation(_FieldMapping):
     skipped: int | None = None
     recipe: str | None = None
     reason: str | None = None
+    #: where a departed run breaks: the forensic pass re-run at that run's weights from just before the departure
+    #: (:func:`.confirm.locate`): module, op, kind, phase, value, message, and ``weights_step`` (the step whose
+    #: weights were examined); None when it did not depart or nothing was named there
+    culprit: dict[str, Any] | None = None
 
     def sentence(self) -> str:
         """'confirmed over 10 steps', 'departs from fp32 at step 4 (loss 61% apart; tolerance 5%)', 'unconfirmed'."""
@@ -108,7 +117,13 @@ class Confirmation(_FieldMapping):
         if self.status == "departed":
             what = ("a non-finite loss" if self.measure == "non-finite" else
                     f"loss {self.gap:.1%} apart from fp32's (tolerance {self.tolerance:.1%})")
-            return f"departs from fp32 at step {self.step} of {self.steps} ({what})"
+            where = ""
+            if self.culprit:
+                c = self.culprit
+                where = ((f"; its loss is inf/NaN from step {c['nonfinite_step']}" if "nonfinite_step" in c else "")
+                         + f"; examined at that run's weights of step {c['weights_step']}: "
+                         f"{_lower_first(c['message']).rstrip('.')}")
+            return f"departs from fp32 at step {self.step} of {self.steps} ({what}){where}"
         return "unconfirmed" + (f" ({self.reason})" if self.reason else "")
 
 
@@ -200,6 +215,40 @@ def _resolved(f, raw: Mapping[str, Any], recipe: set[str]) -> bool:
     return bool(f.fix) and f.fix in recipe
 
 
+def _partition(p: str, v: Mapping[str, Any], findings: list, low_trainable: str | None) -> tuple[list, list, list]:
+    """(resolved by fp32 master weights, resolved by the GradScaler, left unresolved): precision p's error and
+    warning findings (fp32's own aside), split by what part of a recipe resolves them."""
+    mine = [f for f in findings if _blocking(f) and affects(f, p) and f.precision != "fp32"]
+    # what a recipe component resolves: fp32 master weights (a GradScaler too, when the trainable parameters are
+    # fp16: it refuses to unscale fp16 gradients), the GradScaler at the recommended scale
+    master = [f for f in mine if f.fix == "master_weights"
+              or (f.fix == "scaler" and p == "fp16" and low_trainable == "fp16")]
+    scaler = [f for f in mine if f.fix == "scaler" and f not in master]
+    left = [f for f in mine if f not in master and f not in scaler and not _resolved(f, v, set())]
+    return master, scaler, left
+
+
+def refused_model_wide(p: str, raw: Mapping[str, Any], verdict: Verdict, findings: list,
+                       low_trainable: str | None) -> bool:
+    """Whether precision p is refused by model-wide findings alone (no module or parameter named among those no
+    recipe resolves) while its passes ran clean or with islands: training its recipe is the only way left to name
+    where it breaks (:func:`.confirm.confirm` trains it, to locate a departure, never to recommend it).
+
+    Example::
+
+        >>> from ampcourse.doctor.report import Finding
+        >>> f = Finding("gradient_underflow", "", "fp16", 0.02, "msg", "warning", "backward")
+        >>> refused_model_wide("fp16", {"status": "clean"}, Verdict("fp16", "refused"), [f], None)
+        True
+    """
+    if verdict.status != "refused" or raw.get("status") not in ("clean", "islands"):
+        return False
+    if any(f.precision == "fp32" and f.severity == "error" for f in findings):
+        return False
+    _, _, left = _partition(p, raw, findings, low_trainable)
+    return bool(left) and all(not f.module and f.kind != "training_departs" for f in left)
+
+
 def decide(raw: Mapping[str, Mapping[str, Any]], findings: list, *, device: str, default: str, scale: float,
            low_trainable: str | None, tolerances: Mapping[str, Mapping[str, float]] | None = None,
            confirmations: Mapping[str, Confirmation] | None = None, state_only: bool = False) -> Decision:
@@ -234,13 +283,7 @@ def decide(raw: Mapping[str, Mapping[str, Any]], findings: list, *, device: str,
     for p, v in raw.items():
         status = v.get("status", "unsupported")
         reason = v.get("reason")
-        mine = [f for f in findings if _blocking(f) and affects(f, p) and f.precision != "fp32"]
-        # what a recipe component resolves: fp32 master weights (a GradScaler too, when the trainable parameters are
-        # fp16: it refuses to unscale fp16 gradients), the GradScaler at the recommended scale
-        master = [f for f in mine if f.fix == "master_weights"
-                  or (f.fix == "scaler" and p == "fp16" and low_trainable == "fp16")]
-        scaler = [f for f in mine if f.fix == "scaler" and f not in master]
-        left = [f for f in mine if f not in master and f not in scaler and not _resolved(f, v, set())]
+        master, scaler, left = _partition(p, v, findings, low_trainable)
         needs = (["master_weights"] if master else []) + (["scaler"] if scaler else [])
         blockers = [f"{f.kind}@{f.module or '(model)'}" for f in left + master + scaler]
         if status == "refused" and not reason:  # the passes' own refusal: no set of fp32 islands made it clean
