@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -183,10 +183,12 @@ def departure(loss: Sequence[float], ref: Sequence[float]) -> tuple[int, str, fl
 
 
 def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimizer | None,
-            steps: int, locate_only: Sequence[str] = ()) -> tuple[dict[str, Confirmation], dict[str, Any]]:
+            steps: int, locate_only: Sequence[str] = (), forensic: Callable | None = None
+            ) -> tuple[dict[str, Confirmation], dict[str, Any]]:
     """Train every recipe the decision could recommend (rank 0 or 1) ``steps`` steps beside one fp32 reference,
     and those of ``locate_only`` (refused precisions, trained only to name where they break); where a run departs,
-    :func:`locate` names the module and op.
+    :func:`locate` names the module and op, with ``forensic`` (core's forensic pass, passed in: core imports this
+    module, so this module never imports core; None: departures name no module).
 
     Returns (per precision its Confirmation, what was trained: steps, optimizer, master weights, islands, scale).
     """
@@ -256,7 +258,7 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
             # nothing, so a later non-finite step is the one examined
             bad = next((j for j, (a, b) in enumerate(zip(s["loss"], ref)) if not math.isfinite(a)
                         and math.isfinite(b)), k)
-            culprit = locate(ctx, recipe, train, p, label, bad, islands[p])
+            culprit = locate(ctx, recipe, train, p, label, bad, islands[p], forensic=forensic) if forensic else None
             if culprit is not None and bad != k:
                 culprit["nonfinite_step"] = bad
             out[p] = Confirmation("departed", step=k, measure=measure, gap=gap, tolerance=tol, culprit=culprit,
@@ -267,7 +269,7 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
 
 
 def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int,
-           islands: Sequence[str] = ()) -> dict[str, Any] | None:
+           islands: Sequence[str] = (), *, forensic: Callable) -> dict[str, Any] | None:
     """Where a run that departed at step k breaks: replay it (``train([label], k)``, the same deterministic trial)
     up to its weights before step k (those of the last step where they were all finite, if step k's are not), and
     run the forensic pass (examine(steps=0), precision p only, on a copy of the run's model) there. Returns its worst
@@ -282,14 +284,14 @@ def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int,
         p, label: the precision ("fp16") and its trial label ("fp16" or "fp16-noscaler").
         k: the step whose loss departed (or went inf/NaN).
         islands: the recipe's fp32 modules.
+        forensic: the forensic pass, core's ``_examine(model, inputs, targets, loss_fn, optimizer, dev, precs, steps)``
+            (passed in by core, which imports this module: no import back).
 
     Example::
 
-        culprit = locate(ctx, recipe, train, "fp16", "fp16", 6)
+        culprit = locate(ctx, recipe, train, "fp16", "fp16", 6, forensic=core._examine)
         culprit["module"], culprit["op"]   # ('model.layers.0.self_attn', 'aten::bmm')
     """
-    from .core import _examine  # the forensic pass itself (core imports this module)
-
     spy = _Spy(p)
     recipe._spy = spy
     try:
@@ -311,7 +313,7 @@ def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int,
     remove_policy(net)  # the recipe's islands: the forensic pass finds its own
     net.train(ctx.model.training)
     try:
-        sub = _examine(net, recipe._batch[0], recipe._batch[1], recipe._loss_fn, None, ctx.dev, (p,), 0)
+        sub = forensic(net, recipe._batch[0], recipe._batch[1], recipe._loss_fn, None, ctx.dev, (p,), 0)
     except Exception:  # noqa: BLE001 (the forensic pass at those weights raised: nothing to name)
         return None
     inside = lambda n: any(n == i or n.startswith(i + ".") for i in islands)  # noqa: E731

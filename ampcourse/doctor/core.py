@@ -182,7 +182,8 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
             # a precision refused by model-wide findings alone names no module: training it is what can
             locate = [p for p, v in decision.verdicts.items()
                       if refused_model_wide(p, ev.verdicts[p], v, findings, ev.low_trainable)]
-            confirmations, train_info = confirm.confirm(ctx, ev, decision, optimizer, steps, locate_only=locate)
+            confirmations, train_info = confirm.confirm(ctx, ev, decision, optimizer, steps, locate_only=locate,
+                                                        forensic=_examine)
             findings = sorted(findings + _departures(confirmations), key=_sort_key)
             decision = _decide(ev, findings, confirmations)
     finally:
