@@ -487,11 +487,17 @@ def close_offers_the_workspace(page, lab: Lab, notebook: str, shoot: Shoot) -> N
     shoot("save-as-offers-the-workspace")
     page.locator(".jp-Dialog").get_by_role("button", name="Save", exact=True).click()
     saved = lab.root / "workspace" / f"edited_{notebook}"
-    deadline = time.monotonic() + 30
-    while not saved.exists() and time.monotonic() < deadline:
-        time.sleep(0.25)
+    # JupyterLab's Save As creates the file, then writes the notebook into it: under load the test saw it exist
+    # and still empty (CI, 2026-12-02). Wait for the whole notebook, not for the name.
+    deadline, copy = time.monotonic() + 30, None
+    while copy is None and time.monotonic() < deadline:
+        try:
+            copy = nbformat.read(saved, as_version=4)
+        except (OSError, ValueError):  # not there yet, or not all written (NotJSONError is a ValueError)
+            time.sleep(0.25)
     assert saved.exists(), "Save As from the full chapter did not write the workspace file"
-    assert nbformat.read(saved, as_version=4).cells, "the saved copy is empty"
+    assert copy is not None, f"the saved copy is not a whole notebook after 30 s: {saved.read_bytes()[:80]!r}"
+    assert copy.cells, "the saved copy is empty"
     expect(page.locator(".jp-Dialog")).to_have_count(0)  # no error dialog, no second round
     expect(page.locator(f'.lm-TabBar-tab[title*="Path: chapters/{notebook}"]')).to_have_count(0)  # closed
 
