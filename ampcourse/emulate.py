@@ -36,6 +36,9 @@ Inside the region, as on a GPU:
   (``torch.autocast(x.device.type, enabled=False)``, HF's RoPE) acts as it would on a GPU, and a training loop
   written for CPU autocast (ampcourse's ``train_step``, the doctor) gets CUDA's policy by running inside one
   outer ``emulate.autocast(enabled=False)``.
+  Make the ``torch.autocast`` object inside the region too: one made before the region and entered inside it is a
+  plain CPU autocast that this emulation does not see, and its ops run in fp32 (the doctor gallery's gradient
+  check measured fp32 against fp32 that way until it moved its ``torch.autocast(...)`` call inside);
   ``custom_bwd`` needs the backward pass inside an emulation (``with emulate.autocast(enabled=False):
   loss.backward()``), since on exit the emulator leaves nothing behind for it;
 - ``torch.is_autocast_enabled("cuda")`` and ``torch.get_autocast_dtype("cuda")`` read as on a GPU.
