@@ -497,6 +497,33 @@ def _silence_fds() -> None:
 _CHILD_TIMEOUT = 600.0  # seconds: every probe measured here takes under 15 s, on a busy 2-core machine
 
 
+_CHILD_MODES_OFF = None  # set in a forked probe only: see _fresh_thread_state
+
+
+def _fresh_thread_state() -> None:
+    """In a forked probe: drop the thread state fork copied from the caller, so a probe measures torch, not its caller.
+
+    A probe started inside the doctor's op watch (a dispatch mode that reads every output: ``.item()`` raised on
+    every fake tensor, so all 126 overloads read "not probeable"), inside CUDA's autocast or inside an emulation
+    (binary_cross_entropy's "autocast off" call still under autocast) was cached per build with those answers. The
+    child leaves every dispatch and function mode, switches autocast off on every device and takes the
+    AutocastCPU key out of the thread's included keys (the emulator puts it there); it never returns to the caller.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    global _CHILD_MODES_OFF
+    # pops the user, infra and pre-dispatch modes; kept referenced, since a discarded context manager's generator
+    # is closed at garbage collection and its cleanup pushes the modes back (the child exits with os._exit)
+    _CHILD_MODES_OFF = _disable_current_modes()
+    _CHILD_MODES_OFF.__enter__()
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    for device_type in ("cpu", "cuda"):
+        torch.set_autocast_enabled(device_type, False)
+    torch._C._dispatch_tls_set_dispatch_key_included(torch._C.DispatchKey.AutocastCPU, False)
+    torch.clear_autocast_cache()
+
+
 def _in_child(fn: Callable, *args, timeout: float = _CHILD_TIMEOUT):
     """fn(*args) in a forked child process: (result, None), or (None, why) when the child died or hung.
 
@@ -513,6 +540,7 @@ def _in_child(fn: Callable, *args, timeout: float = _CHILD_TIMEOUT):
         try:
             os.close(read)
             _silence_fds()
+            _fresh_thread_state()
             with os.fdopen(write, "wb") as out:
                 pickle.dump(fn(*args), out)
         except BaseException:  # noqa: BLE001 - reported to the parent as a dead child

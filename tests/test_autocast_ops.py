@@ -206,6 +206,33 @@ def test_a_probe_started_inside_cuda_autocast_probes_from_a_clean_state(tmp_path
     assert inside == clean
 
 
+def test_a_probe_started_inside_a_dispatch_mode_and_an_emulation_probes_torch_not_its_caller(tmp_path, monkeypatch):
+    """Fork copies the caller's thread state: a probe started inside the doctor's op watch (a dispatch mode reading
+    every output with .item()) read all 126 overloads as "not probeable" (the 2.11 leg, 2026-12-02), and inside an
+    emulation of another dtype it ran under the emulator's keys. The child starts from a clean thread."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ampcourse import emulate
+
+    class Reads(TorchDispatchMode):  # what the doctor's watch does to every output
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel():
+                out.flatten()[0].item()
+            return out
+
+    monkeypatch.setenv("AMPCOURSE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autocast_ops, "_POLICIES", {})
+    clean = autocast_ops._probe_policy("cuda", torch.bfloat16)
+    autocast_ops.policy("cuda", torch.float16)  # the emulation below needs its own dtype's policy first
+    monkeypatch.setattr(autocast_ops, "_POLICIES", {k: v for k, v in autocast_ops._POLICIES.items()
+                                                    if k[2] == torch.float16})
+    with emulate.autocast("cuda", dtype=torch.float16), Reads():
+        inside = autocast_ops.policy("cuda", torch.bfloat16)
+    assert inside["aten::mm"].category == "lower"
+    assert inside == clean
+
+
 def test_the_op_a_call_enters_on_a_real_device():
     """What a GPU's table uses to name the fp32 kind: the aten op the call enters (here on CPU tensors)."""
     specs = {s.name: s for s in autocast_ops.OPS}
