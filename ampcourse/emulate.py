@@ -18,6 +18,8 @@ The interface (stable; other modules build on it):
   the policy applied, input and output dtypes, the arguments' shapes) for checks against the real kernels.
   ``.fallbacks`` names ops that ran in fp32 because this CPU has no fp16/bf16 kernel for them.
 - ``is_active()``: True inside an emulation in this thread.
+- ``autocast_state(device_type)``: (enabled, dtype) as code holding tensors of that device would see on a GPU
+  (inside an emulation ``torch.is_autocast_enabled("cpu")`` is True in every region and CPU's dtype is bf16).
 - ``policy(dtype)``: the per-overload policy applied (``autocast_ops.policy("cuda", dtype)``, probed from
   this torch build's CUDA autocast kernels; never a typed list).
 - ``LIMITS``: what it cannot reproduce.
@@ -76,7 +78,7 @@ import torch
 from . import _args, autocast_ops, formats
 from .autocast_ops import Policy
 
-__all__ = ["autocast", "is_active", "policy", "session", "Call", "LIMITS"]
+__all__ = ["autocast", "autocast_state", "is_active", "policy", "session", "Call", "LIMITS"]
 
 #: What the emulator does not reproduce: dtypes and casts are CUDA's, the arithmetic inside each op is the CPU's.
 LIMITS: tuple[str, ...] = (
@@ -127,6 +129,33 @@ _global = {"refs": 0, "lib": None, "patched": None}
 def is_active() -> bool:
     """True inside an emulation in this thread."""
     return _local.depth > 0
+
+
+def autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    """Whether autocast is on for tensors of ``device_type``, and its dtype, as code holding them would see on a GPU.
+
+    Code that reads the state by its tensors' device (``torch.is_autocast_enabled(x.device.type)``) reads CPU's
+    inside an emulation, where CPU tensors stand for CUDA ones: the CPU autocast key is on in every emulated
+    region (``enabled=False`` ones too: the kernels sit there) and CPU's dtype is its own default (bf16), never the
+    region's. Read it through this function instead: inside an emulation "cpu" (and "meta") gives CUDA's state.
+
+    Args:
+        device_type: the tensors' device type ("cpu", "cuda", "meta", ...).
+
+    Returns:
+        (enabled, dtype): torch.is_autocast_enabled and torch.get_autocast_dtype for that device, or for "cuda"
+        inside an emulation.
+
+    Example:
+        >>> with autocast("cuda", dtype=torch.float16, enabled=False):
+        ...     torch.is_autocast_enabled("cpu"), autocast_state("cpu")
+        (True, (False, torch.float16))
+    """
+    if is_active() and device_type in ("cpu", "meta"):
+        device_type = "cuda"
+    if device_type == "meta":  # outside an emulation meta tensors get no autocast
+        return False, torch.get_autocast_dtype("cpu")
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
 def policy(dtype: torch.dtype = torch.float16) -> dict[str, Policy]:

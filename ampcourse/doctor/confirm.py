@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import _args, formats
+from .. import _args, emulate, formats
 from ..policy import apply_policy, remove_policy
 from .calls import call, fresh_copy, scalar_loss
 from .passes import Context
@@ -77,9 +77,11 @@ class _Recipe(nn.Module):
         self._spy: _Spy | None = None  # set only while locate() replays a run
 
     def _precision(self) -> str:
-        if not torch.is_autocast_enabled(self._device_type):
+        # through emulate: under policy="cuda" torch's own CPU state reads bf16 (and "on") in every emulated region
+        enabled, dtype = emulate.autocast_state(self._device_type)
+        if not enabled:
             return "fp32"
-        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(torch.get_autocast_dtype(self._device_type), "fp32")
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
 
     def forward(self, _index: torch.Tensor) -> torch.Tensor:
         # examine() runs inside a disabled autocast context, so autocast's cache of fp16/bf16 weight casts would
@@ -272,7 +274,8 @@ def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int,
            islands: Sequence[str] = (), *, forensic: Callable) -> dict[str, Any] | None:
     """Where a run that departed at step k breaks: replay it (``train([label], k)``, the same deterministic trial)
     up to its weights before step k (those of the last step where they were all finite, if step k's are not), and
-    run the forensic pass (examine(steps=0), precision p only, on a copy of the run's model) there. Returns its worst
+    run the forensic pass (examine(steps=0), precision p only, on a copy of the run's model, with the recipe's
+    ``islands`` in fp32 as the run had them) there. Returns its worst
     error or warning finding that names a module outside the recipe's ``islands`` (those already run in fp32: not
     where it breaks), as a dict (module, op, kind, phase, precision, value, message, weights_step), or None
     (nothing named there, or the replay failed).
@@ -310,7 +313,12 @@ def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int,
         net.load_state_dict(spy.weights)
     else:
         return None
-    remove_policy(net)  # the recipe's islands: the forensic pass finds its own
+    # the run's own recipe, islands included, as the model's policy (the forensic pass keeps a model's policy): at a
+    # departure the islands still run in fp32, so what it names is what broke beyond them, not the islands again
+    remove_policy(net)
+    rules = {**recipe._policy, **{n: "fp32" for n in islands}}
+    if rules:
+        apply_policy(net, rules)
     net.train(ctx.model.training)
     try:
         sub = forensic(net, recipe._batch[0], recipe._batch[1], recipe._loss_fn, None, ctx.dev, (p,), 0)

@@ -455,6 +455,14 @@ def _sentence(text: str) -> str:
     return text if text.endswith((".", "!", "?")) else text + "."
 
 
+def _status_phrase(p: str, w) -> str:
+    """How the advice names another precision's status: 'fp16 needs fp32 modules 'mid'', 'bf16 is clean too'."""
+    if w["status"] == "islands":
+        names = w.get("fp32_modules") or []
+        return f"{p} needs fp32 modules {', '.join(quoted(n) for n in names)}" if names else f"{p} needs fp32 islands"
+    return f"{p} is {w['status']}" + (" too" if w["status"] == "clean" else "")
+
+
 def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
     """Sentences derived from the verdicts and the findings, each citing the measurement behind it."""
     out = []
@@ -467,7 +475,7 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
                              + "; no precision is judged until the fp32 run is finite"))
         return out + _loss_side(r)
     rank = _rank(v) if v is not None else 3
-    others = "; ".join(f"{p} is {w['status']}" for p, w in r.verdicts.items() if p != rec)
+    others = "; ".join(_status_phrase(p, w) for p, w in r.verdicts.items() if p != rec)
     if rank >= 2:
         states = "; ".join(f"{p} is {w['status']}" + (f" ({w['reason']})" if w.get("reason") else "")
                            for p, w in r.verdicts.items())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import _args
+from .. import _args, emulate
 from .. import inputs as _inputs
 
 __all__ = ["Monitor", "Measure", "attention_logit_max", "output_logit_max", "activation_max", "default_monitors",
@@ -74,7 +74,7 @@ def _scores_max(block: nn.Module) -> Measure:
     def measure(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         # The hook runs inside the step's autocast region, where `@` would cast q and k back to bf16/fp16: the
         # scores would be rounded, and on a CPU a low-precision `@` of this shape took ~4x as long (torch 2.13).
-        if not torch.is_autocast_enabled(out.device.type):  # the fp32 run: no context to enter
+        if not emulate.autocast_state(out.device.type)[0]:  # the fp32 run: no context to enter
             return _scores(out)
         with torch.autocast(out.device.type, enabled=False):
             return _scores(out)

@@ -40,3 +40,51 @@ def test_cli_policy_flag(tmp_path, capsys):
     assert main(["--model", "mlp", "--device", "cpu", "--precisions", "bf16", "--policy", "cuda",
                  "--out", str(out)]) == 0
     assert json.loads(out.read_text())["policy"] == "cuda (emulated on cpu)"
+
+
+def test_confirmation_under_cudas_lists_trains_the_recipes_islands():
+    # The confirmation's copy reads which autocast dtype it runs under to apply that recipe's islands. Under an
+    # emulation torch's CPU state reads "on, bf16" in every region (the emulator's kernels sit at the CPU key), so
+    # fp16's recipe (fp32 module 'mid') trained without its island: NaN at step 0, "departs", no culprit named.
+    s = G.case("matvec_overflow").build(0)
+    r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, steps=10, policy="cuda")
+    v = r.verdicts["fp16"]
+    assert v["status"] == "islands" and v["fp32_modules"] == ["mid"], r.summary()
+    assert v["confirmation"].status == "confirmed" and v["confirmation"].skipped == 0, r.summary()
+    assert r.recommended_precision == "bf16"
+    assert "fp16 needs fp32 modules 'mid'" in " ".join(r.advice), r.advice
+
+
+def test_autocast_state_reads_the_emulated_region_for_cpu_tensors():
+    assert emulate.autocast_state("cpu") == (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    with emulate.autocast("cuda", dtype=torch.float16, enabled=False):
+        assert torch.is_autocast_enabled("cpu")  # the emulator's own key: what a plain read gets wrong
+        assert emulate.autocast_state("cpu") == (False, torch.float16)
+        with torch.autocast("cpu", dtype=torch.float16):  # opens CUDA's region (CPU tensors stand for CUDA's)
+            assert emulate.autocast_state("cpu") == (True, torch.float16)
+            assert emulate.autocast_state("meta") == (True, torch.float16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert emulate.autocast_state("cpu") == (True, torch.bfloat16)
+    assert emulate.autocast_state("meta")[0] is False
+
+
+def test_a_departure_is_located_with_the_recipes_islands(monkeypatch):
+    # Where a recipe with fp32 islands departs, the forensic pass at the departure runs with those islands, as the
+    # run had them: without them it finds the islands' own overflow first (NaN from there on) and names nothing else.
+    from ampcourse.doctor import confirm as C
+    from ampcourse.doctor import core
+    from ampcourse.policy import policy_of
+
+    seen, forensic = [], core._examine
+
+    def spy(model, inputs, targets, loss_fn, optimizer, dev, precs, steps):
+        if steps == 0 and precs == ("fp16",):
+            seen.append(policy_of(model))
+        return forensic(model, inputs, targets, loss_fn, optimizer, dev, precs, steps)
+
+    monkeypatch.setattr(core, "_examine", spy)
+    monkeypatch.setattr(C, "departure", lambda loss, ref: (3, "loss", 1.0, 0.05) if len(loss) else None)
+    s = G.case("matvec_overflow").build(0)
+    r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, precisions=("fp16",), steps=4, policy="cuda")
+    assert r.verdicts["fp16"]["confirmation"].status == "departed"
+    assert seen and seen[-1] == {"mid": "fp32"}, seen
