@@ -3,6 +3,7 @@
 #
 #   tools/torch_leg.sh 2.11.0        # the declared floor
 #   tools/torch_leg.sh 2.15.0        # the newest torch tested
+#   tools/torch_leg.sh --install-only 2.15.0   # step 1 only (.ci/run builds both venvs while `make test` runs)
 #
 # For the torch version given (one of pyproject.toml's [tool.ampcourse] torch-tested), the leg
 #   1. builds (or reuses) a virtual environment with that torch, the torchao that pyproject.toml pairs with it
@@ -20,8 +21,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 
+INSTALL_ONLY=0
+if [ "${1:-}" = "--install-only" ]; then
+    INSTALL_ONLY=1
+    shift
+fi
 if [ $# -ne 1 ]; then
-    echo "usage: tools/torch_leg.sh TORCH_VERSION   (one of pyproject.toml's [tool.ampcourse] torch-tested)" >&2
+    echo "usage: tools/torch_leg.sh [--install-only] TORCH_VERSION   (one of pyproject.toml's [tool.ampcourse] torch-tested)" >&2
     exit 2
 fi
 TORCH="$1"
@@ -90,6 +96,10 @@ PY="$VENV/bin/python"
 T0=$(date +%s)
 
 step "install (torch $TORCH, torchao $TORCHAO)" install || true
+if [ "$INSTALL_ONLY" = 1 ]; then
+    [ ${#failed[@]} -eq 0 ]
+    exit
+fi
 if [ ! -x "$PY" ]; then
     echo "torch $TORCH leg: no environment, nothing else to run" >&2
     exit 1

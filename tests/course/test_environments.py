@@ -234,12 +234,36 @@ def test_ci_runs_the_floor_and_the_newest_torch_through_the_leg_script():
     assert any("tools/torch_leg.sh" in step.get("run", "") for step in job["steps"])
     run = (ROOT / ".ci/run").read_text()
     assert "make test" in run and "tools/torch_leg.sh" in run and "torch-tested" in run
-    assert run.index("make test") < run.index("tools/torch_leg.sh"), "the lock's torch first, then the legs"
+    code = [line.strip() for line in run.splitlines() if not line.lstrip().startswith("#")]
+    at = {what: next(i for i, line in enumerate(code) if line.startswith(what))
+          for what in ("make test ||", 'tools/torch_leg.sh --install-only', 'tools/torch_leg.sh "$torch_version" ||')}
+    # the legs' venvs build beside make test; the legs' tests run after it (the lock's torch first)
+    assert at['tools/torch_leg.sh --install-only'] < at["make test ||"] < at['tools/torch_leg.sh "$torch_version" ||']
+    assert "wait" in " ".join(code[at["make test ||"]:at['tools/torch_leg.sh "$torch_version" ||']])
     leg = (ROOT / "tools/torch_leg.sh").read_text()
     for what in ["--nbval-lax", "not slow", "test_browser.py", "test_student.py", "test_make_lab.py",
                  "torchao-for-torch", "requirements.lock", "import"]:
         assert what in leg, f"tools/torch_leg.sh should mention {what!r}"
     assert os.access(ROOT / "tools/torch_leg.sh", os.X_OK) and os.access(ROOT / ".ci/run", os.X_OK)
+
+
+def test_the_leg_scripts_install_only_builds_or_reuses_the_venv_and_runs_nothing_else(tmp_path):
+    import hashlib
+    import subprocess
+    torch = torch_tested()[0]
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ampcourse"]
+    digest = "".join(f"{hashlib.sha256((ROOT / f).read_bytes()).hexdigest()}  {f}\n"
+                     for f in ("requirements.lock", "pyproject.toml"))
+    want = (f"torch=={torch} torchao=={cfg['torchao-for-torch'][torch]} "
+            f"lock={hashlib.sha256(digest.encode()).hexdigest()[:16]}")
+    venv = tmp_path / f"torch-{torch}"
+    venv.mkdir()
+    (venv / ".leg").write_text(want + "\n")  # a built venv (its python absent: a leg past install would say so)
+    out = subprocess.run(["bash", "tools/torch_leg.sh", "--install-only", torch], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "TORCH_LEG_CACHE": str(tmp_path)}, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"reusing {venv}" in out.stdout and "install" in out.stdout
+    assert "import check" not in out.stdout and "no environment" not in out.stderr
 
 
 def test_the_leg_script_refuses_an_untested_torch():
