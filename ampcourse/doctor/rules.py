@@ -491,7 +491,9 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
         else:
             msg = (f"{flush1:.3%} of the nonzero gradients flush to zero in fp16 at scale 1"
                    + (f" and the largest, {gmax:.3g}, overflows it" if gmax >= over else "")
-                   + (f"; use a GradScaler: {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed"
+                   + ((f"; use a GradScaler: its default init_scale=2**16 does not overflow and leaves "
+                       f"{flush_rec:.3%} flushed" if scale == DEFAULT_SCALE and not backoffs else
+                       f"; use a GradScaler: {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed")
                       if kind == "scaler_needed" else "; none flush and none overflow on this batch, so fp16 needs no "
                       "loss scale for it (gradients shrink as training converges: examine a later checkpoint too)"))
         out.append(Finding(kind, "", "fp16", flush1, msg, "info", "backward"))

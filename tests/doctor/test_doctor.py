@@ -518,3 +518,19 @@ def test_uninitialised_memory_is_not_an_inf_nan_a_pass_has_seen():
     with watch:
         torch.ones(3) / torch.zeros(3)
     assert watch.seen_nonfinite and watch.origins[0].op == "aten::div"
+
+
+@pytest.mark.parametrize("policy", [None, "cuda"])
+def test_the_default_scale_and_the_recommended_one_give_one_share_when_they_are_equal(policy):
+    # When GradScaler's default is the recommended scale, the fp16 backward ran at it: one measured share for both.
+    # (The default's was the fp32 histograms' prediction, over module outputs' gradients too: the transformer under
+    # CUDA's lists read "the default 2**16 ... leaves 0.07% flushed; init_scale=2**16 leaves 0.000% flushed".)
+    task = make_task("transformer", n=16, seed=0)
+    x, y = task.data.tensors
+    r = examine(task.model, x, y, loss_fn=task.loss_fn, precisions=("fp16",), steps=0, policy=policy,
+                optimizer=torch.optim.AdamW(task.model.parameters(), lr=1e-3))
+    g = r.gradients
+    assert g["recommended_scale"] == 2.0**16 and g["default_backoff_steps"] == 0, g
+    assert g["flush_at_default"] == g["flush_at_recommended"], g
+    (f,) = [f for f in r.findings if f.kind in ("scaler_needed", "no_scaler_needed")]
+    assert "init_scale=2**16 leaves" not in f.message and f.message.count("flushed") <= 1, f.message
