@@ -534,7 +534,8 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
                        + f": max|grad| {g['max']:.3g} x 2**{k} stays {rules.GRAD_MARGIN:g}x below 65504, leaving "
                        f"{g['flush_at_recommended']:.2%} of the gradients flushed (against {g['flush_at_1']:.2%} at "
                        f"scale 1); GradScaler's default init_scale is 2**16 ({g.get('flush_at_default', 0):.2%} "
-                       f"flushed{'; ' + cost if cost else ''}); the fp16 backward ran at 2**{k} here.")
+                       + ("" if "flush_at_default_predicted" in g or "measured" not in g else "predicted ")
+                       + f"flushed{'; ' + cost if cost else ''}); the fp16 backward ran at 2**{k} here.")
     elif rec == "bf16" and rank <= 1:
         out.append("No GradScaler: bf16 has fp32's exponent range"
                    + (f" ({g['bf16_flush_at_1']:.3%} of the gradients flush at scale 1)." if "bf16_flush_at_1" in g

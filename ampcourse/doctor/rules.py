@@ -463,6 +463,10 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
                            "backward", fix="scaler"))
     if "fp16" in ev.precisions:
         flush1, flush_rec, flush_default = info["flush_at_1"], info["flush_at_recommended"], info["flush_at_default"]
+        # the fp16 backwards ran at scale 1 and at the recommended scale; the default's share, unless it is the
+        # recommended one, is predicted from the fp32 gradients' histograms: say which
+        default_share = (f"{flush_default:.2%}" if "flush_at_default_predicted" in info or "measured" not in info
+                         else f"{flush_default:.2%} (predicted from the fp32 gradients)")
         backoffs = info["default_backoff_steps"]
         worst = info.get("worst_param")
         worst_txt = f" (worst parameter: {quoted(worst[0])}, {worst[1]:.0%})" if worst else ""
@@ -473,7 +477,7 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
             sev = "warning" if flush1 > 0.5 or flush_default > UNDERFLOW_WARN else "info"
             out.append(Finding("gradient_underflow", "", "fp16", flush1,
                                f"{flush1:.1%} of the nonzero gradients of layers that autocast runs in fp16 flush to "
-                               f"zero at scale 1{worst_txt}; GradScaler's default leaves {flush_default:.2%}; at "
+                               f"zero at scale 1{worst_txt}; GradScaler's default leaves {default_share}; at "
                                f"init_scale=2**{k} (max|grad| {gmax:.3g} x scale stays {GRAD_MARGIN:g}x below {fmax:g}) "
                                f"{flush_rec:.2%} do: {how}", sev, "backward", fix="scaler"))
         if flush_rec > UNDERFLOW_WARN:
@@ -482,7 +486,7 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
                                "gradients span more binades than fp16 holds; use bf16", "warning", "backward"))
         default_txt = (f"GradScaler's default 2**16 overflows first and needs {backoffs} backoff step(s) (skipped "
                        f"steps) to get below fp16's max" if backoffs else
-                       f"GradScaler's default 2**16 does not overflow and leaves {flush_default:.2%} flushed")
+                       f"GradScaler's default 2**16 does not overflow and leaves {default_share} flushed")
         kind = "scaler_needed" if flush1 > 0 or gmax >= over else "no_scaler_needed"
         if low_params:
             msg = (f"{flush1:.3%} of the nonzero gradients flush to zero in fp16 at scale 1; the parameters are "

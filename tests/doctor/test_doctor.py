@@ -534,3 +534,16 @@ def test_the_default_scale_and_the_recommended_one_give_one_share_when_they_are_
     assert g["flush_at_default"] == g["flush_at_recommended"], g
     (f,) = [f for f in r.findings if f.kind in ("scaler_needed", "no_scaler_needed")]
     assert "init_scale=2**16 leaves" not in f.message and f.message.count("flushed") <= 1, f.message
+
+
+def test_the_default_scales_share_says_it_is_predicted_when_no_backward_ran_there():
+    # A tiny loss: the recommended scale is far above the default, so the fp16 backwards ran at 1 and at the
+    # recommended scale only; the default's share comes from the fp32 histograms and is labelled so.
+    task = make_task("mlp", n=32, seed=0)
+    x, y = task.data.tensors
+    r = examine(task.model, x, y, loss_fn=lambda out, t: task.loss_fn(out, t) * 2.0**-20, precisions=("fp16",),
+                steps=0)
+    g = r.gradients
+    assert g["recommended_scale"] > 2.0**16 and "flush_at_default_predicted" not in g, g
+    (f,) = [f for f in r.findings if f.kind == "scaler_needed"]
+    assert f"leaves {g['flush_at_default']:.2%} (predicted from the fp32 gradients) flushed" in f.message, f.message
