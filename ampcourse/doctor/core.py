@@ -505,8 +505,9 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
                    + (f"; {others}" if others else "") + "." + tol_txt)
     info = r.confirmation
     if info.get("trained"):
-        out.append(f"The confirmation trained {', '.join(info['trained'])} {info['steps']} steps each beside fp32 with "
-                   f"{info['optimizer']}, on {info['batch']}.")
+        each = " each" if len(info["trained"]) > 1 else ""
+        out.append(f"The confirmation trained {' and '.join(info['trained'])}, {info['steps']} steps{each} beside fp32 "
+                   f"with {info['optimizer']}, on {info['batch']}.")
     elif info.get("error"):
         out.append(_sentence(f"The recipes could not be confirmed by training: {info['error']}"))
     if ev.ctx.dev.type == "cpu":

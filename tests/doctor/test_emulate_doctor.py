@@ -53,6 +53,7 @@ def test_confirmation_under_cudas_lists_trains_the_recipes_islands():
     assert v["confirmation"].status == "confirmed" and v["confirmation"].skipped == 0, r.summary()
     assert r.recommended_precision == "bf16"
     assert "fp16 needs fp32 modules 'mid'" in " ".join(r.advice), r.advice
+    assert "The confirmation trained fp16 and bf16, 10 steps each beside fp32 with AdamW" in " ".join(r.advice)
 
 
 def test_autocast_state_reads_the_emulated_region_for_cpu_tensors():
