@@ -491,8 +491,11 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
         how = ("" if rank == 0 or not v.master_weights else
                " with the optimizer's state in fp32" if ev.audit is not None and ev.audit.get("fp32_master_weights")
                else " with fp32 master weights (fp32 trainable parameters + autocast)")
+        scaled = rank == 1 and "scaler" in v.needs and v.get("scale")
         why = ("no op made inf/NaN, no module passed the error tolerance, and the output, loss and gradients match "
-               "fp32" if v.status == "clean" or (rank == 1 and not v.fp32_modules) else
+               "fp32" + (f" once a GradScaler scales the loss by 2**{int(math.log2(v['scale']))} (its gradients "
+                         "flush to zero without it)" if scaled else "")
+               if v.status == "clean" or (rank == 1 and not v.fp32_modules) else
                f"clean once {', '.join(quoted(n) for n in r.fp32_modules)} run in fp32 (the snippet below applies it)")
         conf = v.confirmation
         confirmed = (f"; {conf.sentence()}" if conf is not None and conf.status != "unconfirmed" else
@@ -531,12 +534,13 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
                     f"from 2**16 it grows only x2 per growth_interval (2000) steps, so set init_scale" if ratio > 1
                     else "")
             out.append(f"Use torch.amp.GradScaler({r.device.split(':')[0]!r}, init_scale=2**{k})"
-                       + (" on the fp32 master weights" if rank == 1 else "")
+                       + (" on the fp32 master weights" if rank == 1 and "master_weights" in v.needs else "")
                        + f": max|grad| {g['max']:.3g} x 2**{k} stays {rules.GRAD_MARGIN:g}x below 65504, leaving "
                        f"{g['flush_at_recommended']:.2%} of the gradients flushed (against {g['flush_at_1']:.2%} at "
-                       f"scale 1); GradScaler's default init_scale is 2**16 ({g.get('flush_at_default', 0):.2%} "
-                       + ("" if "flush_at_default_predicted" in g or "measured" not in g else "predicted ")
-                       + f"flushed{'; ' + cost if cost else ''}); the fp16 backward ran at 2**{k} here.")
+                       f"scale 1); GradScaler's default init_scale is 2**16 ({g.get('flush_at_default', 0):.2%} flushed"
+                       + ("" if "flush_at_default_predicted" in g or "measured" not in g else
+                          ", predicted from the fp32 gradients")
+                       + f"{'; ' + cost if cost else ''}); the fp16 backward ran at 2**{k} here.")
     elif rec == "bf16" and rank <= 1:
         out.append("No GradScaler: bf16 has fp32's exponent range"
                    + (f" ({g['bf16_flush_at_1']:.3%} of the gradients flush at scale 1)." if "bf16_flush_at_1" in g

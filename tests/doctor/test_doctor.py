@@ -547,3 +547,9 @@ def test_the_default_scales_share_says_it_is_predicted_when_no_backward_ran_ther
     assert g["recommended_scale"] > 2.0**16 and "flush_at_default_predicted" not in g, g
     (f,) = [f for f in r.findings if f.kind == "scaler_needed"]
     assert f"leaves {g['flush_at_default']:.2%} (predicted from the fp32 gradients) flushed" in f.message, f.message
+    # fp16 is refused as it is and recommended with its GradScaler (rank 1): the advice says so, and names no master
+    # weights (the weights are fp32; it read "GradScaler(...) on the fp32 master weights" for any rank-1 verdict)
+    assert r.recommended_precision == "fp16" and r.verdicts["fp16"].needs == ["scaler"]
+    text = " ".join(r.advice)
+    assert f"2**16 ({g['flush_at_default']:.2%} flushed, predicted from the fp32 gradients" in text, text
+    assert "master weights" not in text and "once a GradScaler scales the loss by 2**" in text, text
