@@ -83,13 +83,17 @@ class _Recipe(nn.Module):
             return "fp32"
         return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
 
+    def rules(self, p: str) -> dict[str, str]:
+        """The precision policy precision p's recipe runs with: the learner's own policy, then its fp32 islands."""
+        return {**self._policy, **{n: "fp32" for n in self._islands.get(p, ())}}
+
     def forward(self, _index: torch.Tensor) -> torch.Tensor:
         # examine() runs inside a disabled autocast context, so autocast's cache of fp16/bf16 weight casts would
         # outlive each step's own autocast context: last step's weights, forever. Each step casts afresh.
         torch.clear_autocast_cache()
         p = self._precision()
         if self._applied != p:
-            rules = {**self._policy, **{n: "fp32" for n in self._islands.get(p, ())}}
+            rules = self.rules(p)
             remove_policy(self.model)
             if rules:
                 apply_policy(self.model, rules)
@@ -316,7 +320,7 @@ def locate(ctx: Context, recipe: _Recipe, train, p: str, label: str, k: int,
     # the run's own recipe, islands included, as the model's policy (the forensic pass keeps a model's policy): at a
     # departure the islands still run in fp32, so what it names is what broke beyond them, not the islands again
     remove_policy(net)
-    rules = {**recipe._policy, **{n: "fp32" for n in islands}}
+    rules = recipe.rules(p)
     if rules:
         apply_policy(net, rules)
     net.train(ctx.model.training)

@@ -256,7 +256,7 @@ def _measured_shares(ev: Evidence) -> None:
         g["flush_at_recommended"] = sum(grads[n]["flushed"] * c for n, c in live.items()) / total
         # GradScaler's default, after its backoffs, is the scale the fp16 backward ran at: one measured number for
         # both (the histogram's prediction counts module outputs' gradients too: 0.07% against 0.000% measured)
-        if rules.DEFAULT_SCALE / 2.0 ** g.get("default_backoff_steps", 0) == g.get("recommended_scale"):
+        if rules.default_is_recommended(g):
             g["flush_at_default_predicted"] = g.get("flush_at_default", 0.0)
             g["flush_at_default"] = g["flush_at_recommended"]
     g["measured"] = "fp16 backward, per parameter (share of fp32's nonzero gradient values that came back zero)"
@@ -538,8 +538,7 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
                        + f": max|grad| {g['max']:.3g} x 2**{k} stays {rules.GRAD_MARGIN:g}x below 65504, leaving "
                        f"{g['flush_at_recommended']:.2%} of the gradients flushed (against {g['flush_at_1']:.2%} at "
                        f"scale 1); GradScaler's default init_scale is 2**16 ({g.get('flush_at_default', 0):.2%} flushed"
-                       + ("" if "flush_at_default_predicted" in g or "measured" not in g else
-                          ", predicted from the fp32 gradients")
+                       + (", predicted from the fp32 gradients" if rules.default_share_predicted(g) else "")
                        + f"{'; ' + cost if cost else ''}); the fp16 backward ran at 2**{k} here.")
     elif rec == "bf16" and rank <= 1:
         out.append("No GradScaler: bf16 has fp32's exponent range"

@@ -447,6 +447,17 @@ def _owner(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+def default_share_predicted(info: dict[str, Any]) -> bool:
+    """Whether GradScaler's default flushed share is the fp32 histograms' prediction while the other shares were
+    measured by fp16 backwards (at scale 1 and the recommended scale): then the report says it is predicted."""
+    return "measured" in info and "flush_at_default_predicted" not in info
+
+
+def default_is_recommended(info: dict[str, Any]) -> bool:
+    """Whether GradScaler's default init_scale, after the backoffs it needs, is the recommended scale."""
+    return DEFAULT_SCALE / 2.0 ** info.get("default_backoff_steps", 0) == info.get("recommended_scale")
+
+
 def gradient_scale(ev: Evidence) -> list[Finding]:
     """Loss-scale advice from the fp32 gradients, per layer and in aggregate."""
     ctx, info, scale, out = ev.ctx, ev.gradients, ev.scale, []
@@ -465,8 +476,8 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
         flush1, flush_rec, flush_default = info["flush_at_1"], info["flush_at_recommended"], info["flush_at_default"]
         # the fp16 backwards ran at scale 1 and at the recommended scale; the default's share, unless it is the
         # recommended one, is predicted from the fp32 gradients' histograms: say which
-        default_share = (f"{flush_default:.2%}" if "flush_at_default_predicted" in info or "measured" not in info
-                         else f"{flush_default:.2%} (predicted from the fp32 gradients)")
+        default_share = f"{flush_default:.2%}" + (" (predicted from the fp32 gradients)"
+                                                  if default_share_predicted(info) else "")
         backoffs = info["default_backoff_steps"]
         worst = info.get("worst_param")
         worst_txt = f" (worst parameter: {quoted(worst[0])}, {worst[1]:.0%})" if worst else ""
@@ -496,7 +507,7 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
             msg = (f"{flush1:.3%} of the nonzero gradients flush to zero in fp16 at scale 1"
                    + (f" and the largest, {gmax:.3g}, overflows it" if gmax >= over else "")
                    + ((f"; use a GradScaler: its default init_scale=2**16 does not overflow and leaves "
-                       f"{flush_rec:.3%} flushed" if scale == DEFAULT_SCALE and not backoffs else
+                       f"{flush_rec:.3%} flushed" if default_is_recommended(info) and not backoffs else
                        f"; use a GradScaler: {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed")
                       if kind == "scaler_needed" else "; none flush and none overflow on this batch, so fp16 needs no "
                       "loss scale for it (gradients shrink as training converges: examine a later checkpoint too)"))
