@@ -376,7 +376,7 @@ def train_step_times(model_names: Sequence[str] = models.MODELS, device: str | t
     model_names = _model_names(model_names)
     batch, steps, repeats = (_args.integer(v, k, low=1) for k, v in (("batch", batch), ("steps", steps), ("repeats", repeats)))
     warmup, seed = _args.integer(warmup, "warmup", low=0), _args.seed(seed)
-    amp = pick(device, precision)
+    amp = pick(device, precision or "amp")  # the device's AMP dtype, even where pick() alone would keep fp32
     with fp32_math(tf32=False, device=amp.device):
         rows = _train_step_times(model_names, amp, size, batch, steps, repeats, warmup, seed)
     return [{**r, "fp32_math": "ieee" if amp.device.type == "cuda" else "default"} for r in rows]
@@ -561,7 +561,7 @@ def saved_bytes(model_names: Sequence[str] = models.MODELS, sizes: Sequence[str]
     """Bytes saved for backward by one forward pass, fp32 vs autocast, per model and size."""
     model_names, sizes = _model_names(model_names), _sizes(sizes)
     batch, seed = _args.integer(batch, "batch", low=1), _args.seed(seed)
-    amp = pick(device, precision)
+    amp = pick(device, precision or "amp")  # the device's AMP dtype, even where pick() alone would keep fp32
     if not amp.enabled:
         raise ValueError("compare fp32 with an AMP precision: pass precision='fp16' or 'bf16'")
     rows = []
@@ -628,7 +628,9 @@ def run(device: str | torch.device | None = None, precision: str | None = None, 
         seed: int = 0) -> dict:
     """Run every measurement and return the report (see the module docstring for its schema)."""
     quick, seed = _args.flag(quick, "quick"), _args.seed(seed)
-    amp = pick(device, precision)
+    # the device's AMP dtype by default (bf16 on any CPU): pick() alone keeps fp32 on a CPU without bf16 units,
+    # where the benchmark would then have nothing to compare
+    amp = pick(device, precision or "amp")
     if not amp.enabled:
         raise ValueError("the benchmark compares fp32 with AMP: pass precision='fp16' or 'bf16'")
     dev = amp.device

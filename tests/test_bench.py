@@ -63,6 +63,20 @@ def test_saved_bytes_are_deterministic_and_lower_under_autocast():
     assert a[0]["fp32_activation_bytes"] == by_hand
 
 
+def test_the_default_precision_is_the_devices_amp_dtype_even_where_pick_keeps_fp32(monkeypatch):
+    """On a CPU without bf16 units (an Intel Xeon with AVX512 but no AVX512-BF16, an AVX2 laptop) pick() keeps fp32;
+    the benchmark's default is still the device's AMP dtype ("--precision: default the device's AMP dtype"). Before,
+    `python -m ampcourse.bench` failed there with "pass precision='fp16' or 'bf16'"."""
+    from ampcourse import device
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert device.pick("cpu").precision == "fp32"
+    assert {r["precision"] for r in bench.saved_bytes(["mlp"], batch=4)} == {"bf16"}
+    rows = bench.train_step_times(["mlp"], "cpu", size="tiny", batch=4, steps=1, repeats=1, warmup=0)
+    assert {r["precision"] for r in rows} == {"bf16"}
+    with pytest.raises(ValueError, match="pass precision='fp16' or 'bf16'"):  # an explicit fp32 has no AMP side
+        bench.saved_bytes(["mlp"], batch=4, precision="fp32")
+
+
 def test_matmul_budget_stops_growing_sizes():
     rows = bench.matmul_tflops("cpu", dtypes=["fp32"], sizes=[16, 32, 64], min_run_time=0.001, budget_s=0.0)
     assert [r["n"] for r in rows] == [16] and rows[0]["bounded"]
