@@ -516,7 +516,10 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
     if ev.ctx.dev.type == "cpu":
         chosen = pick(ev.ctx.dev)
         if chosen.precision == "fp32":
-            out.append(f"On this CPU ampcourse.device.pick() keeps fp32 ({chosen.units}): {rec} is correct here but "
+            # chosen.units is "fp32" here: name the units this CPU lacks (pick's reason), not the fp32 it keeps
+            lacks = pick(ev.ctx.dev, "bf16").units
+            out.append(f"On this CPU ampcourse.device.pick() keeps fp32 too ({lacks})." if rec == "fp32" else
+                       f"On this CPU ampcourse.device.pick() keeps fp32 ({lacks}): {rec} is correct here but "
                        "slower than fp32; it pays on hardware with units for it.")
         else:
             out.append(f"On this CPU ampcourse.device.pick() chooses {chosen.precision} ({chosen.units}); low "
@@ -537,7 +540,9 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
                        + (" on the fp32 master weights" if rank == 1 and "master_weights" in v.needs else "")
                        + f": max|grad| {g['max']:.3g} x 2**{k} stays {rules.GRAD_MARGIN:g}x below 65504, leaving "
                        f"{g['flush_at_recommended']:.2%} of the gradients flushed (against {g['flush_at_1']:.2%} at "
-                       f"scale 1); GradScaler's default init_scale is 2**16 ({g.get('flush_at_default', 0):.2%} flushed"
+                       "scale 1" + ("; none flush at scale 1 on this batch, so it only guards later steps, whose "
+                                    "gradients shrink as training converges" if g["flush_at_1"] == 0 else "")
+                       + f"); GradScaler's default init_scale is 2**16 ({g.get('flush_at_default', 0):.2%} flushed"
                        + (", predicted from the fp32 gradients" if rules.default_share_predicted(g) else "")
                        + f"{'; ' + cost if cost else ''}); the fp16 backward ran at 2**{k} here.")
     elif rec == "bf16" and rank <= 1:

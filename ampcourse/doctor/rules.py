@@ -166,11 +166,29 @@ def inline_ancestors(ctx: Context, res: PassResult, params: Sequence[str]) -> li
     return out
 
 
+def inline_downstream(ctx: Context, res: PassResult, params: Sequence[str]) -> list[str]:
+    """The first module after these parameters' modules (in the order modules finish) that runs fp16/bf16 ops
+    inline: when no module holding them does, their gradients come back through what reads their outputs, and the
+    nearest inline low-precision code on that way is the suspect (a tiny Llama's attention q @ k.T at 6e4, where
+    bf16's spacing is 256: its softmax's backward is no longer saturated, and the gradients of the RMSNorm and the
+    embedding before it come back 75-172x fp32's). [] when nothing runs inline after them. Not the model itself."""
+    inline = {m for (m, _), n in res.watch.inline_low.items() if n}
+    owners = {_owner(n) for n in params}
+    pos = {m: i for i, m in enumerate(ctx.order)}
+    last = max((pos[m] for m in owners if m in pos), default=None)
+    if last is None:
+        return []
+    return next(([m] for m in ctx.order[last + 1:] if m and m in inline), [])
+
+
 def gradient_suspects(ctx: Context, res: PassResult) -> list[str]:
     """Where to look when gradients are off with nothing wrong in forward: custom backwards, then the inline code
-    nearest the parameters whose gradients are off."""
+    nearest the parameters whose gradients are off (a module holding them, else the first one after them)."""
     bad = [n for n, _ in bad_gradients(res)]
-    return list(dict.fromkeys(custom_backwards(ctx, res) + inline_ancestors(ctx, res, bad))) if bad else []
+    if not bad:
+        return []
+    near = custom_backwards(ctx, res) + inline_ancestors(ctx, res, bad)
+    return list(dict.fromkeys(near or inline_downstream(ctx, res, bad)))
 
 
 def output_error(ctx: Context, res: PassResult) -> float:
@@ -426,10 +444,13 @@ def gradient_error(ev: Evidence) -> list[Finding]:
         for m in (m for m in gradient_suspects(ev.ctx, res) if bad and m in tried):
             node = res.records[m].custom_backward
             fixed = ev.verdicts[p]["status"] == "islands"
+            holds = any(_owner(n) == m or _owner(n).startswith(m + ".") for n, _ in bad)
             what = (f"{Quoted(m)} ({node} in backward): its custom backward is the one code the forward "
                     "measures cannot see" if node else
                     f"{Quoted(m)} (inline in forward, and its backward): the first code the gradients of "
-                    "its parameters' modules pass through on their way back")
+                    "its parameters' modules pass through on their way back" if holds else
+                    f"{Quoted(m)} (inline in forward, and its backward): the first fp16/bf16 code after those "
+                    "parameters' modules in forward, which their gradients pass through on the way back")
             how = ("give the backward fp32 inputs (torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32), "
                    "or .float() in backward)" if node else "keep that code in fp32 (torch.autocast(..., "
                    "enabled=False) on .float() inputs)")

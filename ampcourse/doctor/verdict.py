@@ -286,8 +286,10 @@ def decide(raw: Mapping[str, Mapping[str, Any]], findings: list, *, device: str,
         master, scaler, left = _partition(p, v, findings, low_trainable)
         needs = (["master_weights"] if master else []) + (["scaler"] if scaler else [])
         blockers = [f"{f.kind}@{f.module or '(model)'}" for f in left + master + scaler]
-        if status == "refused" and not reason:  # the passes' own refusal: no set of fp32 islands made it clean
-            tried = list(v.get("tried_fp32_modules") or [])
+        tried = list(v.get("tried_fp32_modules") or [])
+        if status == "refused" and not reason and (tried or not left):
+            # the passes' own refusal: the islands it tried did not make it clean (with none tried, the findings
+            # left say why: "no set of islands" would claim a search that named nothing to try)
             reason = ("no set of fp32 islands made it clean" + (f" (tried {', '.join(quoted(n) for n in tried)})"
                                                                  if tried else ""))
         if status == "unsupported":

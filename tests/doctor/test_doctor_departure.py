@@ -36,6 +36,17 @@ def test_a_refused_fp16_whose_run_breaks_later_names_the_attention_matmul_at_tho
     assert c.status == "departed" and c.culprit["op"] == "aten::bmm" and c.culprit["weights_step"] > 0
     assert "65504" in c.sentence() and "model.layers.0.self_attn" in c.sentence()
     assert r.verdicts["fp16"].status == "refused" and r.recommended_precision != "fp16"
+    # bf16: the gradients of layer 0's RMSNorm and of the embedding come back 75-172x fp32's (q @ k.T near 6e4, where
+    # bf16's spacing is 256, unsaturates the softmax's backward); no module holding them runs bf16 code inline, so
+    # the first that does after them (the attention) is tried as an fp32 island: it brings them back, and the recipe
+    # trains like fp32. Before: "bf16: refused (no set of fp32 islands made it clean)" with nothing tried, and the
+    # headline "train in fp32" though bf16 with that island trains like fp32.
+    b = r.verdicts["bf16"]
+    assert b.status == "islands" and b.fp32_modules == ["model.layers.0.self_attn"] and b.confirmed, r.summary()
+    assert r.recommended_precision == "bf16" and "use bf16 with fp32 modules 'model.layers.0.self_attn'" in r.headline
+    sus = [f for f in r.findings if f.kind == "gradient_error" and f.module == "model.layers.0.self_attn"]
+    assert sus and sus[0].severity == "error" and "first fp16/bf16 code after those parameters' modules" in \
+        sus[0].message and "they match fp32" in sus[0].message
     assert_consistent(r)
     # the learner's model, optimizer and torch's stream are as they were; the report is the same twice
     after = _state(s.model, s.optimizer)

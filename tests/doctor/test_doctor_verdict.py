@@ -101,6 +101,61 @@ def test_a_precision_with_an_error_or_warning_is_never_clean_and_optimizer_findi
     assert d.recommended == "bf16" and "confirmed over 10" in d.headline
 
 
+def test_a_refusal_with_no_island_tried_names_its_findings_not_a_search_that_named_nothing():
+    # llama_large_qk's bf16 read "refused (no set of fp32 islands made it clean)" when no island had been tried
+    grad = F_("gradient_error", "bf16", phase="backward", module="norm.weight")
+    raw = {"bf16": {"status": "refused", "tried_fp32_modules": []}}
+    d = decide(raw, [grad], device="cpu", default="bf16", scale=2.0**15, low_trainable=None)
+    assert d.verdicts["bf16"].status == "refused"
+    assert d.verdicts["bf16"].reason == "1 finding(s) no recipe here resolves, first gradient_error in 'norm.weight'"
+    raw = {"bf16": {"status": "refused", "tried_fp32_modules": ["attn"]}}  # tried: the search is what it says
+    d = decide(raw, [grad], device="cpu", default="bf16", scale=2.0**15, low_trainable=None)
+    assert d.verdicts["bf16"].reason == "no set of fp32 islands made it clean (tried 'attn')"
+
+
+def test_the_first_inline_low_precision_code_after_the_parameters_is_the_suspect_when_no_holder_runs_any():
+    from types import SimpleNamespace as NS
+    from ampcourse.doctor import rules
+    # forward finish order: the embedding, layer 0's norm, its q/k projections, its attention (inline bmm), ...
+    order = ["embed", "layers.0.norm", "layers.0.attn.q", "layers.0.attn.k", "layers.0.attn", "layers.0.mlp",
+             "layers.0", "head", ""]
+    ctx = NS(order=order)
+    res = NS(watch=NS(inline_low={("layers.0.attn", 0): 2, ("", 0): 1, ("layers.0.mlp", 0): 0}),
+             precision="bf16", grads={
+                 "embed.weight": {"error": 75.0, "den": 0.5, "nonfinite": 0},
+                 "layers.0.norm.weight": {"error": 172.0, "den": 0.006, "nonfinite": 0},
+                 "head.weight": {"error": 0.01, "den": 1.0, "nonfinite": 0}},
+             records={n: NS(custom_backward=None) for n in order})
+    bad = ["embed.weight", "layers.0.norm.weight"]
+    assert rules.inline_ancestors(ctx, res, bad) == []  # no module holding them runs bf16 code inline
+    assert rules.inline_downstream(ctx, res, bad) == ["layers.0.attn"]  # nor "" (the model: fp32 training)
+    assert rules.inline_downstream(ctx, res, ["head.weight"]) == []
+
+
+def test_advice_on_a_cpu_without_bf16_units_when_nothing_runs_clean_reads_as_one_fact(monkeypatch):
+    """Before: "pick() keeps fp32 (fp32): fp32 is correct here but slower than fp32"."""
+    from ampcourse import device
+
+    class Top(nn.Module):
+        """The model's own top-level code cancels: a Gram matrix of offset features minus the offset's."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.lin(x) + 30.0
+            return (h @ h.T) - 30.0 * 30.0 * 16
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx2"}))
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16), torch.randint(0, 32, (32,))
+    r = examine(Top(), x, y, loss_fn=F.cross_entropy, steps=0)
+    assert r.recommended_precision == "fp32" and "no low precision ran clean" in r.headline
+    assert "On this CPU ampcourse.device.pick() keeps fp32 too (no native bf16 units)." in r.advice
+    assert not any("fp32 is correct here" in a or "(fp32)" in a for a in r.advice), r.advice
+    assert_consistent(r)
+
+
 def test_verdicts_are_frozen_typed_mappings():
     v = Verdict("fp16", "islands", ["norm"], tried_fp32_modules=["norm"], reason=None)
     assert v["status"] == "islands" and v.get("fp32_modules") == ["norm"] and v.get("tried_fp32_modules") == ["norm"]
