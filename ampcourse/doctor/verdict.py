@@ -300,8 +300,11 @@ def decide(raw: Mapping[str, Mapping[str, Any]], findings: list, *, device: str,
         elif left:
             worst = left[0]
             status = "refused"
+            # a precision_loss of module '' is the model's own top-level code (no island can hold it): say where
             reason = reason or (f"{len(left)} finding(s) no recipe here resolves, first {worst.kind}"
-                                + (f" in {quoted(worst.module)}" if worst.module else ""))
+                                + (f" in {quoted(worst.module)}" if worst.module else
+                                   " in the model's own code (its forward, outside any submodule)"
+                                   if worst.kind == "precision_loss" else ""))
         elif needs:
             first = (master + scaler)[0]
             status = "refused"

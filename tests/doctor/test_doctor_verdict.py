@@ -151,6 +151,7 @@ def test_advice_on_a_cpu_without_bf16_units_when_nothing_runs_clean_reads_as_one
     x, y = torch.randn(32, 16), torch.randint(0, 32, (32,))
     r = examine(Top(), x, y, loss_fn=F.cross_entropy, steps=0)
     assert r.recommended_precision == "fp32" and "no low precision ran clean" in r.headline
+    assert all("first precision_loss in the model's own code" in v.reason for v in r.verdicts.values()), r.summary()
     assert "On this CPU ampcourse.device.pick() keeps fp32 too (no native bf16 units)." in r.advice
     assert not any("fp32 is correct here" in a or "(fp32)" in a for a in r.advice), r.advice
     assert_consistent(r)
