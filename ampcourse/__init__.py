@@ -25,7 +25,8 @@ Modules, one idea each:
     inputs     the front door: one reader of a model, data (DataLoaders too), precisions; InputError; the preflight
     plan       what AMP buys on a GPU, predicted on a CPU: a step counted on meta tensors, a roofline per GPU (python -m ampcourse.plan)
     shipped    files beside the package in a checkout (examples/ddp_amp.py, the GPU report), found in a wheel too
-Private helpers: _args (one rule for arguments and CLI errors), _scaler (GradScaler's settings: one owner).
+Private helpers: _args (one rule for arguments and CLI errors), _scaler (GradScaler's settings: one owner),
+_rng (every random stream a forward may draw from, the generators a model holds too).
 Submodules load on first use (``ampcourse.formats``), so ``import ampcourse`` stays cheap.
 """
 

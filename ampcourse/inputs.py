@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from . import _args, models
+from . import _args, _rng, models
 from ._args import InputError
 from .device import PRECISIONS as _DEVICE_PRECISIONS
 from .device import AmpSetup, parse_precision
@@ -421,7 +421,8 @@ def preflight(model: nn.Module, x: Any, y: Any, loss_fn: Callable | None, amp: A
               labels: torch.Tensor | None = None) -> int | None:
     """Run the model (and the course's loss) once on one micro-batch: data that does not fit fails now, clearly.
 
-    Eval mode, no gradients and a forked RNG: no parameter, running statistic or random stream changes, so the
+    Eval mode, no gradients and every random stream kept (``_rng.kept``: torch's, Python's, NumPy's and the
+    generators the model holds): no parameter, running statistic or random stream changes, so the
     run that follows is exactly the one without this check. A loss function of your own is not called here (it
     may count its calls); pass loss_fn=None to check only the model. With the course's loss, `labels` (all the
     targets of a dataset; default: y) are checked against the output's class count before it runs. An InputError
@@ -436,7 +437,7 @@ def preflight(model: nn.Module, x: Any, y: Any, loss_fn: Callable | None, amp: A
     model.eval()
     classes = None
     try:
-        with torch.random.fork_rng(devices=[amp.device] if amp.device_type == "cuda" else []), torch.no_grad():
+        with _rng.kept(model, amp.device), torch.no_grad():  # every stream: torch's, Python's, NumPy's, the model's
             with models.data_errors(model, x, y), amp.autocast(enabled=autocast):
                 out = model(x)
                 if loss_fn is not None:

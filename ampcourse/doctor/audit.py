@@ -142,11 +142,12 @@ def step_copy(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grad
 
 
 def _loss_with(ctx: Context, weights: Mapping[str, torch.Tensor]) -> float:
-    """The fp32 reference model's loss with these weights (as fp32), on fresh inputs, the caller's RNG and buffers."""
+    """The fp32 reference model's loss with these weights (fp16/bf16 ones as fp32, float64 ones as they are: the
+    reference keeps them), on fresh inputs, the caller's RNG and buffers."""
     model = ctx.ref_model
     ctx.snapshot.reset_rng()
     state = {n: b.detach().clone() for n, b in model.named_buffers()}
-    state.update({n: w.detach().float() for n, w in weights.items()})
+    state.update({n: w.detach().float() if w.dtype in _LOW else w.detach() for n, w in weights.items()})
     inputs = fresh_copy(ctx.inputs, torch.float32 if any(p.dtype in _LOW for p in ctx.model.parameters()) else None)
     args, kwargs = ((), inputs) if isinstance(inputs, Mapping) else (inputs, {}) if isinstance(inputs, tuple) \
         else ((inputs,), {})
@@ -176,7 +177,8 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         "class": type(optimizer).__name__, "param_dtypes": _tally(_dt(p) for p in params),
         "grad_dtypes": _tally(_dt(p) for p in params if id(p) in grads),
         "state_dtypes": state_dtypes or sorted({_dt(p) for p in params}),
-        "fp32_master_weights": all(p.dtype == torch.float32 for p in params if p.is_floating_point()),
+        # fp32 or wider: a float64 head is no low-precision weight
+        "fp32_master_weights": all(p.dtype not in _LOW for p in params if p.is_floating_point()),
         "eps": [], "params": {},
         "trainable_dtypes": _tally(_dt(p) for p in ctx.model.parameters() if p.requires_grad)}
     for gi, group in enumerate(optimizer.param_groups):
@@ -196,7 +198,8 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     # state is known fp32 once it exists, or before the first step for torch's own optimizers (they make it like the
     # parameter); any other optimizer may keep its state low (8-bit, fp16 moments), so its step is taken and checked.
     builtin = type(optimizer).__module__.startswith("torch.optim")
-    if out["fp32_master_weights"] and all(d == "float32" for d in state_dtypes) and (state_dtypes or builtin):
+    wide = all(d in ("float32", "float64") for d in state_dtypes)
+    if out["fp32_master_weights"] and wide and (state_dtypes or builtin):
         out.update(nonfinite_after=0, lost_update_share=0.0, loss_before=ctx.ref_loss, loss_after=math.nan,
                    loss_after_master=math.nan, stepped=False, steps=0, outcome="not_stepped")
         return out

@@ -50,10 +50,10 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
     return torch.float16 if torch.float16 in dts else torch.bfloat16
 
 
-def _mixed(model: nn.Module) -> bool:
-    """The model's floating parameters have more than one dtype (a bf16 body with an fp32 head, a frozen fp16 base
-    with fp32 adapters)."""
-    return len({p.dtype for p in model.parameters() if p.is_floating_point()}) > 1
+def _has_low(model: nn.Module) -> bool:
+    """Some of the model's parameters are fp16/bf16 (a .half() model, a bf16 body with an fp32 head, a frozen fp16
+    base with fp32 adapters): its fp32 reference runs on an fp32 copy."""
+    return any(p.dtype in _LOW for p in model.parameters())
 
 
 def trainable_format(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str | None:
@@ -72,11 +72,19 @@ def trainable_format(model: nn.Module, optimizer: torch.optim.Optimizer | None =
 
 
 def fp32_copy(model: nn.Module) -> nn.Module:
-    """An fp32 copy of a model whose parameters are (partly) fp16/bf16, for the fp32 reference: every module with
-    parameters of its own takes its floating inputs in fp32, as the model itself feeds each module the dtype its
-    parameters expect (a frozen fp16 base called on x.half() next to fp32 adapters; a bf16 body before an fp32
-    head under autocast)."""
-    ref = copy.deepcopy(model).float()
+    """An fp32 copy of a model whose parameters are (partly) fp16/bf16, for the fp32 reference: its fp16/bf16
+    parameters and buffers become fp32 (float64 ones stay float64: wider than fp32 is no error to measure against),
+    and every module with parameters of its own takes its fp16/bf16 inputs in fp32, as the model itself feeds each
+    module the dtype its parameters expect (a frozen fp16 base called on x.half() next to fp32 adapters; a bf16 body
+    before an fp32 head under autocast).
+
+    Example::
+
+        >>> ref = fp32_copy(nn.Sequential(nn.Linear(2, 2).half(), nn.Linear(2, 2).double()))
+        >>> [p.dtype for p in ref.parameters()][::2]
+        [torch.float32, torch.float64]
+    """
+    ref = copy.deepcopy(model)._apply(lambda t: t.float() if t.dtype in _LOW else t)
     for _, m in ref.named_modules():
         if any(True for _ in m.parameters(recurse=False)):
             m.register_forward_pre_hook(_to_fp32_inputs, with_kwargs=True)
@@ -155,8 +163,9 @@ def _examine(model, inputs, targets, loss_fn, optimizer, dev: torch.device, prec
     snapshot = Snapshot.take(model, optimizer)
     mdt = _model_dtype(model)
     ref_model = model
-    if mdt in _LOW or _mixed(model):
+    if _has_low(model):
         ref_model = fp32_copy(model)  # the reference on an fp32 copy; the model itself is not touched
+        snapshot.follow(ref_model)  # its own copies of the model's generators start where the model's do
     ctx = Context(model, ref_model, inputs, targets, loss_fn, dev, snapshot)
     ev = Evidence(ctx, precs, model_dtype=mdt)
     ev.low_trainable = trainable_format(model, optimizer)

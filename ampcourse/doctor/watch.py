@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .. import _args
 from ..formats import AUTOCAST_DTYPES as _LOW
+from .._rng import held_streams, set_stream_state, stream_state
 from .calls import _sum_finite, copy_as, count_nonfinite, float_tensors, fresh_copy, is_leaf, rel_error, sample
 from .hist import COUNT_CAP, Log2Hist, _abs_max, _Counter
 
@@ -283,6 +284,7 @@ class Tracker:
         self.own_dtype: dict[str, torch.dtype] = {}  # module -> the dtype of its own parameters (a rerun's dtype)
         self.out_dtypes: dict[str, tuple[torch.dtype, ...]] = {}  # module -> its last call's floating output dtypes
         self.host_rng = True  # replay Python's and NumPy's streams in reruns (off when the model never draws on them)
+        self.held = list(held_streams(model).values())  # generators the model's modules hold: replayed too
 
     def __enter__(self) -> Tracker:
         for name, module in self.model.named_modules():
@@ -385,20 +387,24 @@ class Tracker:
 
     def _rng_state(self):
         """Every stream a module's forward may draw from: torch's (CPU, and the device's on CUDA), Python's random
-        and NumPy's global one (inline dropout, a layer drop decided by random.random()): a rerun replays them all."""
+        and NumPy's global one (inline dropout, a layer drop decided by random.random()) and the generators the
+        model holds (torch.rand(..., generator=self.gen)): a rerun replays them all."""
         cuda = torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else None
+        held = [stream_state(g) for g in self.held]
         if not self.host_rng:  # the fp32 reference drew nothing from them: not worth NumPy's 0.1 ms per call
-            return torch.get_rng_state(), cuda, None, None
-        return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+            return torch.get_rng_state(), cuda, None, None, held
+        return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state(), held
 
     def _set_rng_state(self, state) -> None:
-        cpu, cuda, py, npy = state
+        cpu, cuda, py, npy, held = state
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.dev)
         if py is not None:
             random.setstate(py)
             np.random.set_state(npy)
+        for g, s in zip(self.held, held):
+            set_stream_state(g, s)
 
     def _count_grad(self, hists: list[Log2Hist], grad: torch.Tensor) -> None:
         """A tensor hook: histogram one output gradient once, into every module record that output belongs to."""
