@@ -203,8 +203,10 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         out.update(nonfinite_after=0, lost_update_share=0.0, loss_before=ctx.ref_loss, loss_after=math.nan,
                    loss_after_master=math.nan, stepped=False, steps=0, outcome="not_stepped")
         return out
+    # the optimizer gets its gradients in the layout backward gives them (SparseAdam refuses dense ones)
+    given = {i: g.to_sparse(min(1, g.dim())) if names[i] in ctx.sparse_grads else g for i, g in grads.items()}
     try:
-        actual, opt_a = step_copy(optimizer, params, grads, steps=AUDIT_STEPS)
+        actual, opt_a = step_copy(optimizer, params, given, steps=AUDIT_STEPS)
     except Exception as err:  # noqa: BLE001 (an optimizer we cannot copy: say so, never rebuild it differently)
         out["error"] = f"{type(err).__name__}: {_args.first_line(err)}"
         return out
@@ -219,7 +221,7 @@ def _audit(ctx: Context, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     out["master_reference"] = bool(low or low_state)
     if low or low_state:
         try:
-            master, opt_m = step_copy(optimizer, params, grads, torch.float32, steps=AUDIT_STEPS)
+            master, opt_m = step_copy(optimizer, params, given, torch.float32, steps=AUDIT_STEPS)
         except Exception as err:  # noqa: BLE001
             out["master_error"] = f"{type(err).__name__}: {_args.first_line(err)}"
             master, opt_m = None, None

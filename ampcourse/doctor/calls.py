@@ -120,6 +120,23 @@ def float_tensors(obj) -> Iterator[torch.Tensor]:
             yield from float_tensors(o)
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """p's gradient, detached and dense: an Embedding(sparse=True) gets a sparse one, which is measured like any other
+    (histograms, comparisons and norms take dense tensors).
+
+    Example::
+
+        >>> e = nn.Embedding(4, 2, sparse=True); e(torch.tensor([1])).sum().backward()
+        >>> grad_of(e.weight).layout
+        torch.strided
+    """
+    g = p.grad
+    if g is None:
+        return None
+    g = g.detach()
+    return g.to_dense() if g.is_sparse else g
+
+
 def is_leaf(module: nn.Module) -> bool:
     """No child modules: its forward is the math the doctor can rerun on its own."""
     return next(module.children(), None) is None

@@ -22,7 +22,7 @@ from ..device import AmpSetup
 from ..formats import AUTOCAST_DTYPES as _LOW
 from ..models import data_errors
 from ..policy import apply_policy, remove_policy
-from .calls import call, first_tensor, fresh_copy, scalar_loss
+from .calls import call, first_tensor, fresh_copy, grad_of, scalar_loss
 from .hist import COUNT_CAP, Log2Hist
 from .snapshot import Snapshot
 from .watch import ModuleRecord, OpEvent, OpWatch, Tracker, _first_line
@@ -42,7 +42,8 @@ class Context:
     records: dict[str, ModuleRecord] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     param_grads: dict[str, Log2Hist] = field(default_factory=dict)
-    ref_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 gradients of the reference pass
+    ref_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 gradients of the reference pass (dense)
+    sparse_grads: set[str] = field(default_factory=set)  # parameters with sparse gradients (Embedding(sparse=True))
     ref_loss: float = math.nan
     ref_watch: OpWatch | None = None
     ref_layout: tuple | None = None  # _ref_layout's per-examine cache of what fp32's gradients alone determine
@@ -112,9 +113,12 @@ def _reference_run(ctx: Context, records: dict[str, ModuleRecord], order: list[s
         if keep:
             counter = tracker.counter  # its buffer, flushed: one buffer per pass
             for n, p in params:
-                if p.grad is not None:
-                    counter.add(p.grad, [ctx.param_grads.setdefault(n, Log2Hist())], COUNT_CAP)
-                    ctx.ref_grads[n] = p.grad.detach().float()
+                g = grad_of(p)
+                if g is not None:
+                    if p.grad.is_sparse:
+                        ctx.sparse_grads.add(n)
+                    counter.add(g, [ctx.param_grads.setdefault(n, Log2Hist())], COUNT_CAP)
+                    ctx.ref_grads[n] = g.float()
             counter.flush()
     finally:
         for _, p in params:
@@ -231,7 +235,7 @@ def _backward_at_1(params, loss: torch.Tensor) -> dict[str, torch.Tensor] | None
         for _, p in params:
             p.grad = None
         return None
-    grads = {n: p.grad for n, p in params if p.grad is not None}
+    grads = {n: grad_of(p) for n, p in params if p.grad is not None}
     for _, p in params:
         p.grad = None
     return grads
@@ -288,7 +292,7 @@ def _compare_grads(ctx: Context, params, scale: float) -> dict[str, dict[str, fl
     once per examine (:func:`_ref_layout`); the flushed counts are each gradient's zeros (one foreach count of the
     nonzero values for all parameters) less fp32's own zeros that stayed zero."""
     out = {}
-    pairs = [(n, p.grad.detach(), ctx.ref_grads[n]) for n, p in params if n in ctx.ref_grads and p.grad is not None]
+    pairs = [(n, grad_of(p), ctx.ref_grads[n]) for n, p in params if n in ctx.ref_grads and p.grad is not None]
     for n, p in params:
         ref = ctx.ref_grads.get(n)
         if ref is not None and p.grad is None:

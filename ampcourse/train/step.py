@@ -142,12 +142,14 @@ def _squared_norm_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     microseconds, that was several percent of a tiny model's step (benchmarks/README.md). So: plain
     dense float32 gradients on a CPU, up to _CPU_CONCAT_NORM_MAX values: one concatenated copy and one
     BLAS dot product. Plain dense gradients on one device and dtype otherwise: the per-tensor norms from
-    the fused kernel get_total_norm uses, squared. Anything else (DTensor shards, sparse or mixed
-    gradients): get_total_norm itself (made whole across FSDP2 shards), squared. Like torch's norms, this
-    accumulates in the gradients' dtype.
+    the fused kernel get_total_norm uses, squared. A sparse gradient (which torch's norms refuse) counts by
+    its coalesced values. Anything else (DTensor shards, mixed gradients): get_total_norm itself (made whole
+    across FSDP2 shards), squared. Like torch's norms, this accumulates in the gradients' dtype.
     """
     if not grads:
         return []
+    # a sparse gradient (Embedding(sparse=True)) has the norm of its coalesced values; torch's norms refuse it
+    grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
     first = grads[0]
     device, dtype = first.device, first.dtype
     if not all(type(g) is torch.Tensor and g.layout == torch.strided and g.device == device and g.dtype == dtype

@@ -380,6 +380,37 @@ def test_class3_a_float64_head_runs_and_its_optimizer_step_is_not_a_blowup(body)
     assert_consistent(r)
 
 
+class SparseBag(nn.Module):
+    """An Embedding(sparse=True): its gradient comes sparse (SGD and SparseAdam take it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(50, 32, sparse=True), nn.Linear(32, 10)
+
+    def forward(self, t):
+        return self.out(self.emb(t).mean(1))
+
+
+def test_a_sparse_embedding_is_measured_trained_and_its_optimizer_audited():
+    torch.manual_seed(0)
+    t, y = torch.randint(0, 50, (32, 8)), torch.randint(0, 10, (32,))
+    model = SparseBag()
+    # was: "RuntimeError: reshape is not implemented for sparse tensors" (the gradient histograms), then the
+    # confirmation's "training it failed: ... 'aten::linalg_vector_norm' ... 'SparseCPU' backend" (ampcourse.train)
+    r = examine(model, t, y, loss_fn=loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
+    assert r.verdicts["bf16"]["status"] == "clean" and r.verdicts["bf16"]["confirmation"].status == "confirmed"
+    assert r.gradients and not [f for f in r.findings if f.severity != "info"], r.summary()
+    assert model.emb.weight.grad is None
+    assert_consistent(r)
+    half = SparseBag().half()
+    opt = torch.optim.SparseAdam(list(half.emb.parameters()), lr=1e-2)
+    r = examine(half, t, y, loss_fn=loss_fn, optimizer=opt, steps=0)
+    # the audit hands SparseAdam sparse gradients (it refuses dense ones: "could not be copied to audit its step")
+    assert r.optimizer["stepped"] and r.optimizer.get("error") is None, r.optimizer
+    assert r.optimizer["outcome"] in ("nonfinite", "blowup"), r.summary()  # fp16 state, eps=1e-8: it does blow up
+    assert_consistent(r)
+
+
 # -- confirmation by training ---------------------------------------------------------------------------------------
 
 class Runaway(nn.Module):
