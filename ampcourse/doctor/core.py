@@ -382,13 +382,24 @@ def _missing_kernel(err: BaseException) -> bool:
     return isinstance(err, NotImplementedError) or "not implemented for" in str(err)
 
 
+#: What a kernel library says when it has no kernel for the dtype on this processor: oneDNN's bf16/fp16 LSTM on a
+#: CPU without AVX512 ("could not create a primitive descriptor for the LSTM forward propagation primitive").
+_KERNEL_GAPS = ("could not create a primitive",)
+
+
+def _kernel_gap(err: BaseException) -> bool:
+    """An error from a kernel library that has no kernel for this dtype on this device: a fact of the device (a
+    module in fp32 runs there), not of the model's code."""
+    return any(s in str(err) for s in _KERNEL_GAPS)
+
+
 def _raised(ctx: Context, ev: Evidence, amp: AmpSetup, scale: float, fail: PassFailed) -> dict[str, Any]:
     """The verdict when the model raises under autocast where fp32 ran: where (module, op), and whether running that
     module in fp32 lets the rest be examined (then that pass is the precision's evidence, islands grown from it)."""
     p, where = amp.precision, fail.where
     raised = {"error": str(fail), "module": where.module if where else None, "op": where.op if where else "",
               "phase": where.phase if where else "forward", "inline": bool(where and where.inline),
-              "node": where.node if where else ""}
+              "node": where.node if where else "", "kernel_gap": _kernel_gap(fail.error)}
     refused = {"status": "refused", "fp32_modules": [], "tried_fp32_modules": [], "raised": raised, "scale": scale,
                "native": amp.native, "units": amp.units, "loss": math.nan,
                "reason": f"the model raises under {p} autocast where fp32 ran ({fail})"}

@@ -725,6 +725,15 @@ def raises(ev: Evidence) -> list[Finding]:
               if m is not None else "The model")
         op = f": {r['op']}" if r["op"] else ""
         runs = v["status"] in ("clean", "islands") and m in v.get("fp32_modules", [])
+        if r.get("kernel_gap") and runs:
+            # the device's kernel library has no such kernel: nothing in the model's code to make safe
+            out.append(Finding("raises", m, p, math.inf,
+                               f"{at}{op} raises under {p} autocast on this {ev.ctx.dev.type}, where fp32 ran: "
+                               f"{r['error']}; this {ev.ctx.dev.type}'s kernel library has no {p} kernel for it (the "
+                               f"model's code is not at fault): with {quoted(m)} in fp32 it runs here, so run it in "
+                               f"fp32 on this device (an fp32 island); hardware with {p} kernels for it may not need "
+                               "the island", "warning", r["phase"], r["op"], fix="islands"))
+            continue
         fix = (f"with {quoted(m)} in fp32 it runs: run it in fp32 (an fp32 island), or make that code {p}-safe"
                if runs else f"{quoted(m)} in fp32 was tried and it still fails" if m and m in v.get(
                    "tried_fp32_modules", []) else "no fp32 island can reach it; make that code " + p + "-safe")

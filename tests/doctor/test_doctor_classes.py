@@ -617,6 +617,32 @@ def test_a_missing_kernel_is_unsupported_not_a_finding_about_the_model():
     assert not r.find("raises") and r.is_clean("bf16")
 
 
+class NoLowPrimitive(nn.Module):
+    """Stands for oneDNN's LSTM on a CPU without AVX512: no bf16/fp16 primitive on this processor (a Linear that
+    raises what oneDNN raises when its input is fp16/bf16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+        return self.lin(x)
+
+
+def test_a_kernel_library_without_a_low_precision_kernel_here_is_the_devices_gap_not_the_models_code():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), NoLowPrimitive(), nn.Linear(32, 10))
+    r = examine(model, torch.randn(64, 16), torch.randint(0, 10, (64,)), loss_fn=F.cross_entropy, steps=0)
+    for p in ("fp16", "bf16"):
+        assert r.verdicts[p]["status"] == "islands" and r.verdicts[p]["fp32_modules"] == ["1"], r.summary()
+        (f,) = [f for f in r.findings if f.kind == "raises" and f.precision == p]
+        # was: an error with advice to make the code fp16-safe ("torch.finfo(t.dtype).min instead of -1e9")
+        assert f.severity == "warning" and f.fix == "islands", f
+        assert "kernel library has no" in f.message and "-1e9" not in f.message and "not at fault" in f.message
+
+
 class DtypeCheck(nn.Module):
     def forward(self, x):
         if x.dtype != torch.float32:
