@@ -42,7 +42,8 @@ Inside the region, as on a GPU:
   plain CPU autocast that this emulation does not see, and its ops run in fp32 (the doctor gallery's gradient
   check measured fp32 against fp32 that way until it moved its ``torch.autocast(...)`` call inside);
   ``custom_bwd`` needs the backward pass inside an emulation (``with emulate.autocast(enabled=False):
-  loss.backward()``), since on exit the emulator leaves nothing behind for it;
+  loss.backward()``), since on exit the emulator leaves nothing behind for it; so does activation checkpointing
+  (``torch.utils.checkpoint``), whose recompute in backward re-enters the region its forward ran in;
 - ``torch.is_autocast_enabled("cuda")`` and ``torch.get_autocast_dtype("cuda")`` read as on a GPU.
 
 How, and why at this level: the casts are applied where torch applies them, at the dispatcher's autocast
@@ -383,13 +384,47 @@ def _patch() -> tuple:
         _local.cache.clear()
 
     mode.autocast.__init__, mode._cast, torch.clear_autocast_cache = autocast_init, cast_inputs, clear_autocast_cache
-    return init, cast, clear
+    ckpt = _patch_checkpoint()
+    return init, cast, clear, ckpt
+
+
+def _patch_checkpoint():
+    """Let torch.utils.checkpoint recompute under the state its forward ran in; return the original (or None).
+
+    Activation checkpointing reads the autocast state by the inputs' device when the forward runs and re-enters it
+    for the recompute in backward. Inside an emulation CPU's state reads "on, bf16" in every region (the kernels sit
+    at the CPU key), so a block checkpointed in a disabled region (the fp32 reference) or an fp16 one was recomputed
+    under bf16: "Recomputed values ... have different metadata than during the forward pass". It reads CUDA's
+    emulated state instead (:func:`autocast_state`), as it would on a GPU.
+    """
+    import torch.utils.checkpoint as checkpoint
+
+    original = getattr(checkpoint, "_get_autocast_kwargs", None)
+    if original is None:  # a torch that reads the state elsewhere: nothing to patch
+        return None
+
+    def get_autocast_kwargs(device_type="cuda"):
+        device_kwargs, cpu_kwargs = original(device_type)
+        if not is_active():
+            return device_kwargs, cpu_kwargs
+        enabled, dtype = autocast_state("cpu")
+        cpu_kwargs = {**cpu_kwargs, "enabled": enabled, "dtype": dtype}
+        if device_kwargs is not None and device_type in ("cpu", "meta"):
+            device_kwargs = {**device_kwargs, "enabled": enabled, "dtype": dtype}
+        return device_kwargs, cpu_kwargs
+
+    checkpoint._get_autocast_kwargs = get_autocast_kwargs
+    return original
 
 
 def _unpatch(saved: tuple) -> None:
-    """Put torch.autocast's __init__, custom_fwd's _cast and torch.clear_autocast_cache back."""
+    """Put torch.autocast's __init__, custom_fwd's _cast, torch.clear_autocast_cache and checkpoint's reader back."""
     mode = torch.amp.autocast_mode
-    mode.autocast.__init__, mode._cast, torch.clear_autocast_cache = saved
+    init, cast, clear, ckpt = saved
+    mode.autocast.__init__, mode._cast, torch.clear_autocast_cache = init, cast, clear
+    if ckpt is not None:
+        import torch.utils.checkpoint as checkpoint
+        checkpoint._get_autocast_kwargs = ckpt
 
 
 def _acquire() -> None:

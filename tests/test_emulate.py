@@ -151,6 +151,28 @@ def test_custom_fwd_and_custom_bwd_for_cuda():
     assert plain.grad_fn.bwd == torch.float16 and a.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("enabled, low", [(False, torch.float16), (True, torch.float16), (True, torch.bfloat16)])
+def test_activation_checkpointing_recomputes_in_the_region_its_forward_ran_in(enabled, low):
+    """torch.utils.checkpoint re-enters the autocast state it read at forward; inside an emulation CPU's reads "on,
+    bf16" in every region, so a block checkpointed with autocast off (or in fp16) was recomputed in bf16 and backward
+    raised ("Recomputed values for the following tensors have different metadata")."""
+    import torch.utils.checkpoint as ckpt
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    grads = []
+    for checkpointed in (False, True):
+        block.zero_grad()
+        with emulate.autocast(dtype=torch.float16, enabled=False):  # one outer emulation: backward inside it
+            with emulate.autocast(dtype=low, enabled=enabled):
+                y = ckpt.checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+            assert y.dtype == (low if enabled else torch.float32)
+            y.float().square().sum().backward()
+        grads.append([p.grad.clone() for p in block.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))  # the recompute ran as the forward did, bit for bit
+    assert torch.utils.checkpoint._get_autocast_kwargs.__module__ == "torch.utils.checkpoint"  # unpatched on exit
+
+
 def test_autograd_sees_the_casts():
     """Backward runs in the dtypes the forward casts imply: a low-precision gradient into the matmul, fp32 on the weight."""
     x, w = x_w(requires_grad=True)

@@ -89,3 +89,28 @@ def test_a_departure_is_located_with_the_recipes_islands(monkeypatch):
     r = examine(s.model, s.inputs, s.targets, loss_fn=s.loss_fn, precisions=("fp16",), steps=4, policy="cuda")
     assert r.verdicts["fp16"]["confirmation"].status == "departed"
     assert seen and seen[-1] == {"mid": "fp32"}, seen
+
+
+class _Checkpointed(torch.nn.Module):
+    """Activation checkpointing (torch.utils.checkpoint, as LLM training uses it) around each block."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                                              torch.nn.LayerNorm(32)) for _ in range(2))
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_a_checkpointed_model_is_examined_under_cudas_lists():
+    # was: CheckpointError "Recomputed values ... have different metadata" (the fp32 reference's blocks recomputed
+    # in bf16: inside the emulation CPU's autocast state reads "on, bf16" in every region)
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
+    r = examine(model, x, y, loss_fn=torch.nn.functional.cross_entropy, steps=3, policy="cuda")
+    assert r.policy.startswith("cuda") and r.is_clean("bf16") and r.is_clean("fp16"), r.summary()
