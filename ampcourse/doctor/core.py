@@ -558,7 +558,8 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
                     else "")
             out.append(f"Use torch.amp.GradScaler({r.device.split(':')[0]!r}, init_scale=2**{k})"
                        + (" on the fp32 master weights" if rank == 1 and "master_weights" in v.needs else "")
-                       + f": max|grad| {g['max']:.3g} x 2**{k} stays {rules.GRAD_MARGIN:g}x below 65504, leaving "
+                       + f": max|grad| {g['max']:.3g} x 2**{k} stays {rules.headroom(g['max'], 2.0**k)} below 65504, "
+                       "leaving "
                        f"{g['flush_at_recommended']:.2%} of the gradients flushed (against {g['flush_at_1']:.2%} at "
                        "scale 1" + ("; none flush at scale 1 on this batch, so it only guards later steps, whose "
                                     "gradients shrink as training converges" if g["flush_at_1"] == 0 else "")

@@ -45,6 +45,19 @@ GRAD_TOL = {"fp16": 0.5, "bf16": 1.0}
 GRAD_PARAM_SHARE = 2.0**-10
 MAX_PARAM_FINDINGS = 3  # per precision, the worst parameters named one by one; the rest counted
 GRAD_MARGIN = 8.0  # the recommended scale keeps max|grad| x scale this many times below fp16's max
+
+
+def headroom(gmax: float, scale: float, fmax: float = 65504.0) -> str:
+    """How far max|grad| x scale stays below fmax, as measured, and the margin the recommendation asks for.
+
+    Example::
+
+        >>> headroom(0.0649, 2.0**16)
+        '15.4x (at least 8x asked)'
+    """
+    if not gmax or not math.isfinite(gmax):
+        return f"at least {GRAD_MARGIN:g}x"
+    return f"{fmax / (gmax * scale):.3g}x (at least {GRAD_MARGIN:g}x asked)"
 UNDERFLOW_WARN = 0.01  # warn when more than 1% of the nonzero gradients flush to zero
 SECOND_MOMENT_WARN = 0.5  # warn when more than half of Adam's second moment is zero in a low-precision state
 LAYER_UNDERFLOW_WARN = 0.5  # name a parameter that loses more than half of its gradient, however small the aggregate
@@ -510,7 +523,8 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
             out.append(Finding("gradient_underflow", "", "fp16", flush1,
                                f"{flush1:.1%} of the nonzero gradients of layers that autocast runs in fp16 flush to "
                                f"zero at scale 1{worst_txt}; GradScaler's default leaves {default_share}; at "
-                               f"init_scale=2**{k} (max|grad| {gmax:.3g} x scale stays {GRAD_MARGIN:g}x below {fmax:g}) "
+                               f"init_scale=2**{k} (max|grad| {gmax:.3g} x scale stays {headroom(gmax, 2.0**k, fmax)} "
+                               f"below {fmax:g}) "
                                f"{flush_rec:.2%} do: {how}", sev, "backward", fix="scaler"))
         if flush_rec > UNDERFLOW_WARN:
             out.append(Finding("gradient_underflow", "", "fp16", flush_rec,

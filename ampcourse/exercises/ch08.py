@@ -39,7 +39,8 @@ def check_init_scale(scale: Any, max_grad: float, margin: float = 8.0) -> None:
     if s < want:
         failed(title, f"the largest such power of two (at least 2**{int(math.log2(s)) + 1})", f"2**{int(math.log2(s))}",
                "too small: every halving flushes more small gradients; take the largest scale that keeps the margin")
-    passed(title, f"2**{int(math.log2(s))}: max|grad| x scale = {max_grad * s:.4g}, {margin:g}x below {top:g}.")
+    passed(title, f"2**{int(math.log2(s))}: max|grad| x scale = {max_grad * s:.4g}, {top / (max_grad * s):.3g}x below "
+           f"{top:g} (at least {margin:g}x asked; one doubling more would leave {top / (2 * max_grad * s):.3g}x).")
 
 
 def check_fp32_islands(names: Any, make_model: Callable, inputs, targets, loss_fn: Callable) -> None:

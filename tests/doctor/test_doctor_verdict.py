@@ -740,3 +740,15 @@ def test_class5_every_parameter_that_loses_over_half_its_gradient_is_named_in_a_
     assert named == lost, sorted(lost - named)
     assert not r.is_clean("fp16")
     assert_consistent(r)
+
+
+def test_the_scale_advice_states_the_headroom_it_measured_not_the_margin():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    x, y = batch()
+    r = examine(model, x, y * 0, loss_fn=lambda out, t: loss_fn(out, t) * 2.0**-20, precisions=("fp16",), steps=0)
+    g, k = r.gradients, int(math.log2(r.gradients["recommended_scale"]))
+    want = f"{65504 / (g['max'] * 2.0**k):.3g}x (at least 8x asked) below 65504"
+    text = " ".join(r.advice) + " ".join(f.message for f in r.findings)
+    assert want in text, text  # was "stays 8x below 65504" whatever the gradients' real headroom
+    assert "stays 8x below" not in text

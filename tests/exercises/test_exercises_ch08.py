@@ -15,6 +15,12 @@ def test_init_scale(capsys):
     assert "✅" in capsys.readouterr().out
 
 
+def test_init_scale_verdict_states_the_headroom_it_measured(capsys):
+    exercises.check_init_scale(2.0**14, 0.37)  # 0.37 * 2**14 = 6062: 10.8x below 65504 (was "8x below": the margin)
+    out = " ".join(capsys.readouterr().out.split())  # the verdict wraps its lines
+    assert "6062, 10.8x below 65504 (at least 8x asked" in out and "5.4x)" in out, out
+
+
 def test_init_scale_is_the_largest_power_of_two_within_the_margin(capsys):
     g = 0.5  # 0.5 * 2**14 * 8 = 65536 > 65504, so 2**13 is the answer
     exercises.check_init_scale(2.0**13, g)
