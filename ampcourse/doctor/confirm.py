@@ -210,6 +210,11 @@ def confirm(ctx: Context, ev, decision: Decision, optimizer: torch.optim.Optimiz
     master = any(decision.verdicts[p].master_weights for p in recommendable)
     trainable = ({id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None
                  else {id(p) for p in ctx.model.parameters() if p.requires_grad})
+    if not any(p.requires_grad and id(p) in trainable for p in ctx.model.parameters()):
+        why = ("nothing in the model trains (no parameter with requires_grad=True" +
+               (" in the optimizer" if optimizer is not None else "") + "): training cannot confirm a recipe")
+        out.update({p: Confirmation("unconfirmed", steps, reason=why) for p in candidates})
+        return out, {"steps": steps, "trained": [], "error": why}
     try:
         net = _master_copy(ctx.model, trainable) if master else copy.deepcopy(ctx.model)
     except Exception as err:  # noqa: BLE001 (a model deepcopy refuses: it holds non-leaf tensors, a lock, ...)

@@ -142,6 +142,13 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
                          "for a model that returns its own loss")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if optimizer is not None:
+        ours = {id(p) for p in model.parameters()}
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        if held and not any(id(p) in ours for p in held):
+            raise _inputs.InputError(
+                f"optimizer holds none of this model's parameters ({len(held)} tensor(s) of another model): build it "
+                f"on this one's, e.g. torch.optim.AdamW(model.parameters()), or pass optimizer=None")
     precs = _inputs.precision_names(precisions, "precisions", allowed=("fp16", "bf16"), refused={
         "fp32": "it lists the low-precision formats to examine ('fp16', 'bf16'); fp32 is always run as the reference"})
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:

@@ -752,3 +752,14 @@ def test_the_scale_advice_states_the_headroom_it_measured_not_the_margin():
     text = " ".join(r.advice) + " ".join(f.message for f in r.findings)
     assert want in text, text  # was "stays 8x below 65504" whatever the gradients' real headroom
     assert "stays 8x below" not in text
+
+
+def test_a_model_with_nothing_to_train_is_unconfirmed_with_the_reason_not_an_internal_name():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 10)).requires_grad_(False)
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn, steps=2)
+    c = r.verdicts["bf16"]["confirmation"]
+    # was: "training it failed: InputError: the model from model_factory _Recipe has no trainable parameters"
+    assert c.status == "unconfirmed" and c.reason.startswith("nothing in the model trains"), c
+    assert "_Recipe" not in r.summary() and "model_factory" not in r.summary()
