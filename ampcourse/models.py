@@ -193,6 +193,11 @@ def make_dataset(name: str, n: int = 1024, seed: int = 0, size: str = "tiny") ->
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross entropy for class logits (B, C) or token logits (B, T, V)."""
+    if not isinstance(logits, torch.Tensor):  # nn.LSTM's (output, (h, c)), a dict: which part is the logits?
+        raise _args.InputError(
+            f"the model returns a {type(logits).__name__}, not one logits tensor: the course's loss (cross-entropy) "
+            "takes the logits; pass loss_fn=, e.g. lambda out, y: torch.nn.functional.cross_entropy(out[0][:, -1], y) "
+            "for nn.LSTM's (output, (h, c))")
     if logits.shape[:-1] != target.shape:  # else torch fails deep inside, or broadcasts a wrong loss
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(target.shape)} do not match: targets must "
                          f"have the logits' shape without the last (class) dimension, {tuple(logits.shape[:-1])}")

@@ -220,6 +220,10 @@ def test_non_finite_values_survive_json():
     (dict(model_factory=TinyTransformer), "data is None: pass a TensorDataset"),
     (dict(loss_fn="ce"), "loss_fn must be a callable"),
     (dict(chunk=0), "chunk must be an int >= 1"),
+    # was: AttributeError: 'tuple' object has no attribute 'shape' (the course's loss on nn.LSTM's output)
+    (dict(model_factory=lambda: nn.LSTM(16, 4, batch_first=True),
+          data=(torch.randn(8, 3, 16), torch.zeros(8, dtype=torch.long)), batch_size=4),
+     r"the model returns a tuple, not one logits tensor.*pass loss_fn="),
 ])
 def test_bad_input_gets_one_clear_line(kwargs, message):
     args = {"model_factory": "transformer", **kwargs}
