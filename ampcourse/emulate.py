@@ -186,7 +186,7 @@ def _cast_one(t: torch.Tensor, to: torch.dtype, low: torch.dtype) -> torch.Tenso
     if t.dtype == to:
         return t
     cacheable = (to == low and t.dtype == torch.float32 and t.requires_grad and t.is_leaf
-                 and not t._is_view() and torch.is_autocast_cache_enabled())
+                 and not t._is_view() and torch.is_autocast_cache_enabled() and not torch.is_inference_mode_enabled())
     if not cacheable:
         return t.to(to)
     # as torch's cached_cast: keyed by the tensor, no version check (a weight changed in place inside the region
@@ -194,7 +194,10 @@ def _cast_one(t: torch.Tensor, to: torch.dtype, low: torch.dtype) -> torch.Tenso
     hit = _local.cache.get(id(t))
     if hit is not None and hit[0]() is t and hit[1].dtype == to:  # (a nested region of the other dtype: cast anew)
         return hit[1]
-    out = t.to(to)
+    # made with gradients on, as torch's (pytorch#158232): a cast cached under no_grad (an evaluation, a reentrant
+    # checkpoint's forward) is reused by the next forward in the region, whose weights must still get gradients
+    with torch.enable_grad():
+        out = t.to(to)
     _local.cache[id(t)] = (weakref.ref(t), out)
     return out
 

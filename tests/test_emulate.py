@@ -173,6 +173,44 @@ def test_activation_checkpointing_recomputes_in_the_region_its_forward_ran_in(en
     assert torch.utils.checkpoint._get_autocast_kwargs.__module__ == "torch.utils.checkpoint"  # unpatched on exit
 
 
+@pytest.mark.parametrize("first", ["no_grad", "inference_mode"])
+def test_a_weight_cast_made_without_gradients_still_trains_the_weight_later_in_the_region(first):
+    """As torch's cached_cast (pytorch#158232): a weight cast cached under no_grad is made with gradients on, so the
+    next forward in the region (an evaluation before a training step, a reentrant checkpoint's recompute) trains
+    the weight; under inference_mode nothing is cached. Was: 'element 0 of tensors does not require grad'."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with emulate.autocast(dtype=torch.bfloat16):
+        with getattr(torch, first)():
+            lin(x)
+        y = lin(x)
+    y.float().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the real autocast, for the same sequence
+        with getattr(torch, first)():
+            lin(x)
+        want = torch.autograd.grad(lin(x).float().sum(), lin.weight)[0]
+    assert lin.weight.grad is not None and torch.equal(lin.weight.grad, want)
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_a_reentrant_checkpoint_trains_its_weights_under_the_emulator(low):
+    import torch.utils.checkpoint as ckpt
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for checkpointed in (False, True):
+        block.zero_grad()
+        x.grad = None
+        with emulate.autocast(dtype=torch.float16, enabled=False):
+            with emulate.autocast(dtype=low):
+                y = ckpt.checkpoint(block, x, use_reentrant=True) if checkpointed else block(x)
+            y.float().square().sum().backward()
+        grads.append([p.grad.clone() for p in block.parameters()] + [x.grad.clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_autograd_sees_the_casts():
     """Backward runs in the dtypes the forward casts imply: a low-precision gradient into the matmul, fp32 on the weight."""
     x, w = x_w(requires_grad=True)
