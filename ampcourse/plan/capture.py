@@ -39,6 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from .. import _args
+
 __all__ = ["OpRecord", "StepCounts", "NeedsRealValues", "capture_step", "autocast_policy", "policy_name",
            "CUDA_LOWER", "CUDA_FP32", "CUDA_PROMOTE"]
 
@@ -247,6 +249,15 @@ def autocast_policy(precision: str) -> contextlib.AbstractContextManager:
     if emulate is not None:
         return emulate.autocast(device_type="cuda", dtype=_LOW[precision])
     return _CudaAutocastEmulation(_LOW[precision])
+
+
+def _step_region(precision: str) -> contextlib.AbstractContextManager:
+    """An outer emulation with autocast off around a whole micro-step, so that what backward runs of the forward
+    (activation checkpointing's recompute, custom_bwd) sees the region the forward ran in, as on a GPU."""
+    emulate = _emulate_module() if precision in _LOW else None
+    if emulate is None:
+        return contextlib.nullcontext()
+    return emulate.autocast(device_type="cuda", dtype=_LOW[precision], enabled=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -502,10 +513,11 @@ class _SavedTensors:
 _READS_VALUES = ("item", "data-dependent", "is_nonzero", "Cannot copy out of meta", "value of")
 
 
-def _forward_loss(model: nn.Module, params: dict, inputs, loss_fn: Callable | None, targets) -> torch.Tensor:
-    """The loss of one forward on meta tensors; NeedsRealValues when the forward reads a value."""
+def _forward_loss(model: nn.Module, inputs, loss_fn: Callable | None, targets) -> torch.Tensor:
+    """The loss of one forward on meta tensors (inside :func:`_on_meta`); NeedsRealValues when the forward reads a
+    value."""
     try:
-        out = _call(model, params, inputs)
+        out = _call(model, inputs)
         loss = _loss_of(out)
         if loss is None:
             loss = loss_fn(out, targets) if loss_fn is not None else out
@@ -527,12 +539,40 @@ def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, foreach=True)
 
 
-def _call(model: nn.Module, params: dict, inputs):
-    """model(*inputs) or model(**inputs) with the meta parameters and buffers."""
+def _call(model: nn.Module, inputs):
+    """model(*inputs) or model(**inputs)."""
     if isinstance(inputs, Mapping):
-        return torch.func.functional_call(model, params, (), dict(inputs), strict=False)
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    return torch.func.functional_call(model, params, args, strict=False)
+        return model(**inputs)
+    return model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+
+
+def _on_meta(model: nn.Module, tensors: dict[str, torch.Tensor]):
+    """The model's parameters and buffers swapped for their meta stand-ins (tied ones kept tied), as
+    torch.func.functional_call does, but around forward *and* backward: activation checkpointing
+    (torch.utils.checkpoint) recomputes its blocks during backward, where a functional_call over the forward alone
+    had put the real weights back (its recompute met CPU weights with meta inputs)."""
+    from torch.nn.utils.stateless import _reparametrize_module  # functional_call's own context manager
+
+    return _reparametrize_module(model, tensors, tie_weights=True, strict=False)
+
+
+#: What a model's training step on meta tensors may raise that is about the model (or its optimizer), not about the
+#: planner: turned into one InputError naming it.
+_MODEL_ERRORS = (RuntimeError, NotImplementedError, TypeError, IndexError, AssertionError)
+
+
+def _model_error(err: BaseException) -> _args.InputError:
+    """One line for a model whose step cannot run on meta tensors, with the usual causes."""
+    text = _args.first_line(err, 300)
+    hint = ""
+    if "sparse gradients" in text:
+        hint = ("; its gradients are sparse (Embedding(sparse=True)): pass optimizer=, e.g. "
+                "lambda ps: torch.optim.SGD(ps, lr=0.1)")
+    elif "device" in text and "meta" in text:
+        hint = ("; the forward makes a tensor on the CPU (torch.rand/torch.tensor without device=, or a CPU "
+                "torch.Generator of its own): on a GPU it would fail the same way, so take the device from an input")
+    return _args.InputError(f"the model's training step cannot run on meta tensors ({type(err).__name__}: "
+                            f"{text}){hint}")
 
 
 def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: Callable | None = None,
@@ -571,7 +611,10 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
     # Steady state: the optimizer's state exists before the step (a first step would create it mid-step).
     for p in trainable:
         p.grad = torch.zeros_like(p)
-    opt.step()
+    try:
+        opt.step()
+    except _MODEL_ERRORS as err:
+        raise _model_error(err) from err
     opt.zero_grad(set_to_none=True)
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
              and t.device.type == "meta"]
@@ -594,16 +637,22 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
             counter.phase = "forward"
             n_before = len(counter.ops)
             saved.active = micro == 0  # what backward keeps: the first micro-step's (the others are alike)
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _module_names(model, stack), \
-                    _GpuAttention(), autocast_policy(precision):
-                loss = _forward_loss(model, {**params, **buffers}, meta_inputs, loss_fn, meta_targets)
-            counter.phase = "backward"
-            if accum_steps > 1:
-                loss = loss / accum_steps
-            if scale is not None:
-                loss = loss * scale  # GradScaler.scale(loss)
-            loss.backward()
-            del loss
+            try:
+                with _step_region(precision), _on_meta(model, {**params, **buffers}):
+                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+                            _module_names(model, stack), _GpuAttention(), autocast_policy(precision):
+                        loss = _forward_loss(model, meta_inputs, loss_fn, meta_targets)
+                    counter.phase = "backward"
+                    if accum_steps > 1:
+                        loss = loss / accum_steps
+                    if scale is not None:
+                        loss = loss * scale  # GradScaler.scale(loss)
+                    loss.backward()
+                    del loss
+            except NeedsRealValues:
+                raise
+            except _MODEL_ERRORS as err:
+                raise _model_error(err) from err
             if micro == 1:  # the later micro-steps are like this one: count them (accum_steps - 1) times
                 repeat = counter.ops[n_before:]
                 counter.ops.extend(OpRecord(**vars(r)) for _ in range(accum_steps - 2) for r in repeat)
@@ -611,10 +660,15 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
         grads = [p.grad for p in trainable if p.grad is not None]
         if scale is not None:  # GradScaler.unscale_ (with its inf/NaN check) and update
             found_inf = torch.empty((), device="meta")
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.reciprocal())
+            # a sparse gradient is unscaled through its values, as GradScaler does (Embedding(sparse=True))
+            torch._amp_foreach_non_finite_check_and_unscale_([g._values() if g.is_sparse else g for g in grads],
+                                                             found_inf, scale.reciprocal())
         gradients = _storages_bytes(grads)
         del grads
-        opt.step()
+        try:
+            opt.step()
+        except _MODEL_ERRORS as err:
+            raise _model_error(err) from err
         opt.zero_grad(set_to_none=True)
     saved_bytes = sum(n for n, _ in saved.storages.values())
     weight_copies = sum(n for n, is_copy in saved.storages.values() if is_copy)

@@ -328,6 +328,63 @@ def test_no_loss_is_refused():
         plan(nn.Linear(4, 4), torch.empty(2, 4))
 
 
+class _Blocks(nn.Module):
+    """Two residual blocks, optionally under activation checkpointing (torch.utils.checkpoint), as LLMs train."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256),
+                                                  nn.LayerNorm(256)) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed
+                     else block(x))
+        return x
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_activation_checkpointing_saves_less_and_recomputes_in_backward(precision):
+    # was: 'Tensor on device cpu is not on the expected device meta!' (functional_call put the real weights back
+    # before backward, where the checkpoint recomputes), then a CheckpointError under the bf16/fp16 policies
+    x = torch.empty(64, 256)
+    plain, ckpt = (capture_step(_Blocks(c), x, precision=precision, loss_fn=_sum_loss) for c in (False, True))
+    assert ckpt.saved_bytes < plain.saved_bytes / 2
+    assert len(_ops(ckpt, "backward", "aten.addmm")) == len(_ops(plain, "forward", "aten.addmm"))  # the recompute
+    assert len(_ops(ckpt, "forward")) == len(_ops(plain, "forward"))
+
+
+class _SparseBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(100, 16, sparse=True), nn.Linear(16, 4)
+
+    def forward(self, t):
+        return self.out(self.emb(t).mean(1))
+
+
+class _CpuNoise(nn.Module):
+    """Inline noise made on the CPU (torch.rand without device=): fails on a GPU as on meta."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * torch.rand(8)
+
+
+def test_a_model_whose_step_cannot_run_on_meta_is_one_line_naming_the_cause():
+    t = torch.zeros(4, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"Adam does not support sparse gradients.*pass optimizer="):
+        plan(_SparseBag(), t, loss_fn=_sum_loss)  # was a RuntimeError traceback from torch.optim
+    r = plan(_SparseBag(), t, loss_fn=_sum_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert r.step_seconds["bf16"] > 0
+    with pytest.raises(ValueError, match=r"cannot run on meta tensors.*without device="):
+        plan(_CpuNoise(), torch.empty(2, 8), loss_fn=_sum_loss)
+
+
 # --- the command line ---------------------------------------------------------------------------------------------
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
