@@ -50,6 +50,17 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
     return torch.float16 if torch.float16 in dts else torch.bfloat16
 
 
+#: The note of a report on a torch.compile'd model.
+_COMPILED_NOTE = ("torch.compile: examined the eager module inside it (model._orig_mod, the same parameters): the "
+                  "doctor watches every op, which compiled code does not run one by one; compiled kernels may fuse "
+                  "and round differently (chapter 10), so confirm a recipe by training the compiled model too.")
+
+
+def _compiled(model: nn.Module) -> bool:
+    """model is torch.compile's wrapper (OptimizedModule), told by name: importing torch._dynamo costs seconds."""
+    return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
+
+
 def _has_low(model: nn.Module) -> bool:
     """Some of the model's parameters are fp16/bf16 (a .half() model, a bf16 body with an fp32 head, a frozen fp16
     base with fp32 adapters): its fp32 reference runs on an fp32 copy."""
@@ -133,6 +144,9 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError("model is a torch.jit.ScriptModule: the doctor needs hooks and op dispatch, which scripted "
                         "code does not run; pass the eager nn.Module (the one before torch.jit.script)")
+    compiled = _compiled(model)
+    if compiled:  # its parameters are the eager module's: examining that one examines what trains
+        model = model._orig_mod
     _inputs.read_model(model, "model", accept=("module",), trainable=False)  # the front door: InputError (a TypeError)
     check_inputs(inputs)
     if loss_fn is not None and not callable(loss_fn):
@@ -158,6 +172,8 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
     with session, known_state(dev):  # the emulation outside: known_state's autocast-off regions then switch it off
         report = _examine(model, inputs, targets, loss_fn, optimizer, dev, precs, steps)
     report.policy = name
+    if compiled:
+        report.notes = [_COMPILED_NOTE] + report.notes
     if name != dev.type:  # measured under CUDA's lists: the note on CPU's lists does not apply
         report.notes = [f"Measured under CUDA's autocast lists (emulated on {dev.type}: CUDA's casts, this CPU's "
                         "arithmetic; ampcourse.emulate.LIMITS)."] + [n for n in report.notes if not _is_cpu_lists_note(n)]

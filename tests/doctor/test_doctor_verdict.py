@@ -763,3 +763,17 @@ def test_a_model_with_nothing_to_train_is_unconfirmed_with_the_reason_not_an_int
     # was: "training it failed: InputError: the model from model_factory _Recipe has no trainable parameters"
     assert c.status == "unconfirmed" and c.reason.startswith("nothing in the model trains"), c
     assert "_Recipe" not in r.summary() and "model_factory" not in r.summary()
+
+
+def test_a_compiled_model_is_examined_through_its_eager_module_and_says_so():
+    # was: dynamo compiled the doctor's own op watcher (recompile-limit warnings, ~70 s for a tiny MLP), and
+    # compiled code runs no op one by one for the watcher to see
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    x, y = batch()
+    eager = examine(model, x, y, loss_fn=loss_fn, steps=2)
+    compiled = torch.compile(model)  # lazy: compiles only when called, which examine never does
+    r = examine(compiled, x, y, loss_fn=loss_fn, steps=2, optimizer=torch.optim.AdamW(compiled.parameters()))
+    assert r.notes[0].startswith("torch.compile: examined the eager module inside it")
+    assert {p: v["status"] for p, v in r.verdicts.items()} == {p: v["status"] for p, v in eager.verdicts.items()}
+    assert [f.to_dict() for f in r.findings] == [f.to_dict() for f in eager.findings]
