@@ -262,11 +262,25 @@ def _findings(ev: Evidence) -> list[Finding]:
     return findings
 
 
+def lists_measured(dev: torch.device) -> str:
+    """Whose autocast op lists a report measured under, for its first line: a verdict under CPU's lists may not hold
+    on the GPU a learner trains on (CPU autocast keeps layer_norm and softmax low, CUDA runs them in fp32).
+
+    Example::
+
+        >>> lists_measured(torch.device("cpu"))
+        "CPU autocast's op lists"
+    """
+    if emulate.is_active():
+        return "CUDA's autocast op lists emulated"
+    return "CUDA's autocast op lists" if dev.type == "cuda" else f"{dev.type.upper()} autocast's op lists"
+
+
 def _decide(ev: Evidence, findings: list[Finding], confirmations: Mapping[str, Confirmation]) -> Decision:
     """The verdict layer (:func:`.verdict.decide`) on what examine measured."""
     dev = ev.ctx.dev
     default = pick(dev).precision if dev.type in ("cpu", "cuda", "mps") else "bf16"
-    return decide(ev.verdicts, findings, device=str(dev), default=default, scale=ev.scale,
+    return decide(ev.verdicts, findings, device=f"{dev}, {lists_measured(dev)}", default=default, scale=ev.scale,
                   low_trainable=ev.low_trainable, tolerances={p: rules.tolerances(p) for p in ev.verdicts},
                   confirmations=confirmations,
                   state_only=bool(ev.audit is not None and ev.audit.get("fp32_master_weights")))

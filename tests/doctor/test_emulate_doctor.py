@@ -114,3 +114,15 @@ def test_a_checkpointed_model_is_examined_under_cudas_lists():
     x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
     r = examine(model, x, y, loss_fn=torch.nn.functional.cross_entropy, steps=3, policy="cuda")
     assert r.policy.startswith("cuda") and r.is_clean("bf16") and r.is_clean("fp16"), r.summary()
+
+
+def test_the_first_line_says_whose_autocast_lists_it_measured_under():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 10))
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    cpu = examine(model, x, y, loss_fn=torch.nn.functional.cross_entropy, steps=0)
+    cuda = examine(model, x, y, loss_fn=torch.nn.functional.cross_entropy, steps=0, policy="cuda")
+    # was "AMP doctor on cpu: use ..." for both: the one a learner acts on did not say which lists it rests on
+    assert cpu.headline.startswith("AMP doctor on cpu, CPU autocast's op lists: use ")
+    assert cuda.headline.startswith("AMP doctor on cpu, CUDA's autocast op lists emulated: use ")
+    assert cpu.summary().splitlines()[0] == cpu.headline
