@@ -171,6 +171,10 @@ class Verdict(_FieldMapping):
     def line(self) -> str:
         """'fp16: clean (confirmed over 10 steps ...)' for the report's verdict lines."""
         extra = []
+        recipe = self.confirmation.recipe if self.confirmation is not None else None
+        if self.status in ("clean", "islands") and recipe and "GradScaler(" in recipe:
+            # the recipe it is clean with: fp16 trained through a GradScaler ('fp16: clean' alone reads as no scaler)
+            extra.append("with " + next(part for part in recipe.split(", ") if part.startswith("GradScaler(")))
         if self.fp32_modules:
             extra.append("fp32 modules " + ", ".join(quoted(n) for n in self.fp32_modules))
         if self.reason:

@@ -777,3 +777,18 @@ def test_a_compiled_model_is_examined_through_its_eager_module_and_says_so():
     assert r.notes[0].startswith("torch.compile: examined the eager module inside it")
     assert {p: v["status"] for p, v in r.verdicts.items()} == {p: v["status"] for p, v in eager.verdicts.items()}
     assert [f.to_dict() for f in r.findings] == [f.to_dict() for f in eager.findings]
+
+
+def test_a_clean_fp16_verdict_line_names_the_grad_scaler_it_was_confirmed_with():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    x, y = batch()
+    r = examine(model, x, y, loss_fn=loss_fn, precisions=("fp16",), steps=2)
+    v = r.verdicts["fp16"]
+    assert v.status == "clean" and "GradScaler(" in v.confirmation.recipe, r.summary()
+    # was "fp16: clean (confirmed ...)": read alone, it says nothing of the scaler the recipe trained with
+    assert v.line().startswith(f"fp16: clean (with GradScaler(init_scale=2**{int(math.log2(r.gradients['recommended_scale']))})")
+    half = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)).half()  # fp16 weights: no scaler possible
+    h = examine(half, x.half(), y, loss_fn=loss_fn, precisions=("fp16",), steps=2,
+                optimizer=torch.optim.SGD(half.parameters(), lr=1e-2))
+    assert "GradScaler" not in h.verdicts["fp16"].line()
