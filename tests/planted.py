@@ -13,3 +13,15 @@ class NaiveRMSNorm(nn.Module):
 
     def forward(self, x):
         return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class SparseBag(nn.Module):
+    """Bag of Embedding(sparse=True) rows, then a Linear: its embedding gradient comes sparse (SGD and SparseAdam
+    take it; AdamW refuses it)."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, classes: int = 10):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(vocab, dim, sparse=True), nn.Linear(dim, classes)
+
+    def forward(self, t):
+        return self.out(self.emb(t).mean(1))

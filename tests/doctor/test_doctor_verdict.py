@@ -17,6 +17,7 @@ from ampcourse.doctor.report import Finding
 from ampcourse.doctor.verdict import Confirmation, Verdict, _rank, affects, decide
 from ampcourse.doctor.vocab import STATUSES
 from ampcourse.models import loss_fn, make_model
+from planted import SparseBag
 
 
 def batch(n=32, d=32, classes=10, seed=0, scale=1.0):
@@ -378,17 +379,6 @@ def test_class3_a_float64_head_runs_and_its_optimizer_step_is_not_a_blowup(body)
     assert r.optimizer["outcome"] != "blowup" and model.head.weight.dtype == torch.float64
     assert any(v["status"] == "clean" for v in r.verdicts.values()), r.summary()
     assert_consistent(r)
-
-
-class SparseBag(nn.Module):
-    """An Embedding(sparse=True): its gradient comes sparse (SGD and SparseAdam take it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb, self.out = nn.Embedding(50, 32, sparse=True), nn.Linear(32, 10)
-
-    def forward(self, t):
-        return self.out(self.emb(t).mean(1))
 
 
 def test_a_sparse_embedding_is_measured_trained_and_its_optimizer_audited():

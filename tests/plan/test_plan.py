@@ -14,6 +14,7 @@ from ampcourse import models
 from ampcourse.plan import GPU, GPUS, NeedsRealValues, capture_step, plan
 from ampcourse.plan.capture import autocast_policy
 from ampcourse.plan.roofline import op_time
+from planted import SparseBag
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -355,15 +356,6 @@ def test_activation_checkpointing_saves_less_and_recomputes_in_backward(precisio
     assert len(_ops(ckpt, "forward")) == len(_ops(plain, "forward"))
 
 
-class _SparseBag(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.out = nn.Embedding(100, 16, sparse=True), nn.Linear(16, 4)
-
-    def forward(self, t):
-        return self.out(self.emb(t).mean(1))
-
-
 class _CpuNoise(nn.Module):
     """Inline noise made on the CPU (torch.rand without device=): fails on a GPU as on meta."""
 
@@ -378,8 +370,8 @@ class _CpuNoise(nn.Module):
 def test_a_model_whose_step_cannot_run_on_meta_is_one_line_naming_the_cause():
     t = torch.zeros(4, 6, dtype=torch.long)
     with pytest.raises(ValueError, match=r"Adam does not support sparse gradients.*pass optimizer="):
-        plan(_SparseBag(), t, loss_fn=_sum_loss)  # was a RuntimeError traceback from torch.optim
-    r = plan(_SparseBag(), t, loss_fn=_sum_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        plan(SparseBag(100, 16, 4), t, loss_fn=_sum_loss)  # was a RuntimeError traceback from torch.optim
+    r = plan(SparseBag(100, 16, 4), t, loss_fn=_sum_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert r.step_seconds["bf16"] > 0
     with pytest.raises(ValueError, match=r"cannot run on meta tensors.*without device="):
         plan(_CpuNoise(), torch.empty(2, 8), loss_fn=_sum_loss)
