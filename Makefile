@@ -51,12 +51,19 @@ lab: setup  ## set up, copy the chapters you have no copy of yet into workspace/
 # CUDA, unit tests that expect a CPU would fail, strict nbval would compare GPU numbers with the stored CPU
 # outputs, and `make notebooks` would store CUDA outputs that then fail CPU CI. The GPU suite is `make gpu-test`.
 TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=
+# pytest-xdist: with one OpenMP thread per process a single pytest keeps one core busy, so the suite runs in
+# TEST_WORKERS processes, one per core and at most 4 (a distributed test starts 2-4 processes of its own);
+# --dist loadscope keeps each notebook's cells (and each test module's fixtures) in one worker, and
+# --no-loadscope-reorder keeps tests/conftest.py's order (the long modules first, so none ends the run alone).
+# TEST_WORKERS=0 runs everything in this process (for a debugger).
+TEST_WORKERS ?= $(shell $(PYTHON) tools/test_workers.py)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 test: setup  ## set up, then run unit tests and every notebook through nbval
-	$(TEST_ENV) $(BIN)/python -m pytest
+	$(TEST_ENV) $(BIN)/python -m pytest $(XDIST)
 
 unit: setup  ## the edit loop: unit tests without notebooks and without the slow (multi-process) ones
-	$(TEST_ENV) $(BIN)/python -m pytest tests -m "not slow and not gpu"
+	$(TEST_ENV) $(BIN)/python -m pytest $(XDIST) tests -m "not slow and not gpu"
 
 notebooks: setup  ## re-execute every chapter and store clean outputs (after changing code or prose)
 	$(TEST_ENV) $(BIN)/python tools/nbtool.py execute chapters/*.ipynb

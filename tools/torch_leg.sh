@@ -94,6 +94,10 @@ install() {
 export PYTHONPATH="$ROOT" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" CUDA_VISIBLE_DEVICES=
 PY="$VENV/bin/python"
 T0=$(date +%s)
+# As `make test`: one pytest-xdist worker per core (at most 4), a notebook's cells in one worker.
+WORKERS="${TEST_WORKERS:-$("$PYTHON" tools/test_workers.py)}"
+XDIST=()
+if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadscope --no-loadscope-reorder); fi
 
 step "install (torch $TORCH, torchao $TORCHAO)" install || true
 if [ "$INSTALL_ONLY" = 1 ]; then
@@ -117,13 +121,13 @@ print(f"torch {torch.__version__}, torchao {torchao.__version__}: {len(mods)} am
 # test_make_lab; and the slow marker (multi-process runs, the wheel build). Only what a leg can tell that
 # `make test` cannot: what depends on the torch version.
 step "unit tests (torch-dependent; not slow, browser, learner-copy, make-lab)" \
-    "$PY" -m pytest tests -p no:cacheprovider -q -m "not slow and not gpu" \
+    "$PY" -m pytest "${XDIST[@]}" tests -p no:cacheprovider -q -m "not slow and not gpu" \
     --ignore tests/course/test_browser.py --ignore tests/course/test_student.py --ignore tests/course/test_make_lab.py \
     --ignore tests/course/test_environments.py --ignore tests/tools/test_gpu_tool.py --ignore tests/gpu
 # AMPCOURSE_CHECKERS_RAISE=1: a checker that rejects a chapter's own solution fails its cell (lax mode compares no
 # outputs, and in a kernel a checker only prints its verdict)
 step "every chapter, nbval lax" env AMPCOURSE_CHECKERS_RAISE=1 \
-    "$PY" -m pytest chapters -o addopts="" -p no:cacheprovider -q --nbval-lax --nbval-current-env \
+    "$PY" -m pytest "${XDIST[@]}" chapters -o addopts="" -p no:cacheprovider -q --nbval-lax --nbval-current-env \
     --nbval-cell-timeout=300
 
 echo "=== torch $TORCH leg: $(elapsed "$T0") s in all"

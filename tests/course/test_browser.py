@@ -45,6 +45,8 @@ import pytest
 import make_student  # tools/ (tests/conftest.py puts it on sys.path)
 import nbtool
 
+pytestmark = pytest.mark.starts_first  # minutes in one module: pytest-xdist starts it first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = ROOT / "chapters"
 

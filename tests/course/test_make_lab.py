@@ -24,6 +24,8 @@ import pytest
 
 import lab_config  # tools/ (tests/conftest.py puts it on sys.path)
 
+pytestmark = pytest.mark.starts_first  # minutes in one module: pytest-xdist starts it first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -25,6 +25,8 @@ from make_student import (NEXT_TAG, NOTE_TAG, STUB, SUMMARY_TAG, SolutionMarkerE
                           is_solution, learner_copy, stub_source)
 from nbtool import NAV_END
 
+pytestmark = pytest.mark.starts_first  # minutes in one module: pytest-xdist starts it first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))

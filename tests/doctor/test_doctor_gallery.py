@@ -12,6 +12,8 @@ import torch
 
 import doctor_gallery as G
 
+pytestmark = pytest.mark.starts_first  # minutes in one module: pytest-xdist starts it first (tests/conftest.py)
+
 try:
     import transformers  # noqa: F401  (a test dependency in pyproject.toml; the Hugging Face cases need it)
     HAS_HF = True
