@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import emulate, formats
+from .. import _compiled, emulate, formats
 from .. import inputs as _inputs
 from ..device import AmpSetup, pick
 from . import rules
@@ -51,14 +51,10 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 #: The note of a report on a torch.compile'd model.
-_COMPILED_NOTE = ("torch.compile: examined the eager module inside it (model._orig_mod, the same parameters): the "
-                  "doctor watches every op, which compiled code does not run one by one; compiled kernels may fuse "
-                  "and round differently (chapter 10), so confirm a recipe by training the compiled model too.")
-
-
-def _compiled(model: nn.Module) -> bool:
-    """model is torch.compile's wrapper (OptimizedModule), told by name: importing torch._dynamo costs seconds."""
-    return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
+_COMPILED_NOTE = ("torch.compile: examined the eager module inside each compiled one (its _orig_mod, the same "
+                  "parameters): the doctor watches every op, which compiled code does not run one by one; compiled "
+                  "kernels may fuse and round differently (chapter 10), so confirm a recipe by training the compiled "
+                  "model too.")
 
 
 def _has_low(model: nn.Module) -> bool:
@@ -144,9 +140,9 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError("model is a torch.jit.ScriptModule: the doctor needs hooks and op dispatch, which scripted "
                         "code does not run; pass the eager nn.Module (the one before torch.jit.script)")
-    compiled = _compiled(model)
+    compiled = _compiled.is_compiled(model)
     if compiled:  # its parameters are the eager module's: examining that one examines what trains
-        model = model._orig_mod
+        model = _compiled.eager(model)
     _inputs.read_model(model, "model", accept=("module",), trainable=False)  # the front door: InputError (a TypeError)
     check_inputs(inputs)
     if loss_fn is not None and not callable(loss_fn):
@@ -169,10 +165,12 @@ def examine(model: nn.Module, inputs, targets=None, loss_fn: Callable | None = N
         raise ValueError(f"steps must be an int >= 0 (0: the forensic pass, unconfirmed), got {steps!r}")
     dev = resolve_device(model, device)
     session, name = emulate.session(policy, dev.type)
-    with session, known_state(dev):  # the emulation outside: known_state's autocast-off regions then switch it off
+    # compiled submodules run eager while examined (as a compiled model does: it is unwrapped above)
+    with _compiled.eager_children(model) as compiled_parts, session, known_state(dev):
+        # the emulation outside: known_state's autocast-off regions then switch it off
         report = _examine(model, inputs, targets, loss_fn, optimizer, dev, precs, steps)
     report.policy = name
-    if compiled:
+    if compiled or compiled_parts:
         report.notes = [_COMPILED_NOTE] + report.notes
     if name != dev.type:  # measured under CUDA's lists: the note on CPU's lists does not apply
         report.notes = [f"Measured under CUDA's autocast lists (emulated on {dev.type}: CUDA's casts, this CPU's "

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import _args, emulate
+from .. import _args, _compiled, emulate
 from .. import inputs as _inputs
 
 __all__ = ["Monitor", "Measure", "attention_logit_max", "output_logit_max", "activation_max", "default_monitors",
@@ -97,7 +97,7 @@ def _scores_max(block: nn.Module) -> Measure:
 def _attention_blocks(model: nn.Module) -> list[tuple[str, nn.Module, Measure]]:
     """Every module with a fused ``qkv`` Linear and a ``heads`` count (the reference transformer's Block)."""
     found = []
-    for name, module in model.named_modules():
+    for name, module in _compiled.named_modules(model):
         qkv, heads = getattr(module, "qkv", None), getattr(module, "heads", None)
         if isinstance(qkv, nn.Linear) and isinstance(heads, int):
             found.append((name, qkv, _scores_max(module)))
@@ -136,9 +136,9 @@ def output_logit_max() -> Monitor:
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module, Measure]]:
     """The members of every nn.ModuleList (a transformer's blocks); the top-level children where there is none."""
-    found = [(f"{name}.{i}", block, _abs_max) for name, module in model.named_modules()
+    found = [(f"{name}.{i}".lstrip("."), block, _abs_max) for name, module in _compiled.named_modules(model)
              if isinstance(module, nn.ModuleList) for i, block in enumerate(module)]
-    return found or [(name, child, _abs_max) for name, child in model.named_children()]
+    return found or [(name, child, _abs_max) for name, child in _compiled.eager(model).named_children()]
 
 
 def activation_max() -> Monitor:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from .. import _args, _scaler, emulate, models
+from .. import _args, _compiled, _scaler, emulate, models
 from .. import inputs as _inputs
 from .. import train as _train
 from ..device import AmpSetup, pick
@@ -92,7 +92,7 @@ def _make_rows(series: dict[str, list[float]], monitor_labels: list[str], layers
 def _layers(model: nn.Module) -> tuple[list[str], list[int]]:
     """Layer labels (modules that own trainable parameters) and, per trainable parameter, its layer's index."""
     labels, owner, seen = [], [], set()
-    for name, module in model.named_modules():
+    for name, module in _compiled.named_modules(model):  # a compiled model's layers as written, not "_orig_mod.0"
         # a parameter shared by two modules counts once, in the first (as model.parameters() yields it)
         own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
         seen.update(id(p) for p in own)

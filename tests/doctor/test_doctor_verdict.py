@@ -764,9 +764,32 @@ def test_a_compiled_model_is_examined_through_its_eager_module_and_says_so():
     eager = examine(model, x, y, loss_fn=loss_fn, steps=2)
     compiled = torch.compile(model)  # lazy: compiles only when called, which examine never does
     r = examine(compiled, x, y, loss_fn=loss_fn, steps=2, optimizer=torch.optim.AdamW(compiled.parameters()))
-    assert r.notes[0].startswith("torch.compile: examined the eager module inside it")
+    assert r.notes[0].startswith("torch.compile: examined the eager module inside each compiled one")
     assert {p: v["status"] for p, v in r.verdicts.items()} == {p: v["status"] for p, v in eager.verdicts.items()}
     assert [f.to_dict() for f in r.findings] == [f.to_dict() for f in eager.findings]
+
+
+def test_a_compiled_submodule_runs_eager_while_examined_and_keeps_the_names_as_written():
+    # was: dynamo traced the doctor's dispatch code inside the compiled part (recompile-limit warnings, ~10 s for a
+    # tiny MLP), and its layers would be named "1._orig_mod.0"
+    import warnings
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+    model = nn.Sequential(nn.Linear(32, 64), inner, nn.Linear(64, 10))
+    x, y = batch()
+    eager = examine(model, x, y, loss_fn=loss_fn, steps=2)
+    compiled_inner = torch.compile(inner, backend="eager")
+    model[1] = compiled_inner
+    before = [m for m in model.modules()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = examine(model, x, y, loss_fn=loss_fn, steps=2, optimizer=torch.optim.AdamW(model.parameters()))
+    assert r.notes[0].startswith("torch.compile: examined the eager module inside each compiled one")
+    assert {p: v["status"] for p, v in r.verdicts.items()} == {p: v["status"] for p, v in eager.verdicts.items()}
+    assert [f.to_dict() for f in r.findings] == [f.to_dict() for f in eager.findings]
+    assert not any("_orig_mod" in json.dumps(f.to_dict()) for f in r.findings)
+    assert model[1] is compiled_inner and [m for m in model.modules()] == before  # put back as it was
+    assert not [w for w in caught if "recompile" in str(w.message)]
 
 
 def test_a_clean_fp16_verdict_line_names_the_grad_scaler_it_was_confirmed_with():

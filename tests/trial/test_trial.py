@@ -506,3 +506,15 @@ def test_trial_pair_of_tensors_of_different_lengths_is_a_value_error() -> None:
     # before: AssertionError "Size mismatch between tensors" from torch's TensorDataset
     with pytest.raises(ValueError, match=r"inputs \(64, 32\) and targets \(10,\) must have one row per sample"):
         trial_mod.trial(lambda: torch.nn.Linear(32, 10), data=(X, Y[:10]), steps=1)
+
+
+def test_a_compiled_model_is_named_by_its_layers_as_written():
+    """torch.compile's wrapper holds the model as `_orig_mod`: its layers are still "0", "blocks.1", not "_orig_mod.0"."""
+    def compiled():
+        return torch.compile(TinyTransformer(vocab=64, seq_len=16), backend="eager")
+
+    t = trial(compiled, DATA, precisions=("fp32",), steps=2)
+    eager = trial(lambda: TinyTransformer(vocab=64, seq_len=16), DATA, precisions=("fp32",), steps=2)
+    assert t.layers == eager.layers and not any("_orig_mod" in name for name in t.layers)
+    keys = [k for k in t.series[REFERENCE] if "/" in k]
+    assert keys == [k for k in eager.series[REFERENCE] if "/" in k] and not any("_orig_mod" in k for k in keys)
