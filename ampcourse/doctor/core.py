@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -351,8 +353,7 @@ def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:
         res = autocast_pass(ctx, amp, scale=scale, at_1=at_1)
     except PassFailed as fail:
         if _missing_kernel(fail.error):  # this device or torch has no such kernel: nothing about the model
-            return {"status": "unsupported", "fp32_modules": [],
-                    "reason": f"{p} autocast cannot run this model here: {fail}"}
+            return {"status": "unsupported", "fp32_modules": [], "reason": _no_kernel_reason(ctx, p, fail)}
         clash = _dtype_clash(ctx.model, amp, fail.error)
         if clash:  # the model's own fp16/bf16 weights meet the other autocast dtype: a fact of the device, not a bug
             where = f" (in {quoted(fail.where.module)})" if fail.where and fail.where.module else ""
@@ -413,8 +414,39 @@ def _dtype_clash(model: nn.Module, amp: AmpSetup, err: BaseException) -> str:
 
 
 def _missing_kernel(err: BaseException) -> bool:
-    """An error that says this device or torch build lacks a kernel for the dtype, not that the model is wrong."""
-    return isinstance(err, NotImplementedError) or "not implemented for" in str(err)
+    """An error that says this device or torch build lacks a kernel for the dtype, not that the model is wrong:
+    "... not implemented for 'Half'", or "Unsupported dtype BFloat16" (torch.fft's, on a CPU for fp16 and bf16)."""
+    text = str(err)
+    return isinstance(err, NotImplementedError) or "not implemented for" in text or "Unsupported dtype" in text
+
+
+def _learner_line(err: BaseException) -> str:
+    """The innermost line of the learner's code in err's traceback ("`f = torch.fft.rfft(h)` (model.py:8, in
+    forward)"), or "" when every frame is torch's or ampcourse's."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = f"`{f.line.strip()}` " if f.line else ""
+    return f"{code}({os.path.basename(f.filename)}:{f.lineno}, in {f.name})"
+
+
+def _no_kernel_reason(ctx: Context, p: str, fail: PassFailed) -> str:
+    """Why `p` is unsupported when an op has no `p` kernel here, and what to do; honest about emulation: under CUDA's
+    emulated lists the arithmetic is this CPU's, so a kernel missing here says nothing about CUDA's."""
+    where = fail.where
+    if where and where.op:
+        op = where.op + (f" (in {quoted(where.module)})" if where.module else "")
+    else:  # raised above the op watch (a composite op's own dtype check, as torch.fft's): the learner's line
+        op = _learner_line(fail.error) or "an op"
+    dev = ctx.dev.type
+    if emulate.is_active():
+        return (f"CUDA's {p} cannot be emulated for this model on this {dev}: {op} has no {p} kernel here ({fail}), "
+                f"and whether CUDA has one this {dev} cannot tell; examine on the GPU, or compute that op in fp32 (an "
+                "explicit .float() before it) to examine the rest")
+    return (f"{p} autocast cannot run this model on this {dev}: {op} has no {p} kernel here ({fail}); compute it in "
+            f"fp32 (an explicit .float() before it, or an fp32 island around its module) to run {p} for the rest")
 
 
 #: What a kernel library says when it has no kernel for the dtype on this processor: oneDNN's bf16/fp16 LSTM on a
@@ -539,8 +571,12 @@ def _advice(r: Report, ev: Evidence, d: Decision) -> list[str]:
     if rank >= 2:
         states = "; ".join(f"{p} is {w['status']}" + (f" ({w['reason']})" if w.get("reason") else "")
                            for p, w in r.verdicts.items())
-        out.append(f"No precision examined here ran clean ({states}): train in fp32 until the findings above are "
-                   "fixed.")
+        if all(_rank(w) == 3 for w in r.verdicts.values()):
+            out.append(f"No precision examined could run here ({states}): train in fp32 here; what each reason "
+                       "names is what to change, or where to examine instead.")
+        else:
+            out.append(f"No precision examined here ran clean ({states}): train in fp32 until the findings above "
+                       "are fixed.")
     else:
         loss = v.get("loss_with_islands", v.get("loss", math.nan))
         how = ("" if rank == 0 or not v.master_weights else

@@ -369,6 +369,9 @@ def headline_of(d: Decision, device: str, scale: float, low_trainable: str | Non
     v = d.verdicts.get(d.recommended)
     if d.fp32_fails:
         return head + "fp32 itself fails (inf/NaN in the fp32 run): fix that first; no precision is judged until then"
+    if d.verdicts and all(_rank(w) == 3 for w in d.verdicts.values()):  # nothing to fix in the model: none could run
+        return head + ("no low precision could be examined here (each is unsupported, the reason on its line): train "
+                       "in fp32 here")
     if v is None or _rank(v) >= 2:
         return head + "no low precision ran clean here: train in fp32 until the findings are fixed"
     p = d.recommended
