@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _args, autocast_ops, formats
+from . import _args, _errors, autocast_ops, formats
 from .autocast_ops import Policy
 
 __all__ = ["autocast", "autocast_state", "is_active", "policy", "session", "Call", "LIMITS"]
@@ -265,12 +265,6 @@ def _first_dtype(out) -> str | None:
     return None
 
 
-def _low_kernel_missing(err: Exception) -> bool:
-    """True when err is CPU saying it has no fp16/bf16 kernel for an op."""
-    text = str(err)
-    return "not implemented for" in text and ("'Half'" in text or "'BFloat16'" in text)
-
-
 def _fp32_then_low(op, args, kwargs, low: torch.dtype):
     """Run op in fp32 and cast its floating outputs to low (CPU lacks the low-precision kernel)."""
     out = op(*_cast(list(args), torch.float32, low), **{k: _cast(v, torch.float32, low) for k, v in kwargs.items()})
@@ -319,7 +313,7 @@ def _make_kernel(name: str):
             try:
                 out = op(*args, **kwargs)
             except (RuntimeError, NotImplementedError) as err:
-                if not _low_kernel_missing(err):
+                if not _errors.missing_low_kernel(err):
                     raise
                 _local.fallbacks.add(name)
                 out = _fp32_then_low(op, args, kwargs, low)

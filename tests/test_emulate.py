@@ -300,7 +300,10 @@ def test_an_nn_module_trains_under_the_emulator():
 def test_an_op_without_a_low_precision_cpu_kernel_runs_in_fp32_and_comes_out_low():
     """CUDA runs it low; a CPU without the fp16/bf16 kernel computes it in fp32 and casts the result (said in .fallbacks)."""
     err = RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
-    assert emulate._low_kernel_missing(err) and not emulate._low_kernel_missing(RuntimeError("shape mismatch"))
+    from ampcourse._errors import missing_low_kernel
+    assert missing_low_kernel(err) and not missing_low_kernel(RuntimeError("shape mismatch"))
+    assert missing_low_kernel(RuntimeError("Unsupported dtype BFloat16"))  # torch.fft's words on a CPU
+    assert not missing_low_kernel(RuntimeError("Unsupported dtype Float8_e4m3fn"))  # not fp16/bf16
     a, b = torch.randn(4, 8).half(), torch.randn(8, 3).half()
     out = emulate._fp32_then_low(torch.ops.aten.mm.default, [a, b], {}, torch.float16)
     assert out.dtype == torch.float16 and torch.equal(out, (a.float() @ b.float()).half())

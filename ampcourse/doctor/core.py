@@ -5,15 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .. import _compiled, emulate, formats
+from .. import _compiled, _errors, emulate, formats
 from .. import inputs as _inputs
 from ..device import AmpSetup, pick
 from . import rules
@@ -352,7 +350,7 @@ def _precision(ctx: Context, ev: Evidence, p: str) -> dict[str, Any]:
     try:
         res = autocast_pass(ctx, amp, scale=scale, at_1=at_1)
     except PassFailed as fail:
-        if _missing_kernel(fail.error):  # this device or torch has no such kernel: nothing about the model
+        if _errors.missing_kernel(fail.error):  # this device or torch has no such kernel: nothing about the model
             return {"status": "unsupported", "fp32_modules": [], "reason": _no_kernel_reason(ctx, p, fail)}
         clash = _dtype_clash(ctx.model, amp, fail.error)
         if clash:  # the model's own fp16/bf16 weights meet the other autocast dtype: a fact of the device, not a bug
@@ -413,25 +411,6 @@ def _dtype_clash(model: nn.Module, amp: AmpSetup, err: BaseException) -> str:
     return ""
 
 
-def _missing_kernel(err: BaseException) -> bool:
-    """An error that says this device or torch build lacks a kernel for the dtype, not that the model is wrong:
-    "... not implemented for 'Half'", or "Unsupported dtype BFloat16" (torch.fft's, on a CPU for fp16 and bf16)."""
-    text = str(err)
-    return isinstance(err, NotImplementedError) or "not implemented for" in text or "Unsupported dtype" in text
-
-
-def _learner_line(err: BaseException) -> str:
-    """The innermost line of the learner's code in err's traceback ("`f = torch.fft.rfft(h)` (model.py:8, in
-    forward)"), or "" when every frame is torch's or ampcourse's."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(skip)]
-    if not frames:
-        return ""
-    f = frames[-1]
-    code = f"`{f.line.strip()}` " if f.line else ""
-    return f"{code}({os.path.basename(f.filename)}:{f.lineno}, in {f.name})"
-
-
 def _no_kernel_reason(ctx: Context, p: str, fail: PassFailed) -> str:
     """Why `p` is unsupported when an op has no `p` kernel here, and what to do; honest about emulation: under CUDA's
     emulated lists the arithmetic is this CPU's, so a kernel missing here says nothing about CUDA's."""
@@ -439,7 +418,7 @@ def _no_kernel_reason(ctx: Context, p: str, fail: PassFailed) -> str:
     if where and where.op:
         op = where.op + (f" (in {quoted(where.module)})" if where.module else "")
     else:  # raised above the op watch (a composite op's own dtype check, as torch.fft's): the learner's line
-        op = _learner_line(fail.error) or "an op"
+        op = _errors.learner_line(fail.error) or "an op"
     dev = ctx.dev.type
     if emulate.is_active():
         return (f"CUDA's {p} cannot be emulated for this model on this {dev}: {op} has no {p} kernel here ({fail}), "

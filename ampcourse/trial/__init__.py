@@ -35,7 +35,7 @@ from .cli import main
 from .monitors import (RECOMPUTE_GAP, Measure, Monitor, activation_max, attention_logit_max, default_monitors,
                        output_logit_max)
 from .result import DRIFT_LINES, PRECISIONS, REFERENCE, Departure, Trial, unit_roundoff
-from .runs import CHUNK_BYTES, trial
+from .runs import CHUNK_BYTES, RunFailed, trial
 
-__all__ = ["Monitor", "Departure", "Trial", "trial", "attention_logit_max", "output_logit_max", "activation_max",
+__all__ = ["Monitor", "Departure", "Trial", "trial", "RunFailed", "attention_logit_max", "output_logit_max", "activation_max",
            "default_monitors", "unit_roundoff", "REFERENCE", "PRECISIONS", "CHUNK_BYTES", "main"]

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
-from .. import _args, _compiled, _scaler, emulate, models
+from .. import _args, _compiled, _errors, _scaler, emulate, models
 from .. import inputs as _inputs
 from .. import train as _train
 from ..device import AmpSetup, pick
@@ -299,7 +299,14 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
                     batches.append((xs[idx].to(ref_amp.device), ys[idx].to(ref_amp.device)))
                 ref_after: list[tuple[torch.Tensor, list[float]]] = []  # the reference's weights after each step
                 for run in runs:  # the reference first: drift compares against its weights after the same step
-                    train_seconds += _steps(run, ref, batches, ref_after, loss, grad_clip, len(labels))
+                    try:
+                        train_seconds += _steps(run, ref, batches, ref_after, loss, grad_clip, len(labels))
+                    except torch.OutOfMemoryError:
+                        raise
+                    except Exception as err:
+                        if run is ref:  # the model's own failure, in fp32: as it was raised
+                            raise
+                        raise RunFailed(_run_failed(run, err, policy)) from err
                     bar.update(len(batches))
     finally:
         bar.close()
@@ -316,6 +323,29 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
                  {run.label: run.series for run in runs}, departures, magnitude_monitors=sorted(by_size),
                  seconds=time.perf_counter() - t_start,
                  train_seconds=train_seconds, config=config)
+
+
+class RunFailed(RuntimeError):
+    """A precision's run raised where the fp32 reference had run the same steps (its cause is chained)."""
+
+
+def _run_failed(run: _Run, err: BaseException, policy: str) -> str:
+    """One message for a precision's run that raised: the run, the step, the learner's line, and, for a kernel this
+    device lacks, what that means (under CUDA's emulated lists: nothing about CUDA, whose kernels differ)."""
+    step = len(run.series.get("loss", [])) + 1
+    where = _errors.learner_line(err)
+    text = (f"the {run.label} run raised at step {step}, where fp32 ran" + (f", at {where}" if where else "")
+            + f": {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+    if _errors.missing_kernel(err):
+        dev = run.amp.device_type
+        if policy != dev:  # CUDA's lists emulated on this CPU: its arithmetic, its kernels
+            text += (f". This {dev} has no {run.label} kernel for that op, so CUDA's {run.label} cannot be emulated "
+                     f"for this model here, and whether CUDA has one this {dev} cannot tell: run the trial on the GPU, "
+                     "or compute that op in fp32 (an explicit .float() before it)")
+        else:
+            text += (f". This {dev} has no {run.label} kernel for that op: compute it in fp32 (an explicit .float() "
+                     f"before it) to train the rest in {run.label}")
+    return text
 
 
 def _steps(run: _Run, ref: _Run, batches: list[tuple[torch.Tensor, torch.Tensor]],
