@@ -25,3 +25,18 @@ class SparseBag(nn.Module):
 
     def forward(self, t):
         return self.out(self.emb(t).mean(1))
+
+
+class Spectral(nn.Module):
+    """A spectral mixing layer (FNet, Fourier neural operators): torch.fft on a Linear's output, inline. Healthy;
+    under CUDA's lists (emulated on a CPU) rfft gets fp16/bf16, for which a CPU has no FFT kernel."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.inp, self.out = nn.Linear(d, d), nn.Linear(d, 4)
+        self.w = nn.Parameter(torch.randn(d // 2 + 1) * 0.1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        f = torch.fft.rfft(h, dim=-1)
+        return self.out(torch.relu(torch.fft.irfft(f * self.w, n=h.shape[-1], dim=-1)))

@@ -220,7 +220,9 @@ def trial(model_factory: Callable[[], nn.Module] | str, data: TensorDataset | tu
             ``config["policy"]`` names it.
 
     Returns:
-        a :class:`Trial`. Raises ValueError (one line that says what to pass) on bad input, before any step.
+        a :class:`Trial`. Raises ValueError (one line that says what to pass) on bad input, before any step;
+        :class:`RunFailed` when a precision's run raises where fp32 ran (which run, the step, the learner's line,
+        and for a kernel this device lacks what that means); the fp32 reference's own errors as raised.
 
     Example::
 

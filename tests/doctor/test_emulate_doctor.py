@@ -9,6 +9,7 @@ from ampcourse.doctor import examine
 from ampcourse.doctor.cli import main
 
 import doctor_gallery as G
+from planted import Spectral
 
 
 def _examine(name: str, policy: str | None):
@@ -128,20 +129,6 @@ def test_the_first_line_says_whose_autocast_lists_it_measured_under():
     assert cpu.summary().splitlines()[0] == cpu.headline
 
 
-class _Spectral(torch.nn.Module):
-    """A spectral mixing layer (FNet, Fourier neural operators): torch.fft on a Linear's output, inline."""
-
-    def __init__(self, d: int = 32):
-        super().__init__()
-        self.inp, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, 4)
-        self.w = torch.nn.Parameter(torch.randn(d // 2 + 1) * 0.1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        f = torch.fft.rfft(h, dim=-1)
-        return self.out(torch.relu(torch.fft.irfft(f * self.w, n=h.shape[-1], dim=-1)))
-
-
 def test_an_op_this_cpu_has_no_low_kernel_for_is_unsupported_under_cudas_lists_not_the_models_fault():
     # CUDA's lists leave torch.fft alone, so rfft gets the Linear's fp16/bf16 output; this CPU has no such FFT
     # kernel ("Unsupported dtype Half"), which says nothing about CUDA's (cuFFT runs fp16 for powers of two). Was:
@@ -149,15 +136,15 @@ def test_an_op_this_cpu_has_no_low_kernel_for_is_unsupported_under_cudas_lists_n
     from test_doctor_verdict import assert_consistent
     torch.manual_seed(0)
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
-    r = examine(_Spectral(), x, y, loss_fn=torch.nn.functional.cross_entropy, steps=2, policy="cuda")
+    r = examine(Spectral(), x, y, loss_fn=torch.nn.functional.cross_entropy, steps=2, policy="cuda")
     for p in ("fp16", "bf16"):
         v = r.verdicts[p]
         assert v["status"] == "unsupported", r.summary()
         assert v["reason"].startswith(f"CUDA's {p} cannot be emulated for this model on this cpu: "
-                                      "`f = torch.fft.rfft(h, dim=-1)` (test_emulate_doctor.py:"), v["reason"]
+                                      "`f = torch.fft.rfft(h, dim=-1)` (planted.py:"), v["reason"]
         assert "whether CUDA has one this cpu cannot tell" in v["reason"]
     assert not [f for f in r.findings if f.severity == "error"] and "-1e9" not in r.summary()
     assert r.recommended_precision == "fp32" and "no low precision could be examined here" in r.headline
     assert_consistent(r)
-    on_cpu = examine(_Spectral(), x, y, loss_fn=torch.nn.functional.cross_entropy, steps=2)  # CPU's lists: fft fp32
+    on_cpu = examine(Spectral(), x, y, loss_fn=torch.nn.functional.cross_entropy, steps=2)  # CPU's lists: fft fp32
     assert on_cpu.is_clean("bf16")

@@ -524,22 +524,15 @@ def test_a_run_that_raises_says_which_run_which_step_and_the_learners_line():
     """Was the bare "RuntimeError: Unsupported dtype Half" of torch.fft under CUDA's emulated lists, read as fp16
     failing on CUDA (cuFFT has fp16 kernels for power-of-two sizes; this CPU has none)."""
     from ampcourse.trial import RunFailed
-
-    class Spectral(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp, self.out = nn.Linear(32, 32), nn.Linear(32, 4)
-
-        def forward(self, x):
-            h = self.inp(x)
-            return self.out(torch.fft.irfft(torch.fft.rfft(h, dim=-1), n=32, dim=-1))
+    from planted import Spectral
 
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
     with pytest.raises(RunFailed) as info:
         trial(Spectral, (x, y), precisions=("fp16",), steps=2, policy="cuda")
     msg = str(info.value)
-    assert msg.startswith("the fp16 run raised at step 1, where fp32 ran, at `return self.out(torch.fft.irfft("), msg
-    assert "(test_trial.py:" in msg and "Unsupported dtype Half" in msg
+    assert msg.startswith("the fp16 run raised at step 1, where fp32 ran, at `f = torch.fft.rfft(h, dim=-1)` "
+                          "(planted.py:"), msg
+    assert "Unsupported dtype Half" in msg
     assert "CUDA's fp16 cannot be emulated for this model here" in msg and isinstance(info.value, RuntimeError)
     assert isinstance(info.value.__cause__, RuntimeError)  # the torch error, chained
     ok = trial(Spectral, (x, y), precisions=("fp16",), steps=2)  # CPU's own lists run torch.fft in fp32
