@@ -198,6 +198,8 @@ class _Hooks:
                                          "returns a 0-d tensor (one number, e.g. out.abs().amax())")
             if value.dtype != torch.float32 or value.dim():  # the built-in measures return 0-d fp32 already
                 value = value.detach().float().reshape(())
+            if value.device != self.nan.device:  # e.g. a CPU nan for an output without a tensor, on a CUDA model:
+                value = value.to(self.nan.device)  # all values are stacked in one read-back on the model's device
             # Inside the autograd engine (a graph task is running) this call is a recompute for backward
             # (torch.utils.checkpoint, a hand-written recompute): kept apart, compared with the forward's in take().
             store = self.reruns if torch._C._current_graph_task_id() != -1 else self.values

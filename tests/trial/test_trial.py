@@ -537,3 +537,21 @@ def test_a_run_that_raises_says_which_run_which_step_and_the_learners_line():
     assert isinstance(info.value.__cause__, RuntimeError)  # the torch error, chained
     ok = trial(Spectral, (x, y), precisions=("fp16",), steps=2)  # CPU's own lists run torch.fft in fp32
     assert ok.departure("fp16") is None
+
+
+def test_a_measure_on_another_device_joins_the_models_read_back() -> None:
+    """A measure's value is moved to the model's device: the step stacks every value in one read-back.
+
+    On CUDA the built-in measures give a CPU nan for an output without a tensor (and a learner's measure may return
+    ``torch.tensor(x.item())``); stacking that with CUDA values raised "Expected all tensors to be on the same
+    device". A model on the meta device stands in for CUDA here: the same device check, no GPU needed.
+    """
+    from ampcourse.trial.monitors import _abs_max, _Hooks, output_logit_max
+
+    model = nn.Linear(2, 2, device="meta")
+    hooks = _Hooks(model, [output_logit_max()])
+    label = hooks.labels[0]
+    hooks._hook(label, _abs_max)(model, (), ("an output", "without a tensor"))  # a CPU nan from the measure
+    values = hooks.take()
+    stacked = torch.stack(values)  # the read-back trial's step does
+    assert stacked.device.type == "meta" and stacked.shape == (2,)
