@@ -441,6 +441,10 @@ ROWWISE_SCALED_MM_CPU = (2, 13)
 #: fp8 alignment); checked on every device, so a CPU run shows what a GPU would refuse.
 SCALED_MM_MULTIPLE = 16
 
+#: The first CUDA compute capability with fp8 tensor cores (Ada, sm_89; Hopper is 9.0): below it CUDA's
+#: ``torch._scaled_mm`` has no kernel, per-tensor or rowwise.
+FP8_CAPABILITY = (8, 9)
+
 
 def _scaled_matmul_args(a, b, granularity, out_dtype) -> torch.dtype:
     """Check scaled_matmul's arguments (ValueError naming the fix); return the output dtype to use."""
@@ -451,6 +455,13 @@ def _scaled_matmul_args(a, b, granularity, out_dtype) -> torch.dtype:
             raise ValueError(f"{name} must be a floating-point tensor, got {_args.shown(t)}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
+    if a.device.type == "cuda" and not torch.version.hip:  # ROCm decides fp8 support by its own architecture names
+        cap = tuple(torch.cuda.get_device_capability(a.device))
+        if cap < FP8_CAPABILITY:
+            raise NotImplementedError(
+                f"{torch.cuda.get_device_name(a.device)} (compute capability {cap[0]}.{cap[1]}) has no fp8 tensor cores: "
+                f"torch._scaled_mm needs {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later (Ada, Hopper, Blackwell); "
+                "run scaled_matmul on CPU tensors to see the same numbers (slowly), or use bf16 on this GPU")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"a and b must be 2-D with a.shape[1] == b.shape[0], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.numel() == 0 or b.numel() == 0:
@@ -494,7 +505,8 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensor",
 
     Raises:
         ValueError: bad shapes, dtypes or values, with the fix in the message.
-        NotImplementedError: "row" on a CPU with torch < 2.13, whose CPU ``_scaled_mm`` scales per tensor only.
+        NotImplementedError: "row" on a CPU with torch < 2.13, whose CPU ``_scaled_mm`` scales per tensor only; CUDA
+            tensors on a GPU below compute capability 8.9 (no fp8 tensor cores).
 
     Example::
 

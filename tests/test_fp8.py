@@ -457,3 +457,21 @@ def test_torchao_quantize_refuses_what_torchao_does_not_take():
         fp8.torchao_quantize(torch.ones(1, 16), "fp8_e4m3", "nvfp4")
     with pytest.raises(ValueError, match="MX elements"):
         fp8.torchao_quantize(torch.ones(1, 32), "bf16", "mx")
+
+
+@pytest.mark.parametrize("capability, name", [((8, 0), "NVIDIA A100-SXM4-80GB"), ((7, 5), "Tesla T4")])
+def test_scaled_matmul_on_a_gpu_without_fp8_units_names_the_gpu_and_the_fix(monkeypatch, capability, name):
+    """CUDA's _scaled_mm has no kernel below compute capability 8.9: a clear refusal, not cuBLAS's error.
+
+    Fake CUDA tensors (FakeTensorMode holds no data) and a pretended device stand in for the GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    with FakeTensorMode():
+        a, b = torch.empty(16, 16, device="cuda"), torch.empty(16, 16, device="cuda")
+    for granularity in ("tensor", "row"):
+        with pytest.raises(NotImplementedError, match=rf"{name} \(compute capability {capability[0]}\.{capability[1]}\) "
+                                                      r"has no fp8 tensor cores.*8\.9 or later"):
+            fp8.scaled_matmul(a, b, granularity)
