@@ -12,8 +12,9 @@ fp8_e4m3 is OCP's E4M3FN (``torch.float8_e4m3fn``): there is no infinity, the on
 all-ones pattern ``S.1111.111``, so its largest value is 448. With no infinity, a conversion past the
 range has two possible results, and OCP's 8-bit spec (OFP8 v1.0) defines both: *saturating* (+-448) and
 non-saturating (NaN). ``quantize`` saturates (as the OCP MX spec's element conversion does): any finite
-value or infinity beyond the range becomes +-448, NaN stays NaN. torch's eager cast does the same from torch
-2.13 (``TORCH_E4M3_CAST_SATURATES_FROM``); before that it gives NaN for values that round past 448.
+value or infinity beyond the range becomes +-448, NaN stays NaN. torch's eager CPU cast does the same from torch
+2.13 (``TORCH_E4M3_CAST_SATURATES_FROM``; ``torch_e4m3_cast_saturates(device)`` asks the running torch); before
+that it gives NaN for values that round past 448. ``float8_e4m3fnuz`` casts still give NaN past 240.
 fp8_e5m2 follows the IEEE rules of fp16 (overflow to inf).
 
 The formats of the OCP Microscaling (MX) spec v1.0 (checked against ml_dtypes on every bit pattern):
@@ -37,6 +38,7 @@ The formats of the OCP Microscaling (MX) spec v1.0 (checked against ml_dtypes on
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -180,9 +182,27 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def torch_e4m3_cast_saturates() -> bool:
-    """Whether this torch's cast to float8_e4m3fn saturates at 448 (True from torch 2.13; NaN before)."""
-    return torch_version() >= TORCH_E4M3_CAST_SATURATES_FROM
+def torch_e4m3_cast_saturates(device: str | torch.device = "cpu") -> bool:
+    """Whether this torch's cast to float8_e4m3fn saturates at 448 on `device`, probed by casting 1e6 and inf.
+
+    A probe, not the version: CPU casts saturate from torch 2.13 (``TORCH_E4M3_CAST_SATURATES_FROM``, measured on
+    2.6-2.15) and give NaN before; a GPU's cast is its own kernel, so ask with its device. The FNUZ variant
+    (``float8_e4m3fnuz``, max 240, no inf) still gives NaN past its range on every torch measured (2.11-2.15, CPU).
+
+    Args:
+        device: where to cast (a CUDA device reads one value back once).
+
+    Example:
+        >>> torch_e4m3_cast_saturates() == (torch_version() >= TORCH_E4M3_CAST_SATURATES_FROM)  # on a CPU
+        True
+    """
+    return _e4m3_cast_saturates(str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m3_cast_saturates(device: str) -> bool:
+    big = torch.tensor([1e6, math.inf], device=device).to(torch.float8_e4m3fn).float().tolist()
+    return big == [448.0, 448.0]
 
 
 def names(narrow: bool = False) -> list[str]:

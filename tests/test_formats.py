@@ -57,6 +57,23 @@ def test_torch_e4m3_cast_overflow_follows_the_version():
     assert torch.tensor([460.0]).to(torch.float8_e4m3fn).float().item() == 448.0
 
 
+def test_the_saturation_answer_is_a_probe_of_the_device_not_the_version(monkeypatch):
+    """A GPU's cast is its own kernel: the answer comes from casting there, whatever the version says."""
+    formats._e4m3_cast_saturates.cache_clear()
+    try:
+        monkeypatch.setattr(formats, "torch_version", lambda: (2, 6))  # a version says NaN; this torch's cast decides
+        assert formats.torch_e4m3_cast_saturates("cpu") == (torch.tensor([1e6]).to(torch.float8_e4m3fn).item() == 448)
+        assert formats.torch_e4m3_cast_saturates(torch.device("cpu")) == formats.torch_e4m3_cast_saturates()
+    finally:
+        formats._e4m3_cast_saturates.cache_clear()
+
+
+def test_fnuz_casts_still_give_nan_past_their_range():
+    """float8_e4m3fnuz (MI300's e4m3: max 240, no inf) did not change with e4m3fn's saturation (2.11-2.15, CPU)."""
+    got = torch.tensor([240.0, 250.0, 448.0, 1e6]).to(torch.float8_e4m3fnuz).float().tolist()
+    assert got[0] == 240.0 and all(math.isnan(v) for v in got[1:]), got
+
+
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
 def test_integers_beyond_2_53_round_once(name):
     """float64 holds 53 bits: converting first and rounding again lands on the wrong side of a tie."""
