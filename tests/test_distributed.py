@@ -237,6 +237,34 @@ def test_slurm_script_renders_and_parses(nodes, gpus, tmp_path):
     assert check.returncode == 0, check.stderr
 
 
+def _run_slurm_script(text: str, tmp_path: Path, cpus_per_task: int) -> list[str]:
+    """Run a rendered batch script as SLURM would on the first node, with stub `scontrol` and `srun` first on PATH:
+    returns the arguments srun was called with (one per line)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text("#!/bin/sh\necho node1\necho node2\n")
+    (stubs / "srun").write_text(f'#!/bin/sh\nfor a in "$@"; do echo "$a"; done > {tmp_path / "srun.args"}\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    script = tmp_path / "train.slurm"
+    script.write_text(text)
+    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_PER_TASK": str(cpus_per_task)}
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    return (tmp_path / "srun.args").read_text().splitlines()
+
+
+def test_slurm_script_gives_srun_the_cpus_per_task(tmp_path):
+    """Since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task (nor reads SLURM_CPUS_PER_TASK): the
+    script must pass it again, or the one task per node (torchrun and its workers) may get one CPU."""
+    args = _run_slurm_script(distributed.render_slurm(2, 4, cpus_per_task=24), tmp_path, cpus_per_task=24)
+    assert "#SBATCH --cpus-per-task=24" in distributed.render_slurm(2, 4, cpus_per_task=24)
+    torchrun = args.index("torchrun")
+    assert "--cpus-per-task=24" in args[:torchrun], args  # an srun option, before the command it runs
+    assert args[torchrun + 1:torchrun + 3] == ["--nnodes", "2"] and "node1:29500" in args
+
+
 def test_bash_n_would_catch_a_broken_script(tmp_path):
     """The syntax check is not a formality: a damaged script fails it."""
     broken = tmp_path / "broken.slurm"
