@@ -1,7 +1,8 @@
 """One optimizer step under AMP (:func:`train_step`), the optimizers and schedulers train() builds, and a checksum.
 
 Each AMP decision in :func:`train_step` carries a comment saying why: backward outside autocast, unscale
-before clipping, the scale as the skip signal, one read-back of losses, norms and scales per step.
+before clipping, the scaler's own inf/NaN flag as the skip signal, one read-back of losses, norms, scales
+and that flag per step.
 """
 
 from __future__ import annotations
@@ -173,6 +174,39 @@ def _scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     return scale.detach().clone() if isinstance(scale, torch.Tensor) else None
 
 
+def _found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """This step's inf/NaN flag for `optimizer` (> 0: its step was skipped), still on the device; None if unknown.
+
+    Read between ``scaler.step()`` and ``scaler.update()``: update() starts a new iteration and forgets it.
+    torch.amp.GradScaler (and FSDP1's ShardedGradScaler) keep one flag per device in
+    ``_per_optimizer_states[id(optimizer)]["found_inf_per_device"]``; the course's ``scaling.LossScaler`` keeps
+    one in ``_per_optimizer[id(optimizer)].found_inf``. Why not compare the scale before and after: once it
+    has backed off to 0 (about 166 overflows in a row from 2**16 in float32), 0 * 0.5 == 0, and a skip no
+    longer lowers it.
+
+    Args:
+        scaler: the enabled scaler that just ran ``step(optimizer)``.
+        optimizer: the optimizer it stepped (or skipped).
+
+    Example::
+
+        >>> scaler.step(opt); flag = _found_inf(scaler, opt); scaler.update()
+        >>> bool(flag)   # True if opt.step() was skipped
+    """
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if isinstance(states, dict):  # torch's GradScaler; .get, not [], so that its defaultdict gains no entry
+        flags = list((states.get(id(optimizer)) or {}).get("found_inf_per_device", {}).values())
+    else:
+        state = (getattr(scaler, "_per_optimizer", None) or {}).get(id(optimizer))
+        found = getattr(state, "found_inf", None)
+        flags = [found] if found is not None else []
+    if not flags or not all(isinstance(f, torch.Tensor) for f in flags):
+        return None
+    # A new tensor, summed on the first flag's device without a sync: update() adds the other optimizers'
+    # flags into GradScaler's first one in place.
+    return torch.stack([f.detach().to(flags[0].device, torch.float32) for f in flags]).sum()
+
+
 def _read_back(tensors: list[torch.Tensor]) -> list[float]:
     """0-dim tensors as Python floats: on a GPU stacked into one device-to-host copy, on a CPU one by one."""
     first = tensors[0]
@@ -253,22 +287,26 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
     # Skips optimizer.step() if unscale_ found inf/nan. A non-fused optimizer costs a host sync here (GradScaler
     # reads found_inf with .item()); a fused one (make_optimizer's default on CUDA) gets found_inf as a tensor.
     scaler.step(optimizer)
+    found_inf = _found_inf(scaler, optimizer) if before is not None else None  # before update() forgets it
     scaler.update()
     # The step changed the weights in place: autocast's cached low-precision copies of them are stale now. Autocast
     # clears that cache only when its outermost context exits, and an enclosing one (even enabled=False: the doctor,
     # a learner's own wrapper) keeps it alive across steps, so the next forward would run on the old weights.
     torch.clear_autocast_cache()
     scales = [before, _scale_tensor(scaler)] if before is not None else []
-    # Losses, norms and the scale before and after reach the host together: on a GPU one sync per step.
-    values = _read_back([*losses, *norm_parts, *scales])
+    flag = [found_inf] if found_inf is not None else []
+    # Losses, norms, the scale before and after and the inf flag reach the host together: on a GPU one sync per step.
+    values = _read_back([*losses, *norm_parts, *scales, *flag])
+    found = values.pop() > 0 if flag else False
     if scales:
         scale, new_scale = values[-2:]
         values = values[:-2]
     else:  # a disabled scaler (fp32, bf16): 1.0 both times, never a skip
         scale, new_scale = scale_host, scaler.get_scale()
-    # The scaler lowers its scale exactly when it skipped the step; optimizer.step() returns None either
-    # way, so the scale is the signal. A skipped step must not advance the LR schedule.
-    skipped = new_scale < scale
+    # optimizer.step() returns None either way, so the scaler's inf flag says whether it ran. A scaler that keeps
+    # no flag where _found_inf looks: it lowers the scale exactly when it skips, except at 0, where every step is
+    # skipped (0 gradients times 1/0 are NaN) and 0 * backoff stays 0. A skipped step must not advance the LR schedule.
+    skipped = found if flag else (new_scale < scale or scale == 0.0)
     if scheduler is not None and not skipped:
         scheduler.step()
     norm = values[n] if grad_clip is not None else math.sqrt(sum(values[n:], 0.0))  # inf or nan if a gradient was

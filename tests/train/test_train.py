@@ -502,6 +502,48 @@ def test_skips_are_still_seen_without_get_scale(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def nan_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A loss that is NaN on every step, so that every fp16 step is skipped."""
+    return models.loss_fn(out, y) * math.nan
+
+
+def test_skips_are_still_seen_once_the_scale_has_backed_off_to_zero():
+    """0 * backoff == 0: from there on the scale no longer drops on a skip, and the scheduler must still hold."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # 2**-140 is a float32 subnormal: 10 backoffs reach exactly 0, then 4 more skipped steps at scale 0
+        h = train("mlp", None, "fp16", **{**FAST, "steps": 14, "lr": 0.1}, loss_fn=nan_loss, scheduler=step_lr,
+                  scaler_kwargs={"init_scale": 2.0**-140})
+    assert h.scale[-4:] == [0.0] * 4 and h.final_scale == 0.0
+    assert h.skipped == [True] * 14 and h.lr == [0.1] * 14
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("scaler_kind", ["GradScaler", "LossScaler"])
+def test_train_step_reads_the_skip_from_the_scalers_inf_flag(scaler_kind, fused):
+    """Both scalers, fused or not: a skip at scale 0 is seen, and a clean step that grows the scale is not a skip."""
+    from ampcourse.scaling import LossScaler
+
+    amp, model, opt, _, (x, y) = _fp16_parts(fused=fused)
+    make = torch.amp.GradScaler if scaler_kind == "GradScaler" else LossScaler
+    scaler = make("cpu", init_scale=2.0**-149, growth_interval=1)
+    stats = train_mod.train_step(model, [(x, y)], nan_loss, opt, scaler, amp)
+    assert stats.skipped and scaler.get_scale() == 0.0
+    stats = train_mod.train_step(model, [(x, y)], nan_loss, opt, scaler, amp)
+    assert stats.skipped and stats.scale == 0.0 and scaler.get_scale() == 0.0
+    scaler = make("cpu", init_scale=2.0**10, growth_interval=1)
+    stats = train_mod.train_step(model, [(x, y)], models.loss_fn, opt, scaler, amp)
+    assert not stats.skipped and scaler.get_scale() == 2.0**11
+
+
+def test_a_scaler_without_an_inf_flag_falls_back_to_the_scale_with_zero_as_a_skip(monkeypatch):
+    amp, model, opt, scaler, (x, y) = _fp16_parts(fused=False)
+    monkeypatch.setattr(train_mod.step, "_found_inf", lambda scaler, optimizer: None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-149)
+    assert [train_mod.train_step(model, [(x, y)], nan_loss, opt, scaler, amp).skipped for _ in range(2)] == [True, True]
+
+
 def test_make_optimizer_fuses_adam_on_cuda_only_by_default():
     params = [torch.nn.Parameter(torch.zeros(2))]
     assert not train_mod.make_optimizer("adamw", params, 1e-3).defaults.get("fused")
