@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import tempfile
 import sys
@@ -56,7 +58,7 @@ from . import _args, _proctree, models
 from .device import AmpSetup
 
 __all__ = ["STORE_FIX_ENV", "UPSTREAM_ISSUE", "TorchrunEnv", "Context", "torchrun_env", "backend_for",
-           "worker_device", "shared_store_warning", "init", "teardown", "exit_worker", "single_process_group", "wrap_model",
+           "worker_device", "shared_store_warning", "is_loopback", "rendezvous_store", "init", "teardown", "exit_worker", "single_process_group", "wrap_model",
            "mixed_precision_policy", "fsdp_problem", "gather", "local_state_bytes",
            "memory_per_gpu", "torchrun_command", "as_shell", "launch", "launch_env", "LaunchResult", "LaunchTimeout", "LaunchInterrupted",
            "render_slurm", "free_port"]
@@ -191,6 +193,71 @@ class Context:
         return self.env.world_size
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine's loopback interface: ``localhost`` or an address in 127.0.0.0/8 or ::1.
+
+    Args:
+        host: a host name or an IP address, as in MASTER_ADDR.
+
+    Example::
+
+        >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("localhost"), is_loopback("10.0.0.7")
+        (True, True, True, False)
+    """
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve to any interface
+        return False
+
+
+def rendezvous_store(env: TorchrunEnv, timeout: datetime.timedelta,
+                     environ: Mapping[str, str] | None = None) -> dist.Store:
+    """The store the workers meet at (env://'s TCPStore at MASTER_ADDR:MASTER_PORT, hosted by rank 0), listening on
+    loopback only when MASTER_ADDR is a loopback address.
+
+    Why not ``dist.rendezvous("env://")``: its TCPStore server listens on every address of the machine whatever
+    MASTER_ADDR says (seen with ``ss -ltnp`` in torch 2.13: ``*:PORT`` under ``torchrun --local-addr 127.0.0.1``),
+    so anyone on the network could read and write the keys the workers exchange. TCPStore has no bind address, but
+    takes ``master_listen_fd``, a socket already bound: rank 0 binds one to MASTER_ADDR:MASTER_PORT and hands it over.
+    With another MASTER_ADDR (several nodes must reach it), or when the workers share the agent's store
+    (TORCHELASTIC_USE_AGENT_STORE=True: torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; that store is the
+    agent's, not ours), this is env://'s store.
+
+    Args:
+        env: this worker's torchrun variables (rank, world size, whether the agent's store is shared).
+        timeout: how long to wait for every worker to reach the store.
+        environ: where MASTER_ADDR and MASTER_PORT are read (os.environ by default).
+
+    Example (in a torchrun worker)::
+
+        store = rendezvous_store(torchrun_env(), datetime.timedelta(minutes=15))
+        dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size)
+    """
+    environ = os.environ if environ is None else environ
+    addr, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
+    if env.use_agent_store or not port.isdigit() or not is_loopback(addr):
+        return next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))[0]
+    fd = None
+    if env.rank == 0:
+        host = "127.0.0.1" if addr == "localhost" else addr
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            # as TCPStore's own server does: a port that torchrun just probed may still be in TIME_WAIT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, int(port)))
+            sock.listen(socket.SOMAXCONN)
+        except OSError:
+            sock.close()
+            raise
+        # The store owns the socket from here and closes it when it goes (so it is not closed here, even if the
+        # store fails: by then the number may belong to another file).
+        fd = sock.detach()
+    return dist.TCPStore(addr, int(port), env.world_size, is_master=env.rank == 0, timeout=timeout,
+                         master_listen_fd=fd)
+
+
 def init(device: str, env: TorchrunEnv | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
          rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S) -> Context:
     """Start the default process group from torchrun's variables (NCCL on CUDA, gloo on CPU), bounded in time.
@@ -209,12 +276,12 @@ def init(device: str, env: TorchrunEnv | None = None, timeout_s: float = DEFAULT
                                       what="a finite number of seconds > 0")
     dev = torch.device(device)
     backend = backend_for(dev.type)
-    # The env:// rendezvous init_process_group would do, but with its own bound; the store keeps that bound for
-    # the group's setup (gloo's full mesh, NCCL's unique id with device_id), the collectives get timeout_s.
-    store, rank, world_size = next(dist.rendezvous("env://", env.rank, env.world_size,
-                                                   timeout=datetime.timedelta(seconds=rendezvous_timeout_s)))
+    # The env:// rendezvous init_process_group would do, but with its own bound (and on loopback only when every
+    # worker is on this machine); the store keeps that bound for the group's setup (gloo's full mesh, NCCL's unique
+    # id with device_id), the collectives get timeout_s.
+    store = rendezvous_store(env, datetime.timedelta(seconds=rendezvous_timeout_s))
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s),
-                              "store": store, "rank": rank, "world_size": world_size}
+                              "store": store, "rank": env.rank, "world_size": env.world_size}
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # before NCCL starts: each process talks to its own GPU
         kwargs["device_id"] = dev
@@ -396,23 +463,30 @@ def torchrun_command(args: Sequence[str] = (), *, nproc_per_node: int = 2, nnode
                      rdzv_endpoint: str | None = None, rdzv_id: str = "ampcourse", max_restarts: int = 0,
                      local_addr: str | None = "127.0.0.1", module: str | None = None,
                      script: str | os.PathLike | None = None, python: str | None = None,
-                     monitor_interval: float | None = None) -> list[str]:
+                     monitor_interval: float | None = None, rdzv_file: str | os.PathLike | None = None) -> list[str]:
     """The torchrun command line (as ``python -m torch.distributed.run``, torchrun's own entry point).
 
-    One node: ``--standalone`` (a private rendezvous on a free local port). Several nodes: c10d rendezvous
+    One node: ``--standalone`` (a private rendezvous on a free local port), or with `rdzv_file` the same
+    rendezvous through that file (c10d over a FileStore: torchrun's agent then opens no port; --standalone's
+    TCPStore listens on every address of the machine, whatever `local_addr` says). Several nodes: c10d rendezvous
     at `rdzv_endpoint` (HOST:PORT on the first node). `local_addr` pins the address workers publish to
     loopback (the default; pass None on a real cluster). Runs ``-m module`` (default ampcourse.train) or
     `script`, with `args`.
     """
     if module is not None and script is not None:
         raise ValueError("pass module= or script=, not both")
+    if rdzv_file is not None and (nnodes != 1 or rdzv_endpoint is not None):
+        raise ValueError("rdzv_file is a one-node rendezvous: pass it without nnodes > 1 or rdzv_endpoint")
     if script is None:
         module = module or "ampcourse.train"
     nproc_per_node = _args.integer(nproc_per_node, "nproc_per_node", low=1)
     nnodes = _args.integer(nnodes, "nnodes", low=1)
     max_restarts = _args.integer(max_restarts, "max_restarts", low=0)
     cmd = [python or sys.executable, "-m", "torch.distributed.run"]
-    if nnodes == 1 and rdzv_endpoint is None:
+    if rdzv_file is not None:
+        cmd += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_file), "--rdzv-conf",
+                "store_type=file", "--rdzv-id", rdzv_id]
+    elif nnodes == 1 and rdzv_endpoint is None:
         cmd += ["--standalone"]
     else:
         if rdzv_endpoint is None:
@@ -494,7 +568,22 @@ def launch(args: Sequence[str] = (), *, timeout: float = 120.0, cwd: str | os.Pa
     started and left behind are stopped too, and never delay the result (the output goes to files,
     which they cannot hold open the way they would hold a pipe). progress: a live status line (elapsed
     time, workers running, the job's latest line) while it runs; None: only in a Jupyter kernel.
+
+    One node on loopback (the default: no `nnodes`, `rdzv_endpoint` or `rdzv_file`, `local_addr` 127.0.0.1): the
+    agents meet through a file in a private temporary folder instead of ``--standalone``'s TCPStore, which would
+    listen on every address; the workers' own store (:func:`rendezvous_store`) listens on loopback. So the job opens
+    no port beyond loopback.
     """
+    with contextlib.ExitStack() as stack:
+        if (command.get("nnodes", 1) == 1 and command.get("rdzv_endpoint") is None and command.get("rdzv_file") is None
+                and is_loopback(str(command.get("local_addr", "127.0.0.1")))):
+            command = {**command, "rdzv_file": Path(stack.enter_context(tempfile.TemporaryDirectory())) / "rdzv"}
+        return _launch(args, timeout, cwd, env, progress, command)
+
+
+def _launch(args: Sequence[str], timeout: float, cwd: str | os.PathLike | None, env: Mapping[str, str] | None,
+            progress: bool | None, command: dict[str, Any]) -> LaunchResult:
+    """launch() with the command's keywords settled."""
     cmd = torchrun_command(args, **command)
     # checked before anything starts: a timeout of 0 or less would kill the job it just launched
     timeout = _args.real(timeout, "timeout", positive=True, what="a finite number of seconds > 0")

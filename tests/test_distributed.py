@@ -9,6 +9,7 @@ agents acting as two nodes. Every launch has a hard timeout and kills its proces
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -624,6 +625,135 @@ def test_elastic_restart_after_sigkill_resumes_and_matches(tmp_path):
     assert b["resumed_from_step"] == 3 and b["steps_done"] == 10
     assert a["checksum"] == b["checksum"] and a["final_loss"] == b["final_loss"]
     assert a["final_loss_scale"] == b["final_loss_scale"]
+
+
+# --- the rendezvous listens on loopback only, for a one-node job (the course's default) ---------------------------
+
+def listening_sockets(pids: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that one of `pids` holds open (from /proc)."""
+    import ipaddress
+
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    hex_addr, hex_port = fields[1].split(":")
+                    raw = bytes.fromhex(hex_addr)  # 32-bit words in host (little-endian) order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.add((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+def test_listening_sockets_reads_proc():
+    """The helper itself: a socket bound to 127.0.0.1 and one bound to every address are told apart."""
+    import socket
+
+    with socket.socket() as lo, socket.socket() as anywhere:
+        lo.bind(("127.0.0.1", 0))
+        anywhere.bind(("0.0.0.0", 0))
+        lo.listen()
+        anywhere.listen()
+        seen = listening_sockets({os.getpid()})
+        assert ("127.0.0.1", lo.getsockname()[1]) in seen and ("0.0.0.0", anywhere.getsockname()[1]) in seen
+
+
+def test_is_loopback():
+    assert distributed.is_loopback("127.0.0.1") and distributed.is_loopback("127.1.2.3")
+    assert distributed.is_loopback("::1") and distributed.is_loopback("localhost")
+    assert not any(map(distributed.is_loopback, ["0.0.0.0", "10.0.0.7", "node1", "", "::"]))
+
+
+def test_init_hosts_the_store_on_loopback_only(monkeypatch):
+    """torchrun --local-addr 127.0.0.1 sets MASTER_ADDR=127.0.0.1, but env://'s TCPStore listened on every address
+    (*:PORT in ss); rank 0's store from distributed.init listens on 127.0.0.1 only."""
+    port = distributed.free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    env = distributed.TorchrunEnv(rank=0, world_size=1, launched=True)
+    distributed.init("cpu", env, timeout_s=30, rendezvous_timeout_s=30)
+    try:
+        store_sockets = {s for s in listening_sockets({os.getpid()}) if s[1] == port}
+        assert dist_get_rank() == 0
+    finally:
+        distributed.teardown()
+    assert store_sockets == {("127.0.0.1", port)}, store_sockets
+
+
+def dist_get_rank() -> int:
+    """The rank of this process in the default group."""
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def test_rendezvous_store_elsewhere_is_env_rendezvous(monkeypatch):
+    """Another MASTER_ADDR (several nodes must reach it) or the agent's shared store: env://'s store, as before."""
+    calls = []
+
+    def rendezvous(url, rank, world_size, timeout):
+        calls.append(url)
+        yield "env-store", rank, world_size
+
+    monkeypatch.setattr(distributed.dist, "rendezvous", rendezvous)
+    timeout = __import__("datetime").timedelta(seconds=5)
+    node = distributed.TorchrunEnv(rank=0, world_size=2, launched=True)
+    assert distributed.rendezvous_store(node, timeout, {"MASTER_ADDR": "node1", "MASTER_PORT": "29500"}) == "env-store"
+    shared = distributed.TorchrunEnv(rank=0, world_size=2, launched=True, use_agent_store=True)
+    assert distributed.rendezvous_store(shared, timeout, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}) \
+        == "env-store"
+    assert calls == ["env://", "env://"]
+
+
+def test_launch_meets_through_a_private_file_on_one_node():
+    cmd = distributed.torchrun_command(["--strategy", "ddp"], rdzv_file="/tmp/x/rdzv")
+    assert "--standalone" not in cmd and cmd[cmd.index("--rdzv-conf") + 1] == "store_type=file"
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "/tmp/x/rdzv"
+    with pytest.raises(ValueError, match="one-node rendezvous"):
+        distributed.torchrun_command(nnodes=2, rdzv_endpoint="node1:29500", rdzv_file="/tmp/x/rdzv")
+
+
+@pytest.mark.slow
+def test_a_launched_job_listens_on_loopback_only(tmp_path):
+    """Every listening socket of a one-node launch (torchrun's agent, the workers' store, gloo) is on loopback.
+
+    Before: torchrun --standalone's own rendezvous TCPStore and rank 0's env:// TCPStore both listened on every
+    address (*:PORT) although the job runs with --local-addr 127.0.0.1. The job's processes are those whose
+    working directory is this test's folder.
+    """
+    import threading
+
+    seen: set[tuple[str, int]] = set()
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            pids = set()
+            for entry in os.listdir("/proc"):
+                with contextlib.suppress(OSError):
+                    if entry.isdigit() and os.readlink(f"/proc/{entry}/cwd") == str(tmp_path):
+                        pids.add(int(entry))
+            seen.update(listening_sockets(pids))
+            done.wait(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run(tmp_path, [*COMMON, *SGD, "--strategy", "ddp", "--precision", "fp32", "--steps", "30"])
+    finally:
+        done.set()
+        watcher.join()
+    assert seen, "no listening socket of the job was seen: the watcher is broken"
+    assert all(distributed.is_loopback(addr) for addr, _ in seen), sorted(seen)
 
 
 @pytest.mark.slow
