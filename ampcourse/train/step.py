@@ -304,8 +304,10 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
     else:  # a disabled scaler (fp32, bf16): 1.0 both times, never a skip
         scale, new_scale = scale_host, scaler.get_scale()
     # optimizer.step() returns None either way, so the scaler's inf flag says whether it ran. A scaler that keeps
-    # no flag where _found_inf looks: it lowers the scale exactly when it skips, except at 0, where every step is
-    # skipped (0 gradients times 1/0 are NaN) and 0 * backoff stays 0. A skipped step must not advance the LR schedule.
+    # no flag where _found_inf looks lowers the scale exactly when it skips, except at 0, where 0 * backoff stays 0:
+    # a step there counts as skipped. The run is dead at 0 anyway: a finite loss times 0 gives zero gradients, which
+    # pass the inf check (made on the scaled gradients), unscale to 0 * (1/0) = NaN and are stepped with; every later
+    # loss is NaN (chapter 6, pitfall 5). A skipped step must not advance the LR schedule.
     skipped = found if flag else (new_scale < scale or scale == 0.0)
     if scheduler is not None and not skipped:
         scheduler.step()
