@@ -81,21 +81,36 @@ def call(model: nn.Module, inputs):
     return model(inputs)
 
 
+class LossShapeError(ValueError):
+    """What the model or loss_fn returned is not a scalar loss: a question of the call, not of the data."""
+
+
+def _is_scalar(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+
+
 def scalar_loss(output, targets, loss_fn: Callable | None) -> torch.Tensor:
-    """The scalar loss: loss_fn(output, targets), else the output itself or its .loss / ['loss']."""
+    """The scalar loss: loss_fn(output, targets), else the output itself, its .loss / ['loss'], or the first element
+    of a tuple that leads with a scalar (Hugging Face's ``return_dict=False`` returns ``(loss, logits, ...)``)."""
     if loss_fn is None:
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, Mapping):
             loss = output.get("loss")
+        if loss is None and isinstance(output, (tuple, list)) and output and _is_scalar(output[0]):
+            loss = output[0]
         if loss is None:
             loss = output
     else:
         loss = loss_fn(output) if targets is None else loss_fn(output, targets)
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
-        what = f"a {tuple(loss.shape)} {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"the loss must be a one-element floating-point tensor, got {what}: with loss_fn=None the "
-                         "model must return a scalar loss or an output with .loss (pass labels in inputs); "
-                         "otherwise pass loss_fn=")
+    if not _is_scalar(loss):
+        what = (f"a {tuple(loss.shape)} {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else
+                f"a {type(loss).__name__} of {len(loss)}" if isinstance(loss, (tuple, list)) else type(loss).__name__)
+        raise LossShapeError(
+            f"the loss must be a one-element floating-point tensor, got {what}" + (
+                ": with loss_fn=None the model must return a scalar loss, an output with .loss (pass labels in inputs) "
+                "or a tuple that starts with it; otherwise pass loss_fn= (a function of the output and the targets, "
+                "e.g. F.cross_entropy)" if loss_fn is None else
+                ": loss_fn must reduce to one number (reduction='mean' or 'sum')"))
     return loss.reshape(())
 
 

@@ -7,10 +7,10 @@ it is (never the model itself: it, its optimizer, the inputs and every RNG strea
 recipe's islands are applied by the copy itself, for the autocast dtype it finds itself running under, so one
 factory serves every precision. Every step trains on the same batch, the one examine() was given.
 
-"Departs" (:func:`departure`): a non-finite loss, or a loss further from fp32's than ``max(LOSS_DEPARTS, fp32's
-own step-to-step noise)``, the largest relative change of fp32's loss from one step to the next: a recipe that
-lags fp32 by less than one step of its progress is not a departure (calibrated on the gallery's healthy models:
-tests/test_doctor_confirm.py).
+"Departs" (:func:`departure`): a non-finite loss, or a loss outside the band fp32's own loss spans over
+``LAG_STEPS`` steps either side of that step, by more than ``LOSS_DEPARTS`` (5%) of fp32's loss there: a recipe that
+lags or leads fp32 by one step of its progress is not a departure, one that keeps drifting away is, however fast
+fp32's loss fell at its first steps (calibrated on the gallery's healthy models: tests/doctor/test_doctor_gallery.py).
 
 Where a run departs (:func:`locate`): the step where the loss leaves fp32 is not where it went wrong, so the run is
 replayed up to the departure and the forensic pass (examine(steps=0), on a copy) runs at its weights from just
@@ -39,8 +39,12 @@ from .verdict import Confirmation, Decision, _rank
 
 __all__ = ["confirm", "departure", "locate", "loss_tolerance", "LOSS_DEPARTS", "DEFAULT_LR"]
 
-#: The smallest relative loss gap to fp32 that counts as a departure (the issue's 5%).
+#: The smallest relative loss gap to fp32 that counts as a departure (the issue's 5%), beyond fp32's own band.
 LOSS_DEPARTS = 0.05
+#: How many steps a recipe may lag or lead fp32 before its gap counts: fp32's loss over steps k-1..k+1 is its band at
+#: step k (the largest change over the whole run was the band before: a loss falling 3x at its first step let any
+#: later gap under 200% pass).
+LAG_STEPS = 1
 #: The learning rate of the AdamW that trains a recipe when examine() got no optimizer.
 DEFAULT_LR = 1e-3
 #: torch.amp.GradScaler's own default init_scale: a refused fp16, trained only to locate where it breaks, uses it.
@@ -152,25 +156,39 @@ def _optimizer_factory(model: nn.Module, optimizer: torch.optim.Optimizer | None
                                                                  if master else "")
 
 
-def loss_tolerance(ref: Sequence[float]) -> float:
-    """max(LOSS_DEPARTS, fp32's own step-to-step noise): the largest relative change of the fp32 loss from one step
-    to the next.
+def loss_tolerance(ref: Sequence[float], k: int | None = None) -> float:
+    """The relative gap to fp32's loss that step k of a recipe may show without departing: LOSS_DEPARTS beyond the
+    band fp32's own loss spans over steps k-LAG_STEPS..k+LAG_STEPS, as a fraction of fp32's loss at k (with the band
+    on the side the gap is on, :func:`departure` is exact; this is the wider side, for the report). k None: the
+    last step.
 
     Example::
 
-        >>> loss_tolerance([2.0, 1.0, 0.9])   # fp32 halves its loss in one step: a 100% gap is within its noise
-        1.0
+        >>> loss_tolerance([1.0, 1.0, 1.0])                 # a flat fp32 loss: 5%
+        0.05
+        >>> round(loss_tolerance([2.0, 1.0, 0.9], k=1), 3)  # fp32 halves its loss at step 1: lagging a step is fine
+        1.05
     """
-    noise = max((abs(ref[k] - ref[k - 1]) / max(abs(ref[k]), 1e-12) for k in range(1, len(ref))
-                 if math.isfinite(ref[k]) and math.isfinite(ref[k - 1])), default=0.0)
-    return max(LOSS_DEPARTS, noise)
+    k = len(ref) - 1 if k is None else k
+    lo, hi = _band(ref, k)
+    if not (math.isfinite(ref[k]) and math.isfinite(lo)):
+        return LOSS_DEPARTS
+    scale = max(abs(ref[k]), 1e-12)
+    return LOSS_DEPARTS + max(hi - ref[k], ref[k] - lo) / scale
+
+
+def _band(ref: Sequence[float], k: int) -> tuple[float, float]:
+    """(lowest, highest) finite fp32 loss over steps k-LAG_STEPS..k+LAG_STEPS (nan, nan: none is finite)."""
+    near = [v for v in ref[max(0, k - LAG_STEPS):k + LAG_STEPS + 1] if math.isfinite(v)]
+    return (min(near), max(near)) if near else (math.nan, math.nan)
 
 
 def departure(loss: Sequence[float], ref: Sequence[float]) -> tuple[int, str, float, float] | None:
     """(step, measure, gap, tolerance) of the first step where a run departs from the fp32 reference, or None.
 
-    measure: "non-finite" (its loss is inf/NaN where fp32's is finite) or "loss" (relative gap beyond
-    :func:`loss_tolerance`).
+    measure: "non-finite" (its loss is inf/NaN where fp32's is finite) or "loss" (further than LOSS_DEPARTS of fp32's
+    loss outside the band fp32's loss spans within LAG_STEPS steps); gap: |loss - fp32's| / |fp32's| at that step;
+    tolerance: the gap that step allowed on that side.
 
     Example::
 
@@ -178,13 +196,20 @@ def departure(loss: Sequence[float], ref: Sequence[float]) -> tuple[int, str, fl
         True
         >>> departure([2.0, 1.9, float("nan")], [2.0, 1.9, 1.8])[:2]
         (2, 'non-finite')
+        >>> departure([0.1, 0.035, 0.012, 0.014], [0.1, 0.035, 0.012, 0.012])[:2]  # fell fast, then drifted off
+        (3, 'loss')
     """
-    tol = loss_tolerance(ref)
     for k, (a, b) in enumerate(zip(loss, ref)):
         if not math.isfinite(a) and math.isfinite(b):
-            return k, "non-finite", math.inf, tol
-        if math.isfinite(a) and math.isfinite(b) and abs(a - b) / max(abs(b), 1e-12) > tol:
-            return k, "loss", abs(a - b) / max(abs(b), 1e-12), tol
+            return k, "non-finite", math.inf, LOSS_DEPARTS
+        if not (math.isfinite(a) and math.isfinite(b)):
+            continue
+        lo, hi = _band(ref, k)
+        scale = max(abs(b), 1e-12)
+        outside = (a - hi) if a > hi else (lo - a) if a < lo else 0.0
+        if outside > LOSS_DEPARTS * scale:
+            edge = hi if a > hi else lo
+            return k, "loss", abs(a - b) / scale, LOSS_DEPARTS + abs(edge - b) / scale
     return None
 
 

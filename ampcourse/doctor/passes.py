@@ -22,7 +22,7 @@ from ..device import AmpSetup
 from ..formats import AUTOCAST_DTYPES as _LOW
 from ..models import data_errors
 from ..policy import apply_policy, remove_policy
-from .calls import call, first_tensor, fresh_copy, grad_of, scalar_loss
+from .calls import LossShapeError, call, first_tensor, fresh_copy, grad_of, scalar_loss
 from .hist import COUNT_CAP, Log2Hist
 from .snapshot import Snapshot
 from .watch import ModuleRecord, OpEvent, OpWatch, Tracker, _first_line
@@ -64,8 +64,13 @@ class Context:
         if not about_data:
             return scalar_loss(call(model, inputs), self.targets, self.loss_fn)
         targets = self.targets if isinstance(self.targets, torch.Tensor) else None
-        with data_errors(model, first_tensor(inputs), targets):
-            return scalar_loss(call(model, inputs), self.targets, self.loss_fn)
+        try:
+            with data_errors(model, first_tensor(inputs), targets):
+                return scalar_loss(call(model, inputs), self.targets, self.loss_fn)
+        except ValueError as err:
+            if isinstance(err.__cause__, LossShapeError):  # what the call returned, not the data: say that alone
+                raise ValueError(str(err.__cause__)) from None
+            raise
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype | None:
@@ -154,6 +159,9 @@ class PassResult:
     islands: tuple[str, ...] = ()  # the fp32 islands it ran with
     #: fp16 with at_1: the same per-parameter comparison for the backward at scale 1 (no GradScaler); None if not run
     grads_at_1: dict[str, dict[str, float]] | None = None
+    #: the learner's loss_fn run in fp32 (autocast off) on this pass's output cast to fp32: whether computing the loss
+    #: in fp32 closes a loss gap, or the output itself lost what the loss measures; nan without a loss_fn
+    loss_fp32_on_output: float = math.nan
 
 
 def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scale: float = 1.0,
@@ -193,8 +201,11 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
         with tracker, torch.set_grad_enabled(backward), _raising_as(watch):
             with watch:
                 with amp.autocast():
-                    loss = ctx.forward_loss(model, inputs, about_data=False)
+                    out = call(model, inputs)
+                    loss = scalar_loss(out, ctx.targets, ctx.loss_fn)
                 result.loss = float(loss.detach().float())
+            result.loss_fp32_on_output = _loss_in_fp32(ctx, out, amp)
+            del out
             if backward and loss.requires_grad:
                 if tracker.tagging:
                     tracker.tag([loss], ("", -1))
@@ -224,6 +235,18 @@ def autocast_pass(ctx: Context, amp: AmpSetup, islands: Sequence[str] = (), scal
         for _, p in params:
             p.grad = None
     return result
+
+
+def _loss_in_fp32(ctx: Context, out, amp: AmpSetup) -> float:
+    """The learner's loss_fn on `out` cast to fp32, autocast off, no graph: nan without a loss_fn (a model that returns
+    its own loss computes it inside) or when the loss refuses the copy (a ModelOutput's fields become a dict)."""
+    if ctx.loss_fn is None:
+        return math.nan
+    try:
+        with torch.no_grad(), torch.autocast(ctx.dev.type, enabled=False):
+            return float(scalar_loss(fresh_copy(out, torch.float32), ctx.targets, ctx.loss_fn).float())
+    except Exception:  # noqa: BLE001 (the copy is not what the loss takes: no verdict rests on it)
+        return math.nan
 
 
 def _backward_at_1(params, loss: torch.Tensor) -> dict[str, torch.Tensor] | None:

@@ -226,7 +226,34 @@ def culprits(ctx: Context, res: PassResult) -> list[str]:
     if not out and bad_gradients(res):
         # gradients off with nothing wrong in forward: the backward code that no forward measure sees is the suspect
         out += gradient_suspects(ctx, res)
+    if not out and output_loses_the_loss(ctx, res):
+        # the output is within its tolerance, but the loss (its distance from the targets) is not, even computed in
+        # fp32: the last module that made a low-precision output is where that error was made
+        out += last_low_leaf(ctx, res)
     return list(dict.fromkeys(out))
+
+
+def loss_gap_in_fp32(ctx: Context, res: PassResult) -> float:
+    """The loss gap left when the learner's loss runs in fp32 on this pass's output (nan: not measured)."""
+    a, b = res.loss_fp32_on_output, ctx.ref_loss
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.nan
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def output_loses_the_loss(ctx: Context, res: PassResult) -> bool:
+    """The loss is beyond its tolerance and stays there computed in fp32 on the pass's output: the output's own error,
+    small next to the output (an offset of 100 with bf16's spacing 0.5 there), is large next to what the loss measures
+    (its distance from the targets). Computing the loss in fp32 cannot fix that."""
+    p = res.precision
+    return loss_gap(ctx, res) > LOSS_TOL[p] and loss_gap_in_fp32(ctx, res) > LOSS_TOL[p]
+
+
+def last_low_leaf(ctx: Context, res: PassResult) -> list[str]:
+    """[the last leaf, in call order, whose output autocast made fp16/bf16] (empty when none did)."""
+    low = {"float16", "bfloat16"}
+    leaves = [n for n in ctx.order if n and res.records[n].leaf and res.records[n].dtype.get(res.precision) in low]
+    return leaves[-1:]
 
 
 def pass_ok(ctx: Context, res: PassResult) -> bool:
@@ -273,8 +300,8 @@ def reference_nonfinite(ev: Evidence) -> list[Finding]:
     more = f" ({len(grads) - 1} more parameter(s) too)" if len(grads) > 1 else ""
     return [Finding("backward_nonfinite", first, "fp32", float(sum(grads.values())),
                     f"The fp32 loss is finite ({ctx.ref_loss:.4g}) but the fp32 gradient of {quoted(first)} has "
-                    f"{grads[first]} inf/NaN value(s){more}{at} (a torch.where guard does not stop the NaN of the "
-                    f"branch it discards from flowing back): {fix}", "error", "backward",
+                    f"{grads[first]} inf/NaN value(s){more}{at} (if a torch.where guards that op, it does not stop "
+                    f"the NaN of the branch it discards from flowing back): {fix}", "error", "backward",
                     origin.op if origin else "", fix="fp32_first")]
 
 
@@ -317,6 +344,8 @@ def backward_origins(ev: Evidence) -> list[Finding]:
         new = new_origins(ev.ctx, res, "backward")
         fp32_bad = fp32_nonfinite_grads(ev.ctx)  # what fp32 already does is fp32's finding, not this precision's
         bad = {n: g["nonfinite"] for n, g in res.grads.items() if g["nonfinite"] and n not in fp32_bad}
+        if fp32_bad and not bad:
+            continue  # every inf/NaN gradient of this pass is one fp32 has too: fp32's finding, not this precision's
         scale = f" at loss scale 2**{int(math.log2(res.scale))}" if res.scale != 1 else ""
         if new:
             e = new[0]
@@ -414,14 +443,30 @@ def output_and_loss(ev: Evidence) -> list[Finding]:
                                f"tolerance {OUTPUT_TOL[p]:.3g})", "warning", "forward", fix="islands"))
         gap = loss_gap(ev.ctx, res)
         if gap > LOSS_TOL[p]:
-            # the output matches fp32 and the loss does not: the loss's own code lost it (a focal loss in bf16)
-            in_loss = err <= OUTPUT_TOL[p] and math.isfinite(res.loss) and not culprits(ev.ctx, res)
+            # the output matches fp32 and the loss does not: the loss's own code lost it (a focal loss in bf16), unless
+            # the loss computed in fp32 on this same output is still off: then the output lost what the loss measures
+            via_output = output_loses_the_loss(ev.ctx, res)
+            in_loss = (err <= OUTPUT_TOL[p] and math.isfinite(res.loss) and not via_output
+                       and not culprits(ev.ctx, res))
+            why = ""
+            if in_loss:
+                why = ("; the model's output matches fp32 (within its tolerance), so the loss's own code lost it: "
+                       "compute the loss in fp32 (outside autocast, on .float() outputs)"
+                       + (f" (measured: {res.loss_fp32_on_output:.4g} then)"
+                          if math.isfinite(res.loss_fp32_on_output) else ""))
+            elif via_output:
+                last = last_low_leaf(ev.ctx, res)
+                why = (f"; computed in fp32 on this output the loss is still {res.loss_fp32_on_output:.4g} "
+                       f"({loss_gap_in_fp32(ev.ctx, res):.1%} apart), so the loss's code is not what lost it: the "
+                       f"output's own error ({err:.2g} relative) is small next to the output but large next to what "
+                       "the loss measures, its distance from the targets (a large offset, a difference of near-equal "
+                       "numbers): run the module that makes the output in fp32"
+                       + (f" ({quoted(last[0])}, tried as an fp32 island)" if last else "")
+                       + ", or take the offset out of the targets (normalise them)")
             out.append(Finding("loss_gap", "", p, gap,
                                f"The loss under {p} autocast is {res.loss:.4g} against {ev.ctx.ref_loss:.4g} in fp32 "
-                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})"
-                               + ("; the model's output matches fp32 (within its tolerance), so the loss's own code "
-                                  "lost it: compute the loss in fp32 (outside autocast, on .float() outputs)"
-                                  if in_loss else ""), "warning", "forward", fix="loss_fp32" if in_loss else "islands"))
+                               f"({gap:.1%} apart; tolerance {LOSS_TOL[p]:.0%})" + why, "warning", "forward",
+                               fix="loss_fp32" if in_loss else "islands"))
     return out
 
 
@@ -545,7 +590,9 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
                        f"{flush_rec:.3%} flushed" if default_is_recommended(info) and not backoffs else
                        f"; use a GradScaler: {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed")
                       if kind == "scaler_needed" else "; none flush and none overflow on this batch, so fp16 needs no "
-                      "loss scale for it (gradients shrink as training converges: examine a later checkpoint too)"))
+                      "loss scale for it (gradients shrink as training converges: examine a later checkpoint too)"
+                      + (f"; but a GradScaler at its default 2**16 overflows: it skips {backoffs} step(s) while it "
+                         f"backs off, so if you use one, pass init_scale=2**{k}" if backoffs else "")))
         out.append(Finding(kind, "", "fp16", flush1, msg, "info", "backward"))
         out += _layer_underflow(ev)
     if "bf16" in ev.precisions:
@@ -763,6 +810,37 @@ RULES: Sequence[Callable[[Evidence], list[Finding]]] = (
     gradient_error, gradient_scale, optimizer, model_precision)
 
 
+def _ran_fp16(fp16: PassResult | None, module: str) -> bool:
+    """Whether autocast ran `module` in fp16 in that pass (True when there is no pass or no record to ask)."""
+    return fp16 is None or fp16.records.get(module) is None or fp16.records[module].dtype.get("fp16") == "float16"
+
+
+def param_flush_share(ctx: Context, fp16: PassResult | None, scale: float) -> float:
+    """The share of the fp32 parameter gradients (of layers autocast ran in fp16) that fp16 flushes at `scale`,
+    predicted from their histograms: the population the fp16 backwards measure, parameter by parameter (module
+    outputs' gradients, which gradient_info's aggregate also counts, flush more and are not what a step applies)."""
+    hists = [h for n, h in ctx.param_grads.items() if _ran_fp16(fp16, _owner(n))]
+    return Log2Hist.merged(hists)._share("underflow", scale) if hists else 0.0
+
+
+def bounded_by_measured(predicted: float, scale: float, measured: Sequence[tuple[float, float]]) -> float:
+    """A predicted flushed share at `scale` kept consistent with shares measured at other scales: a larger scale never
+    flushes more (nor a smaller one less) than a measured one.
+
+    Example::
+
+        >>> bounded_by_measured(0.2656, 2.0**16, [(1.0, 0.158), (2.0**19, 0.0)])  # between: at most scale 1's
+        0.158
+    """
+    lo, hi = 0.0, 1.0
+    for s, share in measured:
+        if scale >= s:
+            hi = min(hi, share)
+        if scale <= s:
+            lo = max(lo, share)
+    return min(max(predicted, lo), hi) if lo <= hi else predicted
+
+
 def gradient_info(ctx: Context, fp16: PassResult | None = None) -> tuple[dict[str, Any], float]:
     """The numbers behind the loss-scale advice, from the fp32 gradients, and the recommended init_scale.
 
@@ -770,7 +848,7 @@ def gradient_info(ctx: Context, fp16: PassResult | None = None) -> tuple[dict[st
     or on CUDA a LayerNorm's, outputs and gradients stay fp32 under autocast: they lose nothing to fp16).
     """
     def ran_low(module: str) -> bool:
-        return fp16 is None or fp16.records.get(module) is None or fp16.records[module].dtype.get("fp16") == "float16"
+        return _ran_fp16(fp16, module)
     hists = [h for n, h in ctx.param_grads.items() if ran_low(_owner(n))]
     hists += [ctx.records[n].grad for n in ctx.order if ctx.records[n].leaf and ran_low(n)]
     total = Log2Hist.merged(hists)

@@ -181,6 +181,14 @@ class Verdict(_FieldMapping):
             extra.append(self.reason)
         if self.status in ("clean", "islands") and self.confirmation is not None:
             extra.append(self.confirmation.sentence())
+        elif self.status == "refused" and self.confirmation is not None and self.confirmation.status != "unconfirmed":
+            # refused as it is, with what its findings need (a GradScaler, master weights) trained: say how that went,
+            # or 'refused' above a recipe training confirmed reads as 'fp16 does not work'
+            said = self.confirmation.sentence()
+            if self.confirmation.status == "confirmed":
+                extra.append(f"with its recipe ({recipe}): {said}" if recipe else said)
+            elif said not in (self.reason or ""):
+                extra.append(f"its recipe ({recipe}) {said}" if recipe else said)
         if self.tolerances and self.status in ("clean", "islands"):
             extra.append("tolerances " + ", ".join(f"{k} {v:.3g}" for k, v in self.tolerances.items()))
         return f"{self.precision}: {self.status}" + (f" ({'; '.join(extra)})" if extra else "")
