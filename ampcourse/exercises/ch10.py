@@ -30,15 +30,40 @@ TF32 = formats.spec("tf32")
 
 # --- 10.1 rounding to TF32 ------------------------------------------------------------------------
 
+#: NaN bit patterns among the cases: the default quiet NaN, and NaNs whose payload sits only in the 13 low bits that
+#: rounding drops (clearing or carrying into them turns such a NaN into inf), of both signs.
+TF32_NAN_BITS = (0x7FC00000, 0x7F800001, 0x7F801000, 0xFF800001, 0x7FFFFFFF)
+
+
+def _from_bits(words: list[int]) -> torch.Tensor:
+    """fp32 values with these 32-bit patterns (written unsigned, as in 0xFF800001)."""
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32).view(torch.float32)
+
+
 def _tf32_cases() -> torch.Tensor:
-    """fp32 values to round: ties both ways, negatives, zeros, subnormals, the top of the range, random ones."""
+    """fp32 values to round: ties both ways, negatives, zeros, subnormals, the top of the range (fp32's max rounds up
+    to inf), inf, NaNs (low-payload ones included), random ones.
+
+    Example::
+
+        >>> x = _tf32_cases()
+        >>> int(x.isnan().sum()), int(x.isinf().sum()), x.numel()
+        (5, 2, 2025)
+    """
     ulp = 2.0**-10
     tie_even, tie_odd = 1 + ulp / 2, 1 + ulp + ulp / 2  # exactly halfway: ties go to the even neighbour
+    fp32_max = torch.finfo(torch.float32).max
     special = [0.0, -0.0, 1.0, tie_even, tie_odd, -tie_odd, 1 + ulp / 2 + 2.0**-20, 1 + ulp / 2 - 2.0**-20,
-               3.14159265, -2.718281828, 1e-40, -3e-39, 3.3e38, 1e-3, 65504.0, 2.0**100 * 1.9999]
+               3.14159265, -2.718281828, 1e-40, -3e-39, 3.3e38, 1e-3, 65504.0, 2.0**100 * 1.9999,
+               fp32_max, -fp32_max, math.inf, -math.inf]
     gen = torch.Generator().manual_seed(10)
     rand = torch.randn(2000, generator=gen) * torch.exp2(torch.randint(-60, 60, (2000,), generator=gen).float())
-    return torch.cat([torch.tensor(special, dtype=torch.float32), rand.float()])
+    return torch.cat([torch.tensor(special, dtype=torch.float32), _from_bits(list(TF32_NAN_BITS)), rand.float()])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, a NaN matching any NaN (torch.equal says NaN != NaN)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _truncate(x: torch.Tensor) -> torch.Tensor:
@@ -73,12 +98,18 @@ def check_tf32_round(tf32_round: Callable[[torch.Tensor], torch.Tensor]) -> None
     bad = ~((got == want) | (got.isnan() & want.isnan()))
     if bad.any():
         i = int(bad.nonzero()[0])
-        if torch.equal(got, _truncate(x)):
+        if not bad[~x.isnan()].any():  # right everywhere except on NaNs
+            i = int((bad & x.isnan()).nonzero()[0])
+            bits = x[i:i + 1].view(torch.int32).item() & 0xFFFFFFFF
+            failed(title, f"nan for x = nan (bits 0x{bits:08X})", got[i].item(),
+                   "a NaN must stay NaN: one whose payload sits only in the 13 low bits becomes inf when those bits "
+                   "are cleared or rounded away; leave NaNs as they are (x.isnan() finds them)")
+        if _same(got, _truncate(x)):
             hint = ("that truncates (rounds toward zero): to round to nearest, add something to the bits before "
                     "you clear the 13 low ones (how much is half of what you drop?)")
-        elif torch.equal(got, x):
+        elif _same(got, x):
             hint = "the values came back unchanged: TF32 keeps 10 of fp32's 23 mantissa bits"
-        elif torch.equal(got, _ties_away(x)):
+        elif _same(got, _ties_away(x)):
             hint = ("nearest, but exact ties go away from zero (what PTX's cvt.rna.tf32.f32 does); the exercise asks "
                     "ties to even: on a tie, let the lowest kept bit decide whether to round up")
         else:

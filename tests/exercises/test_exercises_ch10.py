@@ -4,6 +4,8 @@
 """
 
 
+import math
+
 import pytest
 import torch
 
@@ -12,9 +14,14 @@ from ampcourse.exercises._torchrun import run_on_ranks
 from learner_variants import variants
 
 
-def rne(x):
+def rne_bits(x):
+    """The bit trick alone: right on every number, but NaNs with a low payload come out as inf."""
     b = x.view(torch.int32)
     return ((b + 0xFFF + ((b >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+
+
+def rne(x):
+    return torch.where(x.isnan(), x, rne_bits(x))
 
 
 def test_tf32_accepts_round_to_nearest_even(capsys):
@@ -26,7 +33,25 @@ def test_tf32_reference_agrees_with_torch_where_torch_rounds_the_same_way():
     """formats.quantize with TF32's layout equals the bit trick on every case (a second, independent computation)."""
     x = ch10._tf32_cases()
     want = torch.from_numpy(ch10.formats.quantize(x.numpy(), ch10.TF32)).float()
-    assert torch.equal(rne(x), want)
+    assert ch10._same(rne(x), want)
+    assert torch.equal(rne(x).isnan(), x.isnan())  # NaN stays NaN, nothing else becomes one
+
+
+def test_tf32_cases_cover_nan_inf_and_the_top_of_the_range():
+    x = ch10._tf32_cases()
+    bits = {b & 0xFFFFFFFF for b in x.view(torch.int32).tolist()}
+    assert set(ch10.TF32_NAN_BITS) <= bits and {0x7F800001, 0x7F801000} <= bits  # low-payload NaNs, both audited
+    fp32_max = torch.finfo(torch.float32).max
+    assert {math.inf, -math.inf, fp32_max, -fp32_max} <= set(x[~x.isnan()].tolist())
+    want = torch.from_numpy(ch10.formats.quantize(x.numpy(), ch10.TF32)).float()
+    assert want[x == fp32_max].item() == math.inf  # fp32's max is past TF32's max + half an ulp: it rounds to inf
+
+
+def test_tf32_rejects_nan_turned_into_inf(capsys):
+    """The bit trick without a NaN guard (the chapter's old model solution): 0x7F800001 -> inf. Rejected, named."""
+    with pytest.raises(ExerciseError, match="a NaN must stay NaN"):
+        check_tf32_round(rne_bits)
+    assert "bits 0x7F800001" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("answer,hint", [
