@@ -311,7 +311,7 @@ def _measured_shares(ev: Evidence) -> None:
                 rules.param_flush_share(ev.ctx, ev.passes["fp16"], default), default,
                 [(1.0, g["flush_at_1"]), (ev.scale, g["flush_at_recommended"])])
     if ev.flushed_at_1:  # the worst parameter as measured at scale 1, not as its histogram predicts
-        name = max(ev.flushed_at_1, key=lambda n: (ev.flushed_at_1[n], n))
+        name = max(ev.flushed_at_1, key=ev.flushed_at_1.get)  # ties: the first in the model's parameter order
         if ev.flushed_at_1[name] > 0:
             g["worst_param"] = (name, ev.flushed_at_1[name])
     g["measured"] = "fp16 backward, per parameter (share of fp32's nonzero gradient values that came back zero)"

@@ -445,7 +445,7 @@ def output_and_loss(ev: Evidence) -> list[Finding]:
         if gap > LOSS_TOL[p]:
             # the output matches fp32 and the loss does not: the loss's own code lost it (a focal loss in bf16), unless
             # the loss computed in fp32 on this same output is still off: then the output lost what the loss measures
-            via_output = output_loses_the_loss(ev.ctx, res)
+            via_output = err <= OUTPUT_TOL[p] and output_loses_the_loss(ev.ctx, res)  # else output_error says it
             in_loss = (err <= OUTPUT_TOL[p] and math.isfinite(res.loss) and not via_output
                        and not culprits(ev.ctx, res))
             why = ""
