@@ -30,9 +30,27 @@ def _call(title: str, fn: Callable, *args):
                "replace the `raise NotImplementedError` stub with your code")
     except Exception as err:  # the learner's code: report any failure as feedback
         text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        hint = ("call scaler.update() after scaler.step(optimizer), once per step" if "step()" in text or
-                "already been called" in text else "run your step on a small model and read the error")
-        failed(title, "your step function to run", f"{type(err).__name__}: {text}", hint)
+        failed(title, "your step function to run", f"{type(err).__name__}: {text}", _error_hint(text))
+
+
+def _error_hint(text: str) -> str:
+    """The hint for GradScaler's errors about the order of its calls (torch's wording, and LossScaler's).
+
+    Args:
+        text: the first line of the error message.
+
+    Example::
+
+        >>> _error_hint("unscale_() has already been called on this optimizer since the last update().")
+        'call scaler.unscale_(optimizer) once per step, ...'
+    """
+    if "unscale_() has already been called" in text:  # before the "already been called" of step(), below
+        return ("call scaler.unscale_(optimizer) once per step, after backward() and before clipping; "
+                "scaler.step(optimizer) knows the gradients are unscaled and does not unscale them again")
+    if "step()" in text or "already been called" in text:  # "unscale_() is being called after step()" too:
+        # the step before did not end with update(), which starts the next one
+        return "call scaler.update() after scaler.step(optimizer), once per step"
+    return "run your step on a small model and read the error"
 
 
 def _rounded(t: torch.Tensor) -> list[float]:
@@ -108,40 +126,82 @@ def check_clip_after_unscale(clipped_step: Callable) -> None:
     passed(title, "Clipping acts on true gradients, overflowing steps are skipped, small gradients pass untouched.")
 
 
+def _schedule_hint(stepped: list[bool], pattern: list[bool], grew: list[bool], zero_step: int) -> str:
+    """Why the scheduler stepped (or not) where it should not have, from the first step it got wrong.
+
+    Args:
+        stepped: whether the learner's function stepped the scheduler, per call.
+        pattern: whether the scaler skipped the optimizer step, per call.
+        grew: whether the scale grew during the call (after growth_interval clean steps).
+        zero_step: the call made at a scale of 0.
+
+    Example::
+
+        >>> _schedule_hint([True, False], [False, False], [False, True], 5)   # a growth counted as a skip
+    """
+    for i, (s, skipped) in enumerate(zip(stepped, pattern)):
+        if s == (not skipped):
+            continue
+        if grew[i]:
+            return ("the scale *grew* on this step (it doubles after growth_interval clean steps): that is no skip. "
+                    "Compare with `<`: a skipped step lowers the scale")
+        if i == zero_step:
+            return ("at a scale of 0 a skipped step leaves the scale at 0 (0 * backoff_factor is 0): count a scale "
+                    "of 0 before scaler.step() as a skip too (`skipped = after < before or before == 0`)")
+        if skipped:
+            return ("compare scaler.get_scale() before scaler.step() with the value after scaler.update(): it drops "
+                    "when the step was skipped (and stays 0 once it has reached 0)")
+        return "step the scheduler after every step that was not skipped"
+    return "step the scheduler once after each step that was not skipped, and not for a skipped one"
+
+
 def check_scheduler_skip(step_with_schedule: Callable) -> None:
     """Exercise 4.2: step_with_schedule(model, loss_fn, x, y, optimizer, scaler, scheduler) -> skipped (bool);
-    the scheduler steps only after steps that happened."""
+    the scheduler steps only after steps that happened.
+
+    The scaler grows its scale after 2 clean steps (so that a growth is seen), and the last step runs at a scale
+    of 0, where a skip no longer lowers it.
+    """
     title = "Exercise 4.2 (no scheduler step on a skipped step)"
     model = _probe_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=_SCALE)
+    # growth_interval=2: the scale grows during the run, and an answer that takes any change of the scale for a
+    # skip (`!=`) is caught; with GradScaler's default of 2000 it would never grow here.
+    scaler = torch.amp.GradScaler("cpu", init_scale=_SCALE, growth_interval=2)
     overflow = {"now": False}
     # Inject inf into the gradient (the loss stays finite, as when fp16 activations overflow in backward).
     model.weight.register_hook(lambda g: g * math.inf if overflow["now"] else g)
-    pattern = [True, False, False, True, False, False]
-    returned = []
+    pattern = [True, False, False, True, False, False, True]
+    zero_step = len(pattern) - 1
+    returned, stepped, grew = [], [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for skip in pattern:
+        for i, skip in enumerate(pattern):
+            if i == zero_step:  # where ~160 overflows in a row would take this scale: 2**12 * 0.5**162 is 0 in float32
+                scaler.update(new_scale=0.0)
             overflow["now"] = skip
+            epoch, scale = sched.last_epoch, scaler.get_scale()
             returned.append(_call(title, step_with_schedule, model, _probe_loss, _X, torch.tensor([[1.0]]),
-                                         opt, scaler, sched))
+                                  opt, scaler, sched))
+            stepped.append(sched.last_epoch > epoch)
+            grew.append(scaler.get_scale() > scale)
     early = [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     taken = pattern.count(False)
     if early:
         failed(title, "no warning from torch", f"UserWarning: {str(early[0].message).split('. ')[0]}",
                "the first step was skipped, so the scheduler must not step yet")
-    if sched.last_epoch != taken:
-        more = sched.last_epoch > taken
-        failed(title, f"scheduler stepped {taken} times (once per step that happened)",
-               f"{sched.last_epoch} times",
-               "compare scaler.get_scale() before scaler.step() with the value after scaler.update(): it drops "
-               "exactly when the step was skipped" if more else
-               "step the scheduler after every step that was not skipped")
+    if sched.last_epoch != taken or stepped != [not s for s in pattern]:
+        failed(title, f"scheduler stepped {taken} times, after steps {[i for i, s in enumerate(pattern) if not s]} "
+                      "(the steps that happened)",
+               f"{sched.last_epoch} times, after steps {[i for i, s in enumerate(stepped) if s]}",
+               _schedule_hint(stepped, pattern, grew, zero_step))
     flags = [bool(r) if isinstance(r, (bool, torch.Tensor)) and getattr(r, "numel", lambda: 1)() == 1 else r
              for r in returned]
     if flags != pattern:
-        failed(title, f"returned skipped flags {pattern}", returned,
-               "return True when the scaler skipped optimizer.step(), else False")
-    passed(title, f"The LR decayed {taken} times over {len(pattern)} steps, {len(pattern) - taken} of them skipped.")
+        wrong = next(i for i, (f, p) in enumerate(zip(flags, pattern)) if f != p)
+        hint = ("return True when the scaler skipped optimizer.step(), else False" if not isinstance(flags[wrong], bool)
+                else _schedule_hint([not f for f in flags], pattern, grew, zero_step))
+        failed(title, f"returned skipped flags {pattern}", returned, hint)
+    passed(title, f"The LR decayed {taken} times over {len(pattern)} steps, {len(pattern) - taken} of them skipped "
+                  "(one at a scale of 0), and a growth of the scale was not taken for a skip.")

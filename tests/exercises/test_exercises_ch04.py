@@ -53,6 +53,21 @@ def test_clip_rejects_wrong_answers(wrong, hint, capsys):
     assert "❌" in capsys.readouterr().out
 
 
+def test_clip_unscaling_twice_gets_the_unscale_hint_not_the_update_one():
+    def twice(model, loss_fn, x, y, optimizer, scaler, max_norm):
+        optimizer.zero_grad()
+        scaler.scale(loss_fn(model(x), y)).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.unscale_(optimizer)  # raises: once per step
+        scaler.step(optimizer)
+        scaler.update()
+
+    with pytest.raises(ExerciseError, match="call scaler.unscale_\\(optimizer\\) once per step") as err:
+        exercises.check_clip_after_unscale(twice)
+    assert "scaler.update()" not in str(err.value)
+
+
 def test_clip_rejects_always_normalising():
     """Scaling every gradient to max_norm (instead of only the long ones) is caught by the small-gradient call."""
 
@@ -85,7 +100,9 @@ def make_sched_step(rule="right"):
         result = scaler.step(optimizer)
         scaler.update()
         after = scaler.get_scale()
-        skipped = {"right": after < before, "always": False, "never": True, "loss": not torch.isfinite(loss).item(),
+        # "right": a skip lowers the scale, except at 0, where it stays 0
+        skipped = {"right": after < before or before == 0, "lower": after < before, "changed": after != before,
+                   "always": False, "never": True, "loss": not torch.isfinite(loss).item(),
                    "stale": scaler.get_scale() < after, "retval": result is None, "before": False}[rule]
         if rule != "before" and not skipped:
             scheduler.step()
@@ -112,6 +129,8 @@ def test_scheduler_accepts_a_tensor_flag(capsys):
     ("never", "step the scheduler after every step that was not skipped"),
     ("retval", "step the scheduler after every step"),    # optimizer.step() returns None either way
     ("before", "the first step was skipped"),
+    ("changed", "the scale \\*grew\\* on this step"),          # a growth is no skip
+    ("lower", "at a scale of 0 a skipped step leaves the scale at 0"),  # 0 * backoff is 0: no drop to see
 ])
 def test_scheduler_rejects_wrong_answers(rule, hint, capsys):
     with pytest.raises(ExerciseError, match=hint):
