@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .. import formats
 from ._core import call_learner, failed, passed
@@ -46,30 +48,100 @@ def check_rms_norm(rms_norm: Callable[[torch.Tensor], torch.Tensor], eps: float 
                   "is what did it; for an island with a matmul inside, also turn autocast off.")
 
 
+class _AutocastSeen(TorchFunctionMode):
+    """Records, for each torch call made while it is active, whether autocast was on for one device type.
+
+    The check of exercise 5.2 runs ``Square.apply`` inside it: every op of the learner's forward passes through
+    here, so "autocast was off inside forward" is observed, not inferred from the output's dtype (a forward that
+    casts by hand, ``x.float() * x.float()``, gives the same fp32 output with autocast still on).
+
+    Example::
+
+        >>> with torch.autocast("cpu", dtype=torch.float16), _AutocastSeen("cpu") as seen:
+        ...     y = x.float() * x.float()
+        >>> seen.enabled   # [True, True, True]: autocast was on for each of the three calls
+    """
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.enabled: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.enabled.append(torch.is_autocast_enabled(self.device_type))
+        return func(*args, **(kwargs or {}))
+
+
+def _declared_device_type(function_cls: type) -> str | None:
+    """The device_type that torch.amp.custom_fwd was given on `function_cls.forward`; None without the decorator.
+
+    Read from the decorator's closure (torch 2.4+ keeps ``device_type`` there); anything else gives None.
+
+    Args:
+        function_cls: a torch.autograd.Function subclass.
+
+    Example::
+
+        >>> _declared_device_type(Square)   # 'cpu' for @torch.amp.custom_fwd(device_type="cpu", ...)
+    """
+    forward = inspect.getattr_static(function_cls, "forward", None)
+    forward = getattr(forward, "__func__", forward)
+    try:
+        declared = inspect.getclosurevars(forward).nonlocals.get("device_type")
+    except TypeError:  # not a Python function
+        return None
+    return declared if isinstance(declared, str) else None
+
+
+def _square_device(declared: str | None) -> str:
+    """Where 5.2 is checked: on CUDA when the learner's decorators name it and a GPU is here, else on the CPU."""
+    return "cuda" if declared == "cuda" and torch.cuda.is_available() else "cpu"
+
+
 def check_square_function(square_cls: Any) -> None:
-    """Exercise 5.2: a torch.autograd.Function whose forward squares in fp32 under fp16 autocast, with the right gradient."""
+    """Exercise 5.2: a torch.autograd.Function whose forward squares in fp32, with autocast off, under fp16 autocast,
+    and whose backward gives the right gradient.
+
+    It runs under fp16 autocast of the device type the learner's ``custom_fwd`` names (CUDA where a GPU is present,
+    else the CPU), and watches the autocast state inside forward (:class:`_AutocastSeen`).
+    """
     title = "Exercise 5.2 (custom autograd function under autocast)"
     if not (isinstance(square_cls, type) and issubclass(square_cls, torch.autograd.Function)):
         failed(title, "a subclass of torch.autograd.Function", repr(square_cls)[:80],
                "pass the class itself (class Square(torch.autograd.Function): ...)")
-    x = torch.tensor([300.0, -2.5, 1e-3, 0.0], dtype=torch.float16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.float16):
+    declared = _declared_device_type(square_cls)
+    device = _square_device(declared)
+    other_device = declared is not None and declared != device
+    device_hint = (f"your custom_fwd says device_type={declared!r}, but this check runs under {device} autocast "
+                   f"(there is no {declared} device here), and a decorator for another device type does nothing: "
+                   f"use device_type={device!r} (or x.device.type where the device varies)")
+    x = torch.tensor([300.0, -2.5, 1e-3, 0.0], dtype=torch.float16, device=device, requires_grad=True)
+    with torch.autocast(device, dtype=torch.float16), _AutocastSeen(device) as seen:
         out = call_learner(title, square_cls.apply, x)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
-        failed(title, "a float32 output under fp16 autocast", getattr(out, "dtype", repr(out)),
-               "decorate forward with @torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32)")
-    want = x.detach().double() ** 2
-    if not torch.allclose(out.detach().double(), want, rtol=1e-6, atol=0):
-        failed(title, f"x * x = {want.tolist()}", out.detach().tolist(), "square the (fp32) input")
+        failed(title, f"a float32 output under fp16 autocast ({device})", getattr(out, "dtype", repr(out)),
+               device_hint if other_device else
+               f"decorate forward with @torch.amp.custom_fwd(device_type={device!r}, cast_inputs=torch.float32)")
+    if any(seen.enabled):
+        failed(title, f"forward run with {device} autocast off", "autocast was on inside forward",
+               device_hint if other_device else
+               f"the output is fp32, but forward ran under autocast (a matmul in it would still run in fp16): decorate "
+               f"forward with @torch.amp.custom_fwd(device_type={device!r}, cast_inputs=torch.float32), which casts "
+               "the inputs and turns autocast off inside it")
+    want = x.detach().double().cpu() ** 2
+    if not torch.allclose(out.detach().double().cpu(), want, rtol=1e-6, atol=0):
+        failed(title, f"x * x = {want.tolist()}", out.detach().cpu().tolist(), "square the (fp32) input")
     try:
         out.sum().backward()
     except Exception as err:  # the learner's backward: report any failure as feedback
         failed(title, "a working backward", f"{type(err).__name__}: {err}", "return grad_output * 2 * x (save x in forward)")
-    grad = None if x.grad is None else x.grad.double()
-    if grad is None or not torch.allclose(grad, 2 * x.detach().double(), rtol=1e-3):
-        failed(title, f"d(x*x)/dx = 2x = {(2 * x.detach().double()).tolist()}", None if grad is None else grad.tolist(),
+    grad = None if x.grad is None else x.grad.double().cpu()
+    want_grad = 2 * x.detach().double().cpu()
+    if grad is None or not torch.allclose(grad, want_grad, rtol=1e-3):
+        failed(title, f"d(x*x)/dx = 2x = {want_grad.tolist()}", None if grad is None else grad.tolist(),
                "backward gets grad_output; multiply it by 2 * x")
-    passed(title, "cast_inputs=torch.float32 ran the forward in fp32 with autocast off; custom_bwd matched the backward.")
+    passed(title, f"Forward ran in fp32 with {device} autocast off (cast_inputs=torch.float32, checked inside it), "
+                  "and backward returned grad_output * 2x.")
 
 
 def _fp8_scale_reference(t: torch.Tensor, fmt: str) -> float:

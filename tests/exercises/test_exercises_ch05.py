@@ -91,6 +91,66 @@ def test_square_function_rejects(wrong):
         exercises.check_square_function(wrong)
 
 
+class HandCastSquare(torch.autograd.Function):
+    """fp32 output by casting by hand: autocast stays on inside forward (a matmul there would run in fp16)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.float() * x.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 * x
+
+
+def test_square_function_rejects_a_hand_cast_forward_that_leaves_autocast_on(capsys):
+    with pytest.raises(ExerciseError, match="autocast was on inside forward") as err:
+        exercises.check_square_function(HandCastSquare)
+    assert "custom_fwd(device_type='cpu', cast_inputs=torch.float32)" in str(err.value)
+    assert "✅" not in capsys.readouterr().out  # no praise for an autocast-off forward it did not have
+
+
+def _square_for(device_type: str):
+    """The right Square, decorated for `device_type` (what a learner copying the chapter's DEVICE_TYPE writes)."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type=device_type, cast_inputs=torch.float32)
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type=device_type)
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return grad * 2 * x
+
+    return Square
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, a Square for 'cuda' is checked on it (below)")
+def test_square_function_names_a_device_type_mismatch(capsys):
+    with pytest.raises(ExerciseError, match="device_type='cuda'.*runs under cpu autocast") as err:
+        exercises.check_square_function(_square_for("cuda"))
+    assert "use device_type='cpu'" in str(err.value)  # not the old hint, which repeated what the learner did
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_square_function_for_cuda_is_checked_on_the_gpu(capsys):
+    exercises.check_square_function(_square_for("cuda"))
+    assert "✅" in capsys.readouterr().out
+
+
+def test_square_function_reads_the_declared_device_type():
+    from ampcourse.exercises import ch05
+
+    assert ch05._declared_device_type(_square_for("cuda")) == "cuda"
+    assert ch05._declared_device_type(_square()) == "cpu" and ch05._declared_device_type(HandCastSquare) is None
+
+
 def fp8_scale(t):
     amax = t.abs().max().item()
     if amax == 0:
