@@ -263,12 +263,24 @@ def _real_array(values, name: str = "values") -> np.ndarray:
     try:
         with np.errstate(invalid="ignore"):  # signalling NaNs in float32 input warn on conversion
             arr = np.asarray(values)
-            if arr.dtype.kind == "c":
-                raise TypeError("complex")
+            if arr.dtype.kind in "cUSV" or (arr.dtype.kind == "O" and not all(map(_is_real, arr.flat))):
+                # numpy would read None as NaN and "1.5" as 1.5: neither is a number a format can store
+                raise TypeError("not real numbers")
             return arr.astype(np.float64)
     except (TypeError, ValueError, OverflowError):  # OverflowError: ints beyond float64 (10**400)
         shown = repr(values) if len(repr(values)) <= 60 else repr(values)[:57] + "..."
         raise ValueError(f"{name} must be real numbers (a float, a sequence, an array or a tensor), got {shown}") from None
+
+
+def _is_real(v) -> bool:
+    """Whether one element of an object array reads as a real number (None, text and complex numbers do not)."""
+    if v is None or isinstance(v, (str, bytes, complex, np.complexfloating)):
+        return False
+    try:
+        float(v)  # ints, floats, Fractions, Decimals, one-element real tensors
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _round_unbounded(a: np.ndarray, f: FormatSpec) -> np.ndarray:
@@ -344,6 +356,15 @@ def quantize(values, fmt: str | torch.dtype | FormatSpec) -> np.ndarray:
 
     Integers (Python, numpy or torch) beyond 2**53 are rounded once, from their exact value, as torch's
     cast does; every other value is read as float64 first.
+
+    Args:
+        values: a real number, a (nested) sequence of them, a numpy array or a tensor. Anything else (None, a
+            string, a sequence holding one) is a ValueError, not a silent NaN.
+        fmt: a format name, alias, torch dtype or FormatSpec.
+
+    Example:
+        >>> quantize([1.0001, 70000.0], "fp16").tolist()
+        [1.0, inf]
     """
     f = spec(fmt)
     x = _real_array(_prerounded(values, f) if f.signed else values)
@@ -431,7 +452,21 @@ def decompose(x: float, fmt: str | torch.dtype | FormatSpec) -> Decomposed:
 
 
 def ulp(x: float, fmt: str | torch.dtype | FormatSpec) -> float:
-    """Spacing between |x| rounded to fmt and the next larger representable magnitude."""
+    """The spacing of fmt's values at x: the gap from |x| *rounded to fmt* up to the next representable magnitude.
+
+    x is rounded first, so a value that rounds up to a power of two (2047.9 is 2048 in fp16) gets the spacing of
+    the binade above it. At fmt's largest finite value, where no larger value exists (torch.nextafter gives inf
+    in a format with inf), the result is the spacing of that value's binade, the gap down to its neighbour
+    below; a value that rounds to inf or NaN gives NaN.
+
+    Args:
+        x: a real number (a float, an int or a one-element tensor).
+        fmt: a format name, alias, torch dtype or FormatSpec.
+
+    Example:
+        >>> ulp(1.0, "fp16"), ulp(2047.9, "fp16"), ulp(65504.0, "fp16")
+        (0.0009765625, 2.0, 32.0)
+    """
     f = spec(fmt)
     a = abs(float(quantize(np.array([_real(x)]), f)[0]))
     if not math.isfinite(a):

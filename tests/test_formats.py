@@ -272,6 +272,42 @@ def test_ulp():
     assert math.isnan(formats.ulp(1e6, "fp16"))
 
 
+
+def test_ulp_rounds_x_first_and_keeps_the_binade_spacing_at_max():
+    """ulp is the spacing at |x| rounded to the format: a value that rounds up to a power of two gets the binade above."""
+    assert formats.ulp(2047.9, "fp16") == 2.0  # stored as 2048: the spacing above 2048, not the 1.0 below it
+    assert formats.ulp(0.99999, "fp16") == 2.0**-10  # stored as 1.0
+    h = torch.tensor(65504.0, dtype=torch.float16)
+    below = torch.nextafter(h, torch.tensor(0.0, dtype=torch.float16)).item()
+    assert math.isinf(torch.nextafter(h, torch.tensor(math.inf, dtype=torch.float16)).item())  # no next value up
+    assert formats.ulp(65504.0, "fp16") == 65504.0 - below == 32.0  # the docstring's convention at max
+    assert (formats.ulp(1.0, "fp16"), formats.ulp(2047.9, "fp16"), formats.ulp(65504.0, "fp16")) == (0.0009765625, 2.0, 32.0)
+    # everywhere below max: the gap to torch.nextafter's next fp16 value up, from x's fp16 rounding
+    for x in (2047.9, 0.99999, 1.0, 3.0, 6.1e-5, 2.0**-20, 0.0, -7.0, 65000.0):
+        r = torch.tensor(abs(x), dtype=torch.float32).to(torch.float16)
+        up = torch.nextafter(r, torch.tensor(math.inf, dtype=torch.float16))
+        assert formats.ulp(x, "fp16") == (up.float() - r.float()).item(), x
+
+
+@pytest.mark.parametrize("bad", [None, [1.0, None], [[1.0, 2.0], [3.0, None]], "1.5", ["1", 2], b"1",
+                                 np.array([1.0, None], dtype=object), {"a": 1}])
+def test_quantize_rejects_non_numbers(bad):
+    """numpy reads None as NaN and '1.5' as 1.5: quantize says these are not numbers (decompose already did)."""
+    with pytest.raises(ValueError, match="must be real numbers"):
+        quantize(bad, "fp16")
+    with pytest.raises(ValueError):
+        formats.ulp(bad, "fp16")
+
+
+def test_quantize_still_accepts_every_kind_of_real_number():
+    from fractions import Fraction
+    assert quantize([torch.tensor(1.0), torch.tensor(2.0)], "fp16").tolist() == [1.0, 2.0]
+    assert quantize(np.array([1, 2], dtype=object), "fp16").tolist() == [1.0, 2.0]
+    assert quantize([2**60 + 1, 3], "bf16").tolist() == [2.0**60, 3.0]  # big ints still rounded once
+    assert quantize(Fraction(1, 2), "fp16") == 0.5 and quantize([True, 2.0], "fp16").tolist() == [1.0, 2.0]
+    assert quantize([1.0001, 70000.0], "fp16").tolist() == [1.0, math.inf]  # the docstring's example
+    assert math.isnan(quantize([math.nan, 1.0], "fp16")[0])  # a NaN given is a number: it stays NaN
+
 # --- The OCP MX formats (e8m0 scale, fp6, fp4) against ml_dtypes, an independent implementation ---
 
 #: our name -> ml_dtypes' dtype name; looked up when a test runs (ml_dtype below), so a missing ml_dtypes skips
