@@ -21,10 +21,21 @@ _COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
 
 def _bits_html(d: formats.Decomposed) -> str:
-    """The sign, exponent and mantissa fields as coloured monospace bits."""
-    sign, exp, man = d.bits.split(" ")
-    parts = [(sign, "sign"), (exp, "exponent"), (man, "mantissa")]
-    spans = "&#8239;".join(f'<span style="color:{_COLORS[k]}">{b}</span>' for b, k in parts)
+    """The fields of d.bits as coloured monospace bits: sign, exponent, mantissa, or fewer where a format has none.
+
+    e8m0 has no sign bit and no mantissa (its bits are the exponent alone); every other format has all three.
+
+    Args:
+        d: a value decomposed in its format (``formats.decompose``).
+
+    Example:
+        >>> "#1f77b4" in _bits_html(formats.decompose(1.0, "fp8_e8m0"))  # exponent blue, nothing else
+        True
+    """
+    f = formats.spec(d.fmt)
+    kinds = (["sign"] if f.signed else []) + ["exponent"] + (["mantissa"] if f.mantissa_bits else [])
+    fields = d.bits.split(" ")  # Decomposed.bits leaves out the fields a format does not have, in this order
+    spans = "&#8239;".join(f'<span style="color:{_COLORS[k]}">{b}</span>' for b, k in zip(fields, kinds, strict=True))
     return f'<code style="font-size:110%">{spans}</code>'
 
 
@@ -101,14 +112,19 @@ def _log10_or(x: float, default: float) -> float:
 def _row(x: float, fmt: str) -> dict:
     """What one format does to x."""
     d = formats.decompose(x, fmt)
+    # decompose's overflow is about finite x only; an infinity clamped to max by a saturating format (e4m3,
+    # fp6, fp4 have no inf) is a saturation too, and the note must not call its max "normal"
+    saturated = formats.spec(fmt).saturates and math.isfinite(d.value) and (d.overflow or math.isinf(d.x))
     return {"bits": d.bits, "value": d.value, "kind": d.kind, "rel_error": d.rel_error,
-            "overflow": d.overflow, "underflow": d.underflow, "html": _bits_html(d)}
+            "overflow": d.overflow, "saturated": saturated, "underflow": d.underflow, "html": _bits_html(d)}
 
 
 def _note(fmt: str, r: dict) -> str:
     """What happened to x in this format: a saturating format clamps (its max is a value, not an overflow)."""
+    if r["saturated"]:
+        return "saturated (clamped to the largest value)"
     if r["overflow"]:
-        return "saturated (clamped to the largest value)" if formats.spec(fmt).saturates else "overflow"
+        return "overflow"
     return "flushed to zero" if r["underflow"] else r["kind"]
 
 

@@ -38,6 +38,40 @@ def test_format_explorer_says_saturated_for_e4m3_and_overflow_for_fp16():
     assert cells["fp16"] == "overflow" and cells["fp8_e5m2"] == "overflow"
 
 
+
+def _notes(w) -> dict[str, str]:
+    """The explorer table's note column, by format."""
+    return dict(re.findall(r"<tr><td[^>]*>(\w+)</td>.*?<td[^>]*>([^<]*)</td></tr>", w.table.value))
+
+
+@pytest.mark.parametrize("typed", ["inf", "-inf", "70000", "1e30"])
+def test_format_explorer_says_saturated_for_an_infinity_clamped_to_max(typed):
+    """inf on e4m3 (no inf encoding) becomes 448 like 70000 does: a saturation, not a 'normal' value."""
+    w = widgets.format_explorer(1.0, fmts=formats.names(narrow=True))
+    w.text.value = typed
+    notes = _notes(w)
+    for name in ("fp8_e4m3", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"):  # the saturating formats
+        assert abs(w.rows[name]["value"]) == formats.spec(name).max
+        assert notes[name].startswith("saturated"), (typed, name, notes[name])
+    assert notes["fp16"] == ("inf" if "inf" in typed else "overflow")  # an inf given is no overflow
+    assert not w.rows["fp8_e4m3"]["overflow"] or typed not in ("inf", "-inf")  # decompose's field keeps its meaning
+
+
+@pytest.mark.parametrize("fmts", [("fp8_e8m0",), tuple(formats.names(narrow=True)), ("fp4_e2m1", "fp8_e8m0")])
+def test_format_explorer_shows_formats_without_a_sign_or_a_mantissa(fmts):
+    """e8m0 has no sign bit and no mantissa: its bits are one exponent field, coloured as the exponent."""
+    w = widgets.format_explorer(1.5, fmts)
+    assert set(w.rows) == set(fmts)
+    if "fp8_e8m0" in fmts:
+        e8 = w.rows["fp8_e8m0"]
+        assert e8["bits"] == "10000000" and e8["value"] == 2.0  # 1.5 is a tie: it rounds up to 2**1
+        assert e8["html"].count("<span") == 1 and "#1f77b4" in e8["html"]
+    for name in fmts:
+        f = formats.spec(name)
+        assert w.rows[name]["html"].count("<span") == int(f.signed) + 1 + int(f.mantissa_bits > 0)
+    w.text.value = "-3"  # e8m0 has no sign: NaN, still a row and no error
+    assert w.message.value == "" and set(w.rows) == set(fmts)
+
 def test_format_explorer_columns_are_padded():
     table = widgets.format_explorer(1.0).table.value
     cells = re.findall(r"<t[dh]( [^>]*)?>", table)
