@@ -226,6 +226,11 @@ def culprits(ctx: Context, res: PassResult) -> list[str]:
     if not out and bad_gradients(res):
         # gradients off with nothing wrong in forward: the backward code that no forward measure sees is the suspect
         out += gradient_suspects(ctx, res)
+    if not out and output_error(ctx, res) > OUTPUT_TOL[res.precision]:
+        # no module's own error explains a wrong output: a module that amplifies the small error of its input (a
+        # BatchNorm subtracting the mean of values near 300, where fp16's spacing is 0.25) makes it; the leaf that
+        # ran before it in low precision, in fp32, hands it an exact input
+        out += amplified_input(ctx, res)
     if not out and output_loses_the_loss(ctx, res):
         # the output is within its tolerance, but the loss (its distance from the targets) is not, even computed in
         # fp32: the last module that made a low-precision output is where that error was made
@@ -247,6 +252,31 @@ def output_loses_the_loss(ctx: Context, res: PassResult) -> bool:
     (its distance from the targets). Computing the loss in fp32 cannot fix that."""
     p = res.precision
     return loss_gap(ctx, res) > LOSS_TOL[p] and loss_gap_in_fp32(ctx, res) > LOSS_TOL[p]
+
+
+def amplified_input(ctx: Context, res: PassResult) -> list[str]:
+    """[the low-precision leaf that ran just before the first leaf whose output is beyond the output tolerance while
+    its own error (on the same inputs) is within its own]: that leaf amplified its input's error (cancellation), and
+    its input came from there. Empty when no recorded output shows it (outputs are sampled for the model's direct
+    children) or nothing low ran before it."""
+    pair = amplifier(ctx, res)
+    return [pair[1]] if pair else []
+
+
+def amplifier(ctx: Context, res: PassResult) -> tuple[str, str] | None:
+    """(the amplifying leaf, the low-precision leaf that ran before it) for :func:`amplified_input`, or None."""
+    p, low = res.precision, {"float16", "bfloat16"}
+    before = ""
+    for n in ctx.order:
+        rec = res.records[n]
+        if not (n and rec.leaf):
+            continue
+        err = rec.output_error.get(p)
+        if before and err is not None and err > OUTPUT_TOL[p] and rec.local_error.get(p, 0.0) <= own_tolerance(res, n):
+            return n, before
+        if rec.dtype.get(p) in low:
+            before = n
+    return None
 
 
 def last_low_leaf(ctx: Context, res: PassResult) -> list[str]:
@@ -438,9 +468,14 @@ def output_and_loss(ev: Evidence) -> list[Finding]:
     for p, res in ev.passes.items():
         err = output_error(ev.ctx, res)
         if err > OUTPUT_TOL[p]:
+            pair = amplifier(ev.ctx, res) if not lossy_modules(ev.ctx, res) else None
+            where = (f"; it appears at the output of {quoted(pair[0])}, whose own error on the same inputs is within "
+                     f"its tolerance: it amplifies the small error of its input (a difference of near-equal numbers, "
+                     f"as a normalisation subtracting a large mean): run {quoted(pair[1])}, which ran before it, in "
+                     "fp32 (tried as an island), or take the offset out of the data") if pair else ""
             out.append(Finding("output_error", "", p, err,
                                f"The model's output under {p} autocast differs from fp32 by {err:.3g} (relative; "
-                               f"tolerance {OUTPUT_TOL[p]:.3g})", "warning", "forward", fix="islands"))
+                               f"tolerance {OUTPUT_TOL[p]:.3g}){where}", "warning", "forward", fix="islands"))
         gap = loss_gap(ev.ctx, res)
         if gap > LOSS_TOL[p]:
             # the output matches fp32 and the loss does not: the loss's own code lost it (a focal loss in bf16), unless

@@ -171,3 +171,34 @@ def test_a_model_returning_loss_first_is_examined_and_a_non_scalar_output_is_not
     with pytest.raises(ValueError) as err:
         examine(nn.Linear(16, 5), x, steps=0)  # logits, no loss_fn
     assert "cannot run on this data" not in str(err.value) and "pass loss_fn=" in str(err.value), err.value
+
+
+class OffsetNorm(nn.Module):
+    """A Linear whose outputs sit near 300, then a BatchNorm that subtracts their mean: fp16's spacing at 300 is 0.25,
+    bf16's 2, and the normalisation makes that rounding the whole signal."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.b(F.relu(self.bn(self.a(x))))
+
+
+def test_an_error_amplified_by_the_next_module_puts_the_module_before_it_in_fp32():
+    """Before: both precisions "refused (first output_error)", headline "train in fp32", no module named, nothing
+    tried and nothing trained: each module's own error is tiny; the BatchNorm amplifies the Linear's. With 'a' in
+    fp32 both train like fp32 (30 steps, the audit); the doctor tries it and training confirms it."""
+    torch.manual_seed(0)
+    x, y = _cls_data()
+    m = OffsetNorm()
+    with torch.no_grad():
+        m.a.bias.fill_(300.0)
+    r = examine(m, x, y, loss_fn=F.cross_entropy, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-3))
+    for p in ("fp16", "bf16"):
+        v = r.verdicts[p]
+        assert (v.status, v.fp32_modules, v.confirmed) == ("islands", ["a"], True), r.summary()
+    f = next(f for f in r.findings if f.kind == "output_error")
+    assert "it appears at the output of 'bn'" in f.message and "run 'a'" in f.message, f.message
+    assert "with fp32 modules 'a'" in r.headline
+    assert_consistent(r)
