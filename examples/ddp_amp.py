@@ -8,7 +8,8 @@ out without the course's package so you can read a whole distributed mixed-preci
     # N processes on one node: one per GPU (NCCL), or N CPU processes (gloo) on a machine without GPUs
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 examples/ddp_amp.py --precision fp16
 
-Rank 0 writes the final weights to --out (a state_dict, read back with torch.load(weights_only=True)).
+Rank 0 writes the final weights to --out (a state_dict of CPU tensors: torch.load(weights_only=True) reads it back on
+any machine, with or without a GPU).
 """
 
 import argparse
@@ -72,11 +73,20 @@ if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os
 if args.out and os.path.exists(args.out) and not os.path.isfile(args.out):
     fail(f"--out {args.out!r} exists and is not a regular file (a device, a pipe); pass a file path such as weights.pt")
 device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+# One GPU per process: more processes on this node than GPUs would reach set_device("cuda:N") below and fail there
+# with CUDA's "invalid device ordinal". LOCAL_WORLD_SIZE (set by torchrun) lets every rank refuse alike.
+node_procs = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_rank + 1)
+if device_type == "cuda" and node_procs > torch.cuda.device_count():
+    fail(f"{node_procs} processes on this node (torchrun --nproc-per-node) but {torch.cuda.device_count()} CUDA "
+         f"GPU(s); use --nproc-per-node {torch.cuda.device_count()} or fewer, or --device cpu")
 device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else "cpu")
 if ddp:
     if device_type == "cuda":
         torch.cuda.set_device(device)  # before NCCL starts: each process owns one GPU
     # A bounded timeout: a rank that dies must not leave the others waiting forever in a collective.
+    # Exposure: rank 0 hosts the rendezvous TCPStore at MASTER_ADDR:MASTER_PORT, and in torch 2.13 it listens on
+    # every address of the machine even when MASTER_ADDR is 127.0.0.1 (so does torchrun --standalone's own store).
+    # Run it on a trusted network; ampcourse.distributed.init and launch keep a one-node job on loopback.
     # device_id binds NCCL's communicator to this rank's GPU now (without it NCCL guesses the device at the first
     # collective, and barrier() warns that it may hang); gloo on the CPU takes none.
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120),
@@ -155,7 +165,8 @@ if rank == 0 and args.out:
     out = os.path.realpath(args.out)  # through a link to its file: the link stays
     tmp = f"{out}.tmp{os.getpid()}"
     try:
-        torch.save(model.state_dict(), tmp)
+        # CPU copies: a file of CUDA tensors cannot be loaded on a machine without one (without map_location)
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -200,6 +200,27 @@ def test_the_ddp_example_binds_nccl_to_its_gpu(monkeypatch):
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1) == seen["set_device"]
 
 
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_the_ddp_example_refuses_more_processes_than_gpus(monkeypatch, capsys, local_rank):
+    """torchrun --nproc-per-node 2 on a 1-GPU node: every rank exits 2 before set_device (which would fail with
+    CUDA's 'invalid device ordinal'), and local rank 0 says why in one line."""
+    fake_gpus(monkeypatch, 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"reached set_device({d})"))
+    monkeypatch.setattr(sys, "argv", ["ddp_amp.py", "--device", "cuda"])
+    for k, v in {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": "2",
+                 "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(ROOT / "examples/ddp_amp.py"), run_name="__main__")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    if local_rank == 0:
+        assert err == ("ddp_amp.py: error: 2 processes on this node (torchrun --nproc-per-node) but 1 CUDA GPU(s); "
+                       "use --nproc-per-node 1 or fewer, or --device cpu\n")
+    else:
+        assert err == ""
+
+
 # --- the chapters' GPU-only branches, run on a CPU (issue 29 item 1) ---------------------------------------------
 
 #: What a chapter's code tests to take its GPU branch (`SIZE = "small" if amp.device_type == "cuda" else "tiny"` was
