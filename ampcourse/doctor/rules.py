@@ -624,7 +624,7 @@ def gradient_scale(ev: Evidence) -> list[Finding]:
                    + ((f"; use a GradScaler: its default init_scale=2**16 does not overflow and leaves "
                        f"{flush_rec:.3%} flushed" if default_is_recommended(info) and not backoffs else
                        f"; use a GradScaler: {default_txt}; init_scale=2**{k} leaves {flush_rec:.3%} flushed")
-                      if kind == "scaler_needed" else "; none flush and none overflow on this batch, so fp16 needs no "
+                      if kind == "scaler_needed" else "; no gradient flushes or overflows on this batch, so fp16 needs no "
                       "loss scale for it (gradients shrink as training converges: examine a later checkpoint too)"
                       + (f"; but a GradScaler at its default 2**16 overflows: it skips {backoffs} step(s) while it "
                          f"backs off, so if you use one, pass init_scale=2**{k}" if backoffs else "")))
