@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import memory, models
@@ -33,19 +35,48 @@ def _measured_adam_bytes(model: torch.nn.Module) -> int:
 
 
 def check_adam_bytes(adam_bytes: Callable[[torch.nn.Module], int]) -> None:
-    """Exercise 2.1: adam_bytes(model) = bytes of weights + gradients + Adam's two moment buffers."""
+    """Exercise 2.1: adam_bytes(model) = bytes of weights + gradients + Adam's two moment buffers.
+
+    Args:
+        adam_bytes: the learner's function; it must return a whole number of bytes (an int, or what
+            ``operator.index`` reads as one, such as np.int64): a float or a float tensor is refused first,
+            with its own verdict, whatever its value.
+
+    Example:
+        >>> check_adam_bytes(lambda m: sum(4 * p.numel() * p.element_size() for p in m.parameters()))  # doctest: +ELLIPSIS
+        ✅ Exercise 2.1 (bytes of weights, gradients and Adam state): correct. ...
+    """
     title = "Exercise 2.1 (bytes of weights, gradients and Adam state)"
     for name, model in _adam_models():
         got = call_learner(title, adam_bytes, model)
         want = _measured_adam_bytes(model)
-        if not isinstance(got, int) or isinstance(got, bool) or got != want:
-            n = sum(p.numel() for p in model.parameters())
+        n = sum(p.numel() for p in model.parameters())
+        value = _whole_number(got)
+        if value is None:  # the type first: a right value as 110752.0 is still not a byte count
+            failed(title, f"an int (a number of bytes) for the {name}", f"{type(got).__name__} {got!r}",
+                   "return a whole number of bytes: p.numel() and p.element_size() are ints, and so are their "
+                   "products and sums (a float or a tensor crept in: int(...) it, or count with Python ints)")
+        if value != want:
             hint = ("each parameter has a weight, a gradient and two Adam moments, all in the parameter's dtype: "
                     "use p.numel() * p.element_size()")
-            if isinstance(got, (int, float)) and got and n and abs(got / n - 16) < 1e-9:
-                hint = "16 bytes per parameter holds for fp32 only: one model is stored in bf16 (element_size 2)"
+            low = any(p.dtype != torch.float32 for p in model.parameters())
+            if low and n and value == 16 * n:  # 4 copies x 4 bytes: right for fp32 parameters only
+                hint = "16 bytes per parameter holds for fp32 only: this model is stored in bf16 (element_size 2)"
             failed(title, f"{want:,} bytes for the {name} ({n:,} parameters)", got, hint)
     passed(title, "Weights, gradients and both Adam moments: 4 copies of every parameter.")
+
+
+def _whole_number(v: Any) -> int | None:
+    """v as an int if operator.index reads it as one (int, np.int64, a one-element integer tensor), else None.
+
+    Booleans are not byte counts: operator.index reads True as 1, so they are refused by hand.
+    """
+    if isinstance(v, (bool, np.bool_)) or getattr(v, "dtype", None) == torch.bool:
+        return None
+    try:
+        return operator.index(v)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 #: The model of exercise 2.2: Linear(16 -> 32), ReLU, Linear(32 -> 4), batch of 8.

@@ -1,6 +1,8 @@
 """Chapter 2 checkers accept right answers and reject wrong ones with feedback."""
 
+import numpy as np
 import pytest
+import torch
 
 from ampcourse import exercises
 from ampcourse.exercises import ExerciseError
@@ -51,3 +53,34 @@ def test_saved_bytes_checker(capsys):
             exercises.check_saved_bytes(*wrong)
     out = capsys.readouterr().out
     assert "counted once" in out  # the double-counting mistake gets a specific hint
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda m: float(right_adam_bytes(m)),                       # the right value as a float
+    lambda m: torch.tensor(float(right_adam_bytes(m))),         # ... as a float tensor
+    lambda m: torch.tensor(right_adam_bytes(m)) > 0,            # a boolean tensor
+    lambda m: True,
+])
+def test_adam_bytes_refuses_a_non_integer_type_with_its_own_verdict(wrong, capsys):
+    """The type first: a right value as 110752.0 got the bf16 hint, a tensor the element_size hint."""
+    with pytest.raises(ExerciseError, match="expected: an int"):
+        exercises.check_adam_bytes(wrong)
+    out = capsys.readouterr().out
+    assert "bf16" not in out.split("hint", 1)[1] and "element_size 2" not in " ".join(out.split())
+    assert "whole number of bytes" in out
+
+
+def test_adam_bytes_accepts_what_operator_index_accepts(capsys):
+    exercises.check_adam_bytes(lambda m: np.int64(right_adam_bytes(m)))
+    exercises.check_adam_bytes(lambda m: torch.tensor(right_adam_bytes(m)))
+    assert capsys.readouterr().out.count("✅") == 2
+
+
+def test_adam_bytes_bf16_hint_only_for_the_bf16_model(capsys):
+    """16 bytes per parameter is wrong only for the bf16 model: the hint names bf16 there and only there."""
+    with pytest.raises(ExerciseError, match="mlp stored in bf16"):
+        exercises.check_adam_bytes(lambda m: sum(16 * p.numel() for p in m.parameters()))
+    assert "stored in bf16 (element_size 2)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(ExerciseError, match="for the mlp \\("):  # an fp32 model's wrong count: no bf16 talk
+        exercises.check_adam_bytes(lambda m: sum(3 * p.numel() * p.element_size() for p in m.parameters()))
+    assert "bf16" not in capsys.readouterr().out.split("hint", 1)[1]
