@@ -62,7 +62,7 @@ def bf16_losses(amp):
 
 
 def test_float8_training_on_float8_tensor_cores(amp, bf16_losses):
-    if _capability() < (8, 9):
+    if _capability() < fp8.FP8_CAPABILITY:
         pytest.skip(f"float8 matmuls need compute capability 8.9 or more (this GPU: {_capability()})")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
