@@ -148,6 +148,13 @@ def check_settings(state: dict[str, Any], optimizer: torch.optim.Optimizer, scal
             _scaler.check_state(saved)  # GradScaler's settings have one owner
         except ValueError as err:
             raise _bad(path, f"its GradScaler state is impossible ({err})") from None
+    elif isinstance(state.get("scaler"), Mapping) and "scale" in state["scaler"]:
+        # A disabled scaler (fp32, bf16) would drop the saved scale silently: an fp16 run resumed so has lost it.
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds a GradScaler state (scale {state['scaler']['scale']!r}: written with fp16), "
+            "but this scaler is disabled (fp32 or bf16), so restoring would drop it. Resume with an enabled scaler "
+            "(ampcourse.device.pick(device, 'fp16').make_scaler() or torch.amp.GradScaler(device)); to change the "
+            "precision on purpose, set state['scaler'] = {} before restore")
     if scheduler is not None:
         if state.get("scheduler") is None:
             raise CheckpointError(f"checkpoint {str(path)!r} has no scheduler state; resume without a scheduler")

@@ -387,6 +387,24 @@ def test_restore_checks_scaler_and_scheduler_presence(tmp_path):
         train("mlp", None, "bf16", steps=1, checkpoint_dir=tmp_path, resume=True, scheduler="cosine", **FAST)
 
 
+def test_restore_refuses_an_fp16_scaler_state_into_a_disabled_scaler(tmp_path):
+    """A bf16/fp32 scaler is disabled: loading an fp16 checkpoint into it used to drop the saved scale silently."""
+    train("mlp", None, "fp16", steps=2, checkpoint_dir=tmp_path, **FAST)
+    state = checkpoint.load(checkpoint.path_in(tmp_path))
+    assert state["scaler"]["scale"] > 0
+    model = models.make_model("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    with pytest.raises(CheckpointError, match=r"holds a GradScaler state .*this scaler is disabled"):
+        checkpoint.restore(state, model, opt, disabled)
+    assert checkpoint.restore(state, model, opt, torch.amp.GradScaler("cpu")) == 2  # an enabled one takes it
+    # dropping it on purpose, as the message says, restores into the disabled scaler
+    assert checkpoint.restore({**state, "scaler": {}}, model, opt, disabled) == 2
+    # train()'s own resume: the same precision still resumes
+    h = train("mlp", None, "fp16", steps=3, checkpoint_dir=tmp_path, resume=True, **FAST)
+    assert h.start_step == 2 and h.steps_done == 3
+
+
 def test_rng_state_round_trip():
     state = checkpoint.rng_state()
     a = torch.rand(3)
