@@ -68,29 +68,68 @@ def check_autocast_dtypes(predictions: Mapping[str, Any], device_type: str = "cp
         unreadable = [w for w in wrong.values() if _as_dtype(w) is None]
         hint = (f"{unreadable[0]!r} is not a dtype: write torch.bfloat16, 'float32', 'bf16', ..." if unreadable else
                 "for each, ask which list autocast puts the op on (low precision, fp32, or none: then type promotion "
-                "or the input's dtype decides); section 3.4's table, generated on this device, has every op")
+                f"or the input's dtype decides); {_table_hint(device_type, dtype)}")
         failed(title, f"the dtype torch gives for each expression ({len(truth) - len(wrong)} of {len(truth)} right)",
                f"{len(wrong)} wrong: {', '.join(wrong)} (first: you said {got})", hint)
     passed(title, "You can read an autocast region the way torch runs it.")
 
 
-def _torch_scales(found_inf: list[bool], init_scale: float, growth_interval: int) -> list[float]:
-    """Scale after each step of a real GradScaler('cpu'), given which steps had inf gradients."""
+def _table_hint(device_type: str, dtype: torch.dtype) -> str:
+    """Where chapter 3 prints the op table for this exercise's autocast (section 3.4's names for it).
+
+    Section 3.4's first table is the chapter's device's: CUDA's on a GPU, where softmax, layer_norm and sum run in
+    fp32, while this exercise asks about ``device_type`` (CPU by default). So the hint names the table built for it.
+
+    Args:
+        device_type: the exercise's autocast device ("cpu" or "cuda").
+        dtype: the exercise's autocast dtype.
+
+    Example:
+        >>> "cpu_bf16" in _table_hint("cpu", torch.bfloat16)
+        True
+    """
+    if device_type == "cpu":
+        name = "cpu_bf16" if dtype == torch.bfloat16 else "cpu_fp16"
+        return (f"section 3.4's CPU table {name} has every op (print(autocast_ops.format_table({name}))); "
+                "not the section's first table, which is the chapter's device's: CUDA's on a GPU")
+    short = str(dtype).removeprefix("torch.")
+    return (f"section 3.4's CUDA table has every op (print(autocast_ops.format_table(autocast_ops.op_table('cuda', "
+            f"torch.{short}))))")
+
+
+def _torch_scales(found_inf: list[bool], init_scale: float, growth_interval: int) -> list[tuple[float, int]]:
+    """(scale, growth tracker) after each step of a real GradScaler('cpu'), given which steps had inf gradients.
+
+    The tracker is read from the scaler's state_dict (``_growth_tracker``: clean steps since the last growth or
+    backoff), which torch._amp_update_scale_ updates together with the scale.
+    """
     param = torch.nn.Parameter(torch.ones(1))
     opt = torch.optim.SGD([param], lr=0.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
-    scales = []
+    states = []
     for bad in found_inf:
         opt.zero_grad()
         scaler.scale((param * (float("inf") if bad else 1.0)).sum()).backward()
         scaler.step(opt)
         scaler.update()
-        scales.append(scaler.get_scale())
-    return scales
+        states.append((scaler.get_scale(), int(scaler.state_dict()["_growth_tracker"])))
+    return states
 
 
 def check_scale_update(update: Callable[[float, int, bool, int], tuple[float, int]]) -> None:
-    """Exercise 3.2: update(scale, tracker, found_inf, growth_interval) -> (new scale, new tracker), like GradScaler."""
+    """Exercise 3.2: update(scale, tracker, found_inf, growth_interval) -> (new scale, new tracker), like GradScaler.
+
+    Both are compared step by step with a real ``torch.amp.GradScaler("cpu")``: the scale, and the tracker
+    (GradScaler's ``_growth_tracker``), so an update that gets the scales right with a tracker that never goes
+    back to 0 (growing whenever it is a multiple of growth_interval) is refused too.
+
+    Args:
+        update: the learner's function of (scale, tracker, found_inf, growth_interval).
+
+    Example:
+        >>> check_scale_update(lambda s, t, bad, n: (s * 0.5, 0) if bad else (s * 2.0, 0) if t + 1 == n else (s, t + 1))  # doctest: +ELLIPSIS
+        ✅ Exercise 3.2 (GradScaler's scale update): correct. ...
+    """
     title = "Exercise 3.2 (GradScaler's scale update)"
     cases = [
         ([False] * 5, 1024.0, 2),
@@ -106,9 +145,23 @@ def check_scale_update(update: Callable[[float, int, bool, int], tuple[float, in
             if not (isinstance(result, tuple) and len(result) == 2):
                 failed(title, "a tuple (scale, tracker)", repr(result), "return both the new scale and the new tracker")
             scale, tracker = result
-            got.append(scale)
-        if [float(s) for s in got] != want:
-            failed(title, f"scales {want} for found_inf={found_inf}, growth_interval={interval}", got,
-                   "on inf: scale * 0.5 and tracker back to 0; otherwise tracker + 1, and when it reaches "
-                   "growth_interval: scale * 2 and tracker back to 0")
-    passed(title, "Your update matches torch.amp.GradScaler step for step.")
+            got.append((scale, tracker))
+        if [float(s) for s, _ in got] != [s for s, _ in want]:
+            failed(title, f"scales {[s for s, _ in want]} for found_inf={found_inf}, growth_interval={interval}",
+                   [s for s, _ in got], "on inf: scale * 0.5 and tracker back to 0; otherwise tracker + 1, and when it "
+                   "reaches growth_interval: scale * 2 and tracker back to 0")
+        if [_tracker(t) for _, t in got] != [t for _, t in want]:
+            failed(title, f"trackers {[t for _, t in want]} (GradScaler's _growth_tracker) for found_inf={found_inf}, "
+                   f"growth_interval={interval}", [t for _, t in got],
+                   "the tracker counts clean steps since the last change of the scale: back to 0 after an inf "
+                   "and after the scale grows")
+    passed(title, "Your update matches torch.amp.GradScaler step for step, scale and growth tracker.")
+
+
+def _tracker(t: Any) -> int | float | None:
+    """A learner's tracker as a number to compare (an int, a float such as 1.0, a one-element tensor); None if not one."""
+    try:
+        v = float(t)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return int(v) if v.is_integer() else v

@@ -109,3 +109,75 @@ def test_scale_update_rejects_wrong_answers(wrong, capsys):
     with pytest.raises(ExerciseError, match="expected"):
         exercises.check_scale_update(wrong)
     assert "hint" in capsys.readouterr().out
+
+
+def never_resets_the_tracker(scale, tracker, found_inf, growth_interval):
+    """Right scales, wrong tracker: grows whenever the count is a multiple of growth_interval, never resets it."""
+    if found_inf:
+        return scale * 0.5, 0
+    tracker += 1
+    return (scale * 2.0, tracker) if tracker % growth_interval == 0 else (scale, tracker)
+
+
+def test_scale_update_compares_the_tracker_with_gradscalers(capsys):
+    from ampcourse.exercises.ch03 import _torch_scales
+    # GradScaler's own tracker (its state_dict's _growth_tracker) goes back to 0 after a growth and after an inf
+    assert _torch_scales([False] * 5, 1024.0, 2) == [(1024.0, 1), (2048.0, 0), (2048.0, 1), (4096.0, 0), (4096.0, 1)]
+    assert [s for s, _ in _torch_scales([False, True, False], 8.0, 2)] == [8.0, 4.0, 4.0]
+    assert [t for _, t in _torch_scales([False, True, False], 8.0, 2)] == [1, 0, 1]
+    with pytest.raises(ExerciseError, match="trackers"):
+        exercises.check_scale_update(never_resets_the_tracker)
+    assert "after the scale grows" in capsys.readouterr().out
+
+
+def test_autocast_dtypes_hint_points_to_the_cpu_table(capsys):
+    """Section 3.4's first table is CUDA's on a GPU; the exercise is CPU autocast: the hint names cpu_bf16."""
+    with pytest.raises(ExerciseError):
+        exercises.check_autocast_dtypes({**RIGHT, "torch.softmax(x @ w, dim=-1)": torch.float32})
+    hint = capsys.readouterr().out.split("hint", 1)[1]
+    assert "cpu_bf16" in " ".join(hint.split()) and "generated on this device" not in hint
+    with pytest.raises(ExerciseError):
+        exercises.check_autocast_dtypes({**RIGHT, "x @ w": torch.float32}, "cpu", torch.float16)
+    assert "cpu_fp16" in capsys.readouterr().out
+
+
+def test_the_cpu_table_the_hint_names_is_in_chapter_3():
+    import json
+    from pathlib import Path
+    cells = json.loads((Path(__file__).parents[2] / "chapters/03_torch_amp_api.ipynb").read_text())["cells"]
+    code = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    assert 'cpu_bf16 = autocast_ops.op_table("cpu", torch.bfloat16)' in code
+    assert 'cpu_fp16 = autocast_ops.op_table("cpu", torch.float16)' in code
+
+
+# --- chapter 3's prose about what its cells do (audit items): read from the chapter, checked against the code ---
+
+def _markdown(name: str) -> list[str]:
+    import json
+    from pathlib import Path
+    cells = json.loads((Path(__file__).parents[2] / f"chapters/{name}.ipynb").read_text())["cells"]
+    return ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+
+
+def test_chapter_3_says_which_dtype_cuda_autocast_uses(monkeypatch):
+    """pick(precision='amp') is bf16 on GPUs with native bf16 (Ampere+), fp16 before: the opening says both."""
+    from ampcourse import device
+    for native, want in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.setattr(device, "native_bf16", lambda dev, native=native: native)
+        assert device._amp_precision(torch.device("cuda", 0)) == want
+    opening = " ".join(_markdown("03_torch_amp_api")[0].split())
+    assert "CUDA autocast (fp16)" not in opening
+    assert "in bf16 on GPUs with bf16 units (Ampere and newer) and fp16 on older ones" in opening
+
+
+def test_chapter_3_cross_reference_to_the_weight_cast_cache_names_its_section():
+    import re
+    text = _markdown("03_torch_amp_api")
+    section, home = None, None
+    for cell in text:  # the section whose cells introduce cache_enabled
+        for m in re.finditer(r"^## (\d+\.\d+) ", cell, re.M):
+            section = m.group(1)
+        if "cache_enabled" in cell and "cached inside a region" in cell:
+            home = section
+    refs = [m.group(1) for cell in text for m in re.finditer(r"weight-cast cache \(section (\d+\.\d+)\)", cell)]
+    assert home == "3.1" and refs and set(refs) == {home}
