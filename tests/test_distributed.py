@@ -730,6 +730,16 @@ def test_a_launched_job_listens_on_loopback_only(tmp_path):
     address (*:PORT) although the job runs with --local-addr 127.0.0.1. The job's processes are those whose
     working directory is this test's folder.
     """
+    with sockets_of_job_in(tmp_path) as seen:
+        run(tmp_path, [*COMMON, *SGD, "--strategy", "ddp", "--precision", "fp32", "--steps", "30"])
+    assert seen, "no listening socket of the job was seen: the watcher is broken"
+    assert all(distributed.is_loopback(addr) for addr, _ in seen), sorted(seen)
+
+
+@contextlib.contextmanager
+def sockets_of_job_in(folder: Path):
+    """The set, filled while inside, of every listening socket of the processes whose working directory is `folder`
+    (a job started there: torchrun's agent and its workers), polled every 0.1 s."""
     import threading
 
     seen: set[tuple[str, int]] = set()
@@ -740,7 +750,7 @@ def test_a_launched_job_listens_on_loopback_only(tmp_path):
             pids = set()
             for entry in os.listdir("/proc"):
                 with contextlib.suppress(OSError):
-                    if entry.isdigit() and os.readlink(f"/proc/{entry}/cwd") == str(tmp_path):
+                    if entry.isdigit() and os.readlink(f"/proc/{entry}/cwd") == str(folder):
                         pids.add(int(entry))
             seen.update(listening_sockets(pids))
             done.wait(0.1)
@@ -748,12 +758,10 @@ def test_a_launched_job_listens_on_loopback_only(tmp_path):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        run(tmp_path, [*COMMON, *SGD, "--strategy", "ddp", "--precision", "fp32", "--steps", "30"])
+        yield seen
     finally:
         done.set()
         watcher.join()
-    assert seen, "no listening socket of the job was seen: the watcher is broken"
-    assert all(distributed.is_loopback(addr) for addr, _ in seen), sorted(seen)
 
 
 @pytest.mark.slow
@@ -812,17 +820,20 @@ def test_readme_slurm_command_writes_a_valid_script(tmp_path):
 
 @pytest.mark.slow
 def test_readme_cpu_command_runs_as_written(tmp_path):
-    """The README's CPU launch, typed into bash as it stands (torchrun from the virtual environment)."""
+    """The README's CPU launch, typed into bash as it stands (torchrun from the virtual environment): it runs, and
+    every port it opens is on loopback (a laptop on a café's network, a shared Binder host)."""
     command = next(c for c in readme_commands() if "--device cpu" in c)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        distributed._kill_group(proc)  # bash, torchrun and the workers
-        raise
+    with sockets_of_job_in(tmp_path) as seen:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            distributed._kill_group(proc)  # bash, torchrun and the workers
+            raise
     assert proc.returncode == 0, err[-3000:]
+    assert seen and all(distributed.is_loopback(addr) for addr, _ in seen), sorted(seen)
     summary = json.loads(out[out.index("{"):])  # rank 0 prints the summary (no --out)
     assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["steps_done"] == 200
 
