@@ -18,8 +18,10 @@ From a shell (``cli`` says what each process does and what the summary holds)::
     # N processes on one node, one per GPU (NCCL); the variable: a fresh TCPStore per restart (pytorch#135712)
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node N \\
         -m ampcourse.train --strategy ddp --precision fp16 --steps 200 --out summary.json
-    # N CPU processes over gloo (a laptop, CI)
-    OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
+    # N CPU processes over gloo (a laptop, CI); a file rendezvous: no port beyond loopback (--standalone's store
+    # listens on every address; README.md, "Several processes")
+    OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1 --nproc-per-node 2 \\
+        --rdzv-backend c10d --rdzv-endpoint "$(mktemp -d)/rdzv" --rdzv-conf store_type=file --local-addr 127.0.0.1 \\
         -m ampcourse.train --strategy ddp --device cpu --precision bf16 --steps 200
     # M nodes (HOST: the first one); restarted workers resume from the last checkpoint
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d \\
