@@ -84,3 +84,72 @@ def test_adam_bytes_bf16_hint_only_for_the_bf16_model(capsys):
     with pytest.raises(ExerciseError, match="for the mlp \\("):  # an fp32 model's wrong count: no bf16 talk
         exercises.check_adam_bytes(lambda m: sum(3 * p.numel() * p.element_size() for p in m.parameters()))
     assert "bf16" not in capsys.readouterr().out.split("hint", 1)[1]
+
+
+# --- chapter 2's prose about its own cells (audit items): read from the chapter, run against fakes ---
+
+def _chapter_2_cells(kind: str) -> list[str]:
+    import json
+    from pathlib import Path
+    cells = json.loads((Path(__file__).parents[2] / "chapters/02_why_mixed_precision.ipynb").read_text())["cells"]
+    return ["".join(c["source"]) for c in cells if c["cell_type"] == kind]
+
+
+def test_every_bench_command_in_chapter_2_parses(monkeypatch, tmp_path):
+    """`python -m ampcourse.bench` needs --out: a command in the prose without it fails for the learner."""
+    import re
+    import shlex
+
+    from ampcourse import bench
+
+    class Parsed(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Parsed  # the arguments parsed: stop before a minute of measuring
+
+    monkeypatch.setattr(bench, "run", stop)
+    commands = [m.group(1) for cell in _chapter_2_cells("markdown")
+                for m in re.finditer(r"`!\{sys\.executable\} -m ampcourse\.bench([^`]*)`", cell)]
+    assert len(commands) >= 2
+    for tail in commands:
+        argv = [str(tmp_path / a) if a == "bench-out" else a for a in shlex.split(tail)]
+        with pytest.raises(Parsed):
+            bench.main(argv)
+
+
+def _run_comparison_cell(size: str, batch: int, capsys) -> tuple[list, str]:
+    """Chapter 2's measured-vs-predicted cell with 2.1's STEP_SIZE/STEP_BATCH, plan and make_task recorded."""
+    from types import SimpleNamespace
+
+    cell = next(s for s in _chapter_2_cells("code") if "measured = next(" in s)
+    planned, made = [], []
+
+    def fake_plan(model, inputs, **kw):
+        planned.append((model, inputs.shape[0]))
+        return SimpleNamespace(speedup=lambda p: 7.0)
+
+    def make_task(name, n=1024, seed=0, size="tiny"):
+        made.append((name, n, size))
+        return SimpleNamespace(model=f"{size} model", data=SimpleNamespace(tensors=(torch.zeros(n, 4), None)),
+                               loss_fn=None)
+
+    tiny_task = SimpleNamespace(data=[None] * 32)
+    namespace = {"steps": [{"model": "mlp"}, {"model": "transformer", "size": size, "batch": batch,
+                                               "precision": "bf16", "amp_over_fp32": 0.5}],
+                 "STEP_SIZE": size, "STEP_BATCH": batch, "amp": SimpleNamespace(device_type="cuda"),
+                 "task": tiny_task, "tiny": SimpleNamespace(speedup=lambda p: 0.6),
+                 "h100": SimpleNamespace(speedup=lambda p: 6.0), "plan": fake_plan,
+                 "models": SimpleNamespace(make_task=make_task)}
+    exec(cell, namespace)  # noqa: S102 - the chapter's own cell
+    return made, capsys.readouterr().out
+
+
+def test_chapter_2_compares_the_measured_model_with_a_plan_of_the_same_model(capsys):
+    """On a GPU 2.1 times the large transformer at batch 64: the prediction beside it must be of that model."""
+    made, out = _run_comparison_cell("large", 64, capsys)
+    assert made == [("transformer", 64, "large")]
+    assert "the large transformer, batch 64" in out and "the same large transformer, batch 64" in out
+    assert f"{1 / 7.0:.2f}x the fp32 step" in out
+    made, out = _run_comparison_cell("tiny", 32, capsys)  # a CPU: the tiny plan above is the measured model
+    assert made == [] and "the same tiny transformer, batch 32" in out and f"{1 / 0.6:.2f}x" in out
