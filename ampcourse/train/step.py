@@ -287,7 +287,7 @@ def train_step(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, tor
     # Skips optimizer.step() if unscale_ found inf/nan. A non-fused optimizer costs a host sync here (GradScaler
     # reads found_inf with .item()); a fused one (make_optimizer's default on CUDA) gets found_inf as a tensor.
     scaler.step(optimizer)
-    found_inf = _found_inf(scaler, optimizer) if before is not None else None  # before update() forgets it
+    found_inf = _found_inf(scaler, optimizer) if scaler.is_enabled() else None  # before update() forgets it
     scaler.update()
     # The step changed the weights in place: autocast's cached low-precision copies of them are stale now. Autocast
     # clears that cache only when its outermost context exits, and an enclosing one (even enabled=False: the doctor,

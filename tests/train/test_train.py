@@ -526,14 +526,20 @@ def test_train_step_reads_the_skip_from_the_scalers_inf_flag(scaler_kind, fused)
     from ampcourse.scaling import LossScaler
 
     amp, model, opt, _, (x, y) = _fp16_parts(fused=fused)
+    model2 = models.make_model("mlp", seed=0)
+    opt2 = train_mod.make_optimizer("adamw", model2.parameters(), 1e-3, fused=fused)
     make = torch.amp.GradScaler if scaler_kind == "GradScaler" else LossScaler
     scaler = make("cpu", init_scale=2.0**-149, growth_interval=1)
     stats = train_mod.train_step(model, [(x, y)], nan_loss, opt, scaler, amp)
     assert stats.skipped and scaler.get_scale() == 0.0
     stats = train_mod.train_step(model, [(x, y)], nan_loss, opt, scaler, amp)
     assert stats.skipped and stats.scale == 0.0 and scaler.get_scale() == 0.0
-    scaler = make("cpu", init_scale=2.0**10, growth_interval=1)
+    # A clean loss at scale 0: zero gradients pass the inf check and the step is taken (with NaN): the flag says
+    # "not skipped" where the scale (0 -> 0) cannot tell, so this shows the flag is what was read.
     stats = train_mod.train_step(model, [(x, y)], models.loss_fn, opt, scaler, amp)
+    assert not stats.skipped and stats.scale == 0.0
+    scaler = make("cpu", init_scale=2.0**10, growth_interval=1)
+    stats = train_mod.train_step(model2, [(x, y)], models.loss_fn, opt2, scaler, amp)
     assert not stats.skipped and scaler.get_scale() == 2.0**11
 
 
