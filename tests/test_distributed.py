@@ -238,12 +238,12 @@ def test_slurm_script_renders_and_parses(nodes, gpus, tmp_path):
     assert check.returncode == 0, check.stderr
 
 
-def _run_slurm_script(text: str, tmp_path: Path, cpus_per_task: int) -> list[str]:
-    """Run a rendered batch script as SLURM would on the first node, with stub `scontrol` and `srun` first on PATH:
-    returns the arguments srun was called with (one per line)."""
+def _run_slurm_script(text: str, tmp_path: Path, cpus_per_task: int, nodes: int = 2) -> list[str]:
+    """Run a rendered batch script as SLURM would on the first node, with stub `scontrol` (listing `nodes` hosts) and
+    `srun` first on PATH: returns the arguments srun was called with (one per line)."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "scontrol").write_text("#!/bin/sh\necho node1\necho node2\n")
+    (stubs / "scontrol").write_text(f"#!/bin/sh\nseq 1 {nodes} | sed 's/^/node/'\n")
     (stubs / "srun").write_text(f'#!/bin/sh\nfor a in "$@"; do echo "$a"; done > {tmp_path / "srun.args"}\n')
     for stub in stubs.iterdir():
         stub.chmod(0o755)
@@ -266,10 +266,18 @@ def test_slurm_script_gives_srun_the_cpus_per_task(tmp_path):
     assert args[torchrun + 1:torchrun + 3] == ["--nnodes", "2"] and "node1:29500" in args
 
 
+def test_the_head_node_is_read_without_breaking_the_pipe_of_a_long_node_list(tmp_path):
+    """`scontrol show hostnames ... | head -n 1` under `set -o pipefail`: head exits after one line, scontrol gets
+    SIGPIPE on a long list, the pipeline exits 141 and `set -e` ends the job before torchrun starts (the 2-node
+    stub hit it too, now and then: a flaky test on torch 2.15's leg). The script reads the whole list."""
+    args = _run_slurm_script(distributed.render_slurm(2, 4), tmp_path, cpus_per_task=8, nodes=200_000)
+    assert "node1:29500" in args
+
+
 def test_bash_n_would_catch_a_broken_script(tmp_path):
     """The syntax check is not a formality: a damaged script fails it."""
     broken = tmp_path / "broken.slurm"
-    broken.write_text(distributed.render_slurm(2, 4).replace("head -n 1)", "head -n 1"))
+    broken.write_text(distributed.render_slurm(2, 4).replace("sed -n 1p)", "sed -n 1p"))
     assert subprocess.run(["bash", "-n", str(broken)], capture_output=True, timeout=30).returncode != 0
 
 
