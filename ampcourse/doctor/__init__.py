@@ -21,7 +21,8 @@ Where each concern lives:
 - :mod:`.calls`: argument checks and calling the model; :mod:`.snapshot`: saving and restoring its state;
 - :mod:`.watch`: what a pass records (module hooks, the op watcher, the reruns); :mod:`.hist`: log2 histograms;
 - :mod:`.passes`: the reference, autocast and gradient passes;
-- :mod:`.audit`: the optimizer; :mod:`.rules`: findings; :mod:`.verdict`: verdicts and the headline;
+- :mod:`.audit`: the optimizer; :mod:`.scales`: the loss-scale numbers; :mod:`.rules`: findings;
+  :mod:`.verdict`: verdicts and the headline;
   :mod:`.confirm`: training the recipes;
 - :mod:`.report`, :mod:`.vocab`: the report's data and words; :mod:`.render`: text, HTML, plot.
 

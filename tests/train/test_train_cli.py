@@ -131,7 +131,8 @@ def test_docstring_has_the_launch_commands():
     assert "python -m ampcourse.train --model mlp --precision bf16" in doc
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node N -m ampcourse.train" in doc
     assert "torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:29500" in doc
-    assert "--nproc-per-node 2 -m ampcourse.train --strategy ddp --device cpu" in doc
+    assert ("--rdzv-conf store_type=file --local-addr 127.0.0.1 -m ampcourse.train --strategy ddp --device cpu"
+            in doc)  # the CPU line opens no port beyond loopback, as README's
     assert "render_slurm" in doc
 
 
