@@ -78,3 +78,26 @@ def test_small_gradients_underflow_in_fp16_unless_scaled(amp):
     assert g.half().eq(0).all()
     assert (g * 2.0**16).half().ne(0).all()
     assert g.bfloat16().ne(0).all(), "bf16 keeps fp32's exponent range: no scaling needed"
+
+
+def test_exercise_5_2_square_for_cuda_is_checked_on_the_gpu(amp, capsys):
+    """The chapter's own cells decorate with device_type="cuda" on a GPU: the checker runs that answer under CUDA's
+    autocast and passes it (on a CPU the same answer gets the device_type hint: tests/exercises)."""
+    from ampcourse import exercises
+
+    class Square(torch.autograd.Function):  # the right answer, decorated as the chapter's cells are on a GPU
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cuda")
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return grad * 2 * x
+
+    exercises.check_square_function(Square)
+    assert "✅" in capsys.readouterr().out
+
