@@ -436,6 +436,22 @@ class LossScaler:
         return self._per_optimizer.setdefault(id(optimizer), _OptimizerState())
 
     # -- inspect, save, restore ----------------------------------------------------------------------
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This iteration's inf/NaN flag for `optimizer` (> 0: its step is or was skipped); None before any check.
+
+        Valid between ``unscale_``/``step`` and ``update()``, which starts a new iteration and forgets it. The flag stays
+        on the scale's device (no host sync). GradScaler has no public accessor; ``train.step`` reads its private one.
+
+        Args:
+            optimizer: the optimizer this iteration unscaled or stepped.
+
+        Example::
+
+            >>> scaler.step(opt); skipped = bool(scaler.found_inf(opt)); scaler.update()
+        """
+        state = self._per_optimizer.get(id(optimizer)) if self._enabled else None
+        return None if state is None or state.found_inf is None else state.found_inf.detach().clone()
+
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled)."""
         if not self._enabled:

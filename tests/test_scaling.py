@@ -760,3 +760,26 @@ def test_make_scaler_asks_the_owner(kwargs, message):
         pick("cpu", "fp16").make_scaler(**kwargs)
     scaler = pick("cpu", "fp16").make_scaler(init_scale=np.float64(8.0), growth_interval=np.int64(3))
     assert scaler.get_scale() == 8.0 and scaler.get_growth_interval() == 3
+
+
+def test_found_inf_is_public_and_what_train_step_reads():
+    """found_inf(optimizer): this iteration's flag (1 after an inf gradient, 0 after a clean one), gone after update().
+
+    train.step's skip detection asks for it instead of reading the scaler's private per-optimizer layout.
+    """
+    from ampcourse.train.step import _found_inf
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("cpu", init_scale=4.0)
+    assert scaler.found_inf(opt) is None
+    for bad, expected in ((True, 1.0), (False, 0.0)):
+        opt.zero_grad()
+        loss = model(torch.ones(1, 2)).sum() * (float("inf") if bad else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        assert scaler.found_inf(opt).item() == expected
+        assert _found_inf(scaler, opt).item() == expected
+        scaler.update()
+        assert scaler.found_inf(opt) is None
+    assert LossScaler("cpu", enabled=False).found_inf(opt) is None

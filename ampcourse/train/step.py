@@ -179,8 +179,8 @@ def _found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor | 
 
     Read between ``scaler.step()`` and ``scaler.update()``: update() starts a new iteration and forgets it.
     torch.amp.GradScaler (and FSDP1's ShardedGradScaler) keep one flag per device in
-    ``_per_optimizer_states[id(optimizer)]["found_inf_per_device"]``; the course's ``scaling.LossScaler`` keeps
-    one in ``_per_optimizer[id(optimizer)].found_inf``. Why not compare the scale before and after: once it
+    ``_per_optimizer_states[id(optimizer)]["found_inf_per_device"]`` (no public accessor: its layout is read here
+    and nowhere else); the course's ``scaling.LossScaler`` answers ``found_inf(optimizer)``. Why not compare the scale before and after: once it
     has backed off to 0 (about 166 overflows in a row from 2**16 in float32), 0 * 0.5 == 0, and a skip no
     longer lowers it.
 
@@ -196,10 +196,11 @@ def _found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor | 
     states = getattr(scaler, "_per_optimizer_states", None)
     if isinstance(states, dict):  # torch's GradScaler; .get, not [], so that its defaultdict gains no entry
         flags = list((states.get(id(optimizer)) or {}).get("found_inf_per_device", {}).values())
-    else:
-        state = (getattr(scaler, "_per_optimizer", None) or {}).get(id(optimizer))
-        found = getattr(state, "found_inf", None)
+    elif callable(getattr(scaler, "found_inf", None)):
+        found = scaler.found_inf(optimizer)
         flags = [found] if found is not None else []
+    else:
+        flags = []
     if not flags or not all(isinstance(f, torch.Tensor) for f in flags):
         return None
     # A new tensor, summed on the first flag's device without a sync: update() adds the other optimizers'
