@@ -640,14 +640,19 @@ def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, 
     depth = [0]
     saved: list[tuple[nn.Module, Any]] = []  # (module, its own instance forward or None), for those wrapped so far
 
-    def exact(name: str, forward):
+    def exact(name: str, module: nn.Module, forward):
         def run(*args, **kwargs):
             if depth[0]:
                 return forward(*args, **kwargs)
             depth[0] += 1
             try:
+                args, kwargs = copy_as(args, torch.float32), copy_as(kwargs, torch.float32)
                 with _ModesOff(), torch.autocast(device_type, enabled=False):
-                    out = forward(*copy_as(args, torch.float32), **copy_as(kwargs, torch.float32))
+                    # A child with fp16/bf16 weights (a model.half()) runs on fp32 copies of them: fp32 inputs would
+                    # not even multiply its own weights, and exact means fp32 throughout.
+                    low = _low_state(module)
+                    out = (torch.func.functional_call(module, low, args, kwargs) if low
+                           else forward(*args, **kwargs))
             finally:
                 depth[0] -= 1
             return _cast_like(out, iter(out_dtypes.get(name, ())))
@@ -656,7 +661,7 @@ def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, 
     try:
         for name, m in kids:
             own = m.__dict__.get("forward")
-            m.forward = exact(name, m.forward)
+            m.forward = exact(name, m, m.forward)
             saved.append((m, own))
         yield
     finally:
@@ -665,6 +670,12 @@ def _exact_children(kids: list[tuple[str, nn.Module]], out_dtypes: Mapping[str, 
                 del m.forward
             else:
                 m.forward = forward
+
+
+def _low_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of a module's fp16/bf16 parameters and buffers (its whole subtree), by name; {} if it has none."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return {n: t.detach().float() for n, t in named if t.dtype in _LOW}
 
 
 _PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice)

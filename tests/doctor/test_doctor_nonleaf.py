@@ -327,3 +327,17 @@ def test_inline_code_whose_module_edits_its_input_in_place_is_said_to_be_unmeasu
     assert not _own_error(report, "1")
     [note] = [n for n in report.notes if "not measured" in n]
     assert note.startswith("The own error of '1' (inline in forward) was not measured in fp16, bf16") and "in place" in note
+
+
+def test_inline_code_of_a_half_model_is_measured_with_its_children_exact_in_fp32():
+    """model.half(): the inline rerun runs the fp16 children on fp32 copies of their weights (fp32 inputs would not
+    multiply fp16 weights), so the planted cancellation is found in 'block' as in the fp32 model, not "not measured"."""
+    model, x, y = planted()
+    model = model.half()
+    report = examine(model, x.half(), y, loss_fn=lambda out, t: F.cross_entropy(out.float(), t), steps=0)
+    assert not [n for n in report.notes if "not measured" in n], report.notes
+    for p in PRECISIONS:
+        [f] = report.find("precision_loss", p)
+        assert (f.module, f.op) == ("block", "aten::sub") and f.value > REL_TOL[p]
+        assert all(_own_error(report, n)[p] < REL_TOL[p] for n in ("inp", "block.fc", "block.out", "head"))
+    assert all(prm.dtype == torch.float16 for prm in model.parameters())
