@@ -429,13 +429,22 @@ def activation_overflow(ev: Evidence) -> list[Finding]:
         stayed = v.get("status") != "refused" and n not in v.get("tried_fp32_modules", [])
         share = r.act._share("overflow", 1.0, p)
         more = f" ({len(over) - 1} module(s) after it too)" if len(over) > 1 else ""
+        dtype = res.records[n].dtype.get(p, "?") if n in res.records else "?"
+        # An fp16 op that read them would have made an inf (a cast to fp16 saturates to inf): a pass with none, in
+        # which the module itself gave fp32 (an island the learner kept, an op autocast keeps fp32), is fine as it is.
+        harmless = stayed and dtype == "float32" and not getattr(res.watch, "seen_nonfinite", True)
+        if harmless:
+            tail, severity = (f"; it runs in fp32 here and no {p} op read them (none made an inf or NaN in this pass): "
+                              "fine as it is, keep it in fp32"), "info"
+        elif stayed:
+            tail, severity = (f"; they stayed finite here (output {dtype}), but any {p} op that reads them overflows"
+                              ": keep it and what reads it in fp32, or use bf16"), "warning"
+        else:
+            tail, severity = ": keep it and what reads it in fp32, or use bf16", "error"
         out.append(Finding("activation_overflow", n, p, r.act.max,
                            f"{Quoted(n)} outputs values up to {r.act.max:.4g} in fp32 ({share:.2%} of them "
-                           f"above {p}'s max {top:g}){more}{_cause(ctx, n)}"
-                           + (f"; they stayed finite here (output {res.records[n].dtype.get(p, '?')}), but any {p} op "
-                              "that reads them overflows" if stayed else "")
-                           + ": keep it and what reads it in fp32, or use bf16", "warning" if stayed else "error",
-                           "forward", fix="islands"))
+                           f"above {p}'s max {top:g}){more}{_cause(ctx, n)}" + tail, severity,
+                           "forward", fix="" if harmless else "islands"))
     return out
 
 

@@ -6,7 +6,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ampcourse import exercises
+from ampcourse.doctor import examine
 from ampcourse.exercises import ExerciseError
+from ampcourse.policy import apply_policy
 from planted import NaiveRMSNorm  # noqa: E402
 
 
@@ -75,6 +77,19 @@ def test_fp32_islands(data, capsys):
     for wrong in wrong_answers:
         with pytest.raises(ExerciseError):
             exercises.check_fp32_islands(wrong, make, x, y, F.cross_entropy)
+
+
+def test_an_accepted_answer_is_one_the_doctor_itself_calls_clean(data):
+    """The checker and the doctor agree: with the doctor's own islands applied, examine says fp16 is clean (before,
+    'boost' kept in fp32 still drew an activation_overflow warning that refused fp16, while the checker said clean)."""
+    x, y = data
+    for names in (["norm", "boost"], ["up", "boost"]):
+        model = make()
+        apply_policy(model, {n: "fp32" for n in names})
+        report = examine(model, x, y, loss_fn=F.cross_entropy, precisions=("fp16",))
+        assert report.is_clean("fp16"), report.summary()
+        [f] = report.find("activation_overflow", "fp16")
+        assert f.module == "boost" and f.severity == "info" and "fine as it is" in f.message
 
 
 def test_fp32_islands_accepts_an_equivalent_answer_the_doctor_did_not_name(data, capsys):
