@@ -396,4 +396,7 @@ def headline_of(d: Decision, device: str, scale: float, low_trainable: str | Non
     tail = ("" if conf is None else f" ({conf.sentence()})" if conf.status == "confirmed"
             else " (unconfirmed: steps=0, the forensic pass)" if conf.steps == 0 and not conf.reason
             else f" ({conf.sentence()})")
-    return head + first + p + islands + scaler + tail
+    # The triage puts bf16 first only where the hardware has units for it: where it has none, say so on this line,
+    # which is all many learners read (the advice says what pick() keeps instead).
+    slow = f"; correct here, but no faster than fp32 on this device ({v.units})" if v.native is False and v.units else ""
+    return head + first + p + islands + scaler + tail + slow

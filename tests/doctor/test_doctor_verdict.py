@@ -819,3 +819,15 @@ def test_a_clean_fp16_verdict_line_names_the_grad_scaler_it_was_confirmed_with()
     h = examine(half, x.half(), y, loss_fn=loss_fn, precisions=("fp16",), steps=2,
                 optimizer=torch.optim.SGD(half.parameters(), lr=1e-2))
     assert "GradScaler" not in h.verdicts["fp16"].line()
+
+
+@pytest.mark.parametrize("native", [False, True, None])
+def test_the_headline_says_when_the_recommended_precision_is_no_faster_here(native):
+    """bf16 first only where the hardware has units for it: a headline recommending a precision this device has no
+    units for says so on the line itself (a CPU without AVX512-BF16/AMX, a T4's bf16), and only then."""
+    from ampcourse.doctor.verdict import Decision, headline_of
+
+    v = Verdict("bf16", "clean", native=native, units="no native bf16 units" if native is False else "AMX-BF16")
+    line = headline_of(Decision({"bf16": v}, "bf16", [], False, False, ""), "cpu", 1.0, None)
+    assert line.startswith("AMP doctor on cpu: use bf16, no GradScaler")
+    assert ("no faster than fp32 on this device (no native bf16 units)" in line) == (native is False)
