@@ -11,11 +11,13 @@ that every section it names exists.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import formats
+from .fp8 import GRANULARITIES as _GROUPS
 
 __all__ = ["OutlineSection", "Chapter", "Term", "OUTLINE", "CHAPTER_OUTLINE", "GLOSSARY",
            "find_chapters", "chapter_table", "outline_table", "glossary_table"]
@@ -124,14 +126,16 @@ GLOSSARY: tuple[Term, ...] = (
     Term("fp32 island", "FP32 区域", "a region run with autocast disabled and inputs cast to fp32, for numerically delicate code", 5),
     Term("data parallel (DDP)", "数据并行", "one model copy per GPU; gradients averaged by all-reduce bucket by bucket during backward, overlapping it", 7),
     Term("lost update", "更新丢失", "an optimizer step smaller than half an ulp of a low-precision weight: it rounds away", 8),
-    Term("microscaling (MX) format", "微缩放格式 (MX)", "blocks of 32 narrow elements sharing one power-of-two (e8m0) scale", 9),
+    Term("microscaling (MX) format", "微缩放格式 (MX)", f"blocks of {_GROUPS['mx'][0][1]} narrow elements sharing one power-of-two (e8m0) scale", 9),
     Term("delayed scaling", "延迟缩放", "an fp8 scale taken from the amax history of earlier steps, not from the tensor being cast", 9),
     Term("attention-logit growth", "注意力 logit 增长", "pre-softmax attention scores that grow during training; in bf16 a "
-         "logit L carries an absolute error up to L * 2**-8, which softmax turns into wrong probabilities", 10),
+         f"logit L carries an absolute error up to L * 2**{round(math.log2(_bf16.eps / 2))}, which softmax turns into "
+         "wrong probabilities", 10),
     Term("QK-norm", "QK 归一化", "normalising queries and keys (per head) before the attention scores, which bounds the logits", 10),
     Term("z-loss", "z 损失", "PaLM's auxiliary loss weight * (log Z)**2 that keeps the softmax normaliser of the output logits near 0", 10),
     Term("rotary position embedding (RoPE)", "旋转位置编码", "rotating channel pairs by position * frequency; the angles "
-         "must be computed in fp32, since bf16 cannot hold positions above 256", 10),
+         f"must be computed in fp32, since bf16 holds every integer only up to {2 ** (_bf16.mantissa_bits + 1)} "
+         f"({2 ** (_bf16.mantissa_bits + 1) + 1} rounds to {2 ** (_bf16.mantissa_bits + 1)})", 10),
     Term("TF32 (TensorFloat-32)", "TF32 (张量浮点 32)", f"how tensor cores read fp32 matmul inputs: "
          f"{_layout(formats.FormatSpec('tf32', 8, 10))}, fp32 accumulation", 10),
     Term("silently skipped step", "静默跳过的步", "an optimizer step the GradScaler skipped while the loss looked normal; "

@@ -151,3 +151,16 @@ def test_nav_is_idempotent_and_the_last_chapter_ends_with_a_link_too():
     renamed = nbtool.add_nav(nbformat.from_dict(once), "10_x.ipynb", ("11_y.ipynb", "Chapter 11 · More"))
     assert len(renamed.cells) == len(once.cells) and "[Chapter 11 · More](11_y.ipynb)" in renamed.cells[-1].source
     assert [c.cell_type for c in renamed.cells].count("code") == 1 and renamed.cells[2].source == "1"
+
+
+def test_glossary_numbers_are_what_the_formats_say():
+    """Its numbers come from code: bf16's largest run of exact integers, its unit roundoff, the MX block."""
+    import torch
+    from ampcourse.fp8 import GRANULARITIES
+
+    terms = {t.en: t.meaning for t in course.GLOSSARY}
+    top = round(2 / torch.finfo(torch.bfloat16).eps)  # 2**(mantissa bits + 1)
+    assert torch.tensor(float(top + 1)).bfloat16().item() == top and torch.tensor(float(top)).bfloat16().item() == top
+    assert f"only up to {top} ({top + 1} rounds to {top})" in terms["rotary position embedding (RoPE)"]
+    assert "L * 2**-8" in terms["attention-logit growth"] and torch.finfo(torch.bfloat16).eps / 2 == 2.0**-8
+    assert f"blocks of {GRANULARITIES['mx'][0][1]} " in terms["microscaling (MX) format"]
