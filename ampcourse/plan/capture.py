@@ -318,6 +318,46 @@ def _storage(t: torch.Tensor):
         return None
 
 
+def _bound_args(func, args, kwargs) -> dict:
+    """An aten op's arguments by their schema names (``is_causal``, ``query``, ``weight`` ...)."""
+    names = [a.name for a in func._schema.arguments]
+    return dict(zip(names, args)) | dict(kwargs)
+
+
+def _causal_fraction(query: torch.Tensor, key: torch.Tensor) -> float:
+    """The share of the query x key score matrix a causal kernel computes: the unmasked part, top-left aligned
+    (row i keeps keys 0..i), as torch's ``is_causal=True`` defines it.
+
+    What this relies on: with ``is_causal=True`` the fused kernels stop each query block's loop over key blocks at
+    the diagonal instead of computing and masking the rest. Flash attention caps ``n_block_max`` at the diagonal
+    (flash_fwd_kernel.h and flash_bwd_kernel.h, ``if (Is_causal)``); torch's memory-efficient kernel caps
+    ``num_keys`` at "query_start + causal_diagonal_offset + kQueriesPerBlock ... to avoid extra computations"
+    (aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h; kernel_backward.h starts each key
+    block's queries at ``getQueryStart``, the diagonal).
+    The blocks on the diagonal are computed whole, so a kernel does a little more than this fraction (about one
+    block's width over twice the sequence: 64 / 2048 = 3% at T = 1024); the FLOP formula of the dense case times
+    this fraction is what we count.
+    """
+    tq, tk = query.shape[-2], key.shape[-2]
+    if tq == 0 or tk == 0:
+        return 1.0
+    m = min(tq, tk)
+    kept = m * (m + 1) // 2 + (tq - m) * tk
+    return kept / (tq * tk)
+
+
+#: Ops that read only the rows their indices pick (an embedding lookup, index_select, gather): a GPU kernel reads
+#: the indices and those rows, not the whole table.
+_GATHERS = {"aten.embedding", "aten.index_select", "aten.gather"}
+
+
+def _gathered_bytes(name: str, bound: dict, out: torch.Tensor) -> int:
+    """Bytes a gather reads: its indices plus the elements it gathers (the output's size, in the source's dtype)."""
+    index = bound.get("indices") if name == "aten.embedding" else bound.get("index")
+    index_bytes = index.numel() * index.element_size() if isinstance(index, torch.Tensor) else 0
+    return index_bytes + out.numel() * out.element_size()
+
+
 class _Counter(TorchDispatchMode):
     """Records every aten op on meta tensors and follows the live bytes of the storages they allocate."""
 
@@ -410,9 +450,15 @@ class _Counter(TorchDispatchMode):
                 flops = int(counter(*args, **kwargs, out_val=out))
             except Exception:  # a formula that does not cover this overload: count it as a memory op
                 flops = 0
+        bound = _bound_args(func, args, kwargs)
+        if flops and bound.get("is_causal") is True and "attention" in name:
+            flops = int(flops * _causal_fraction(bound["query"], bound["key"]))
+        read = sum(_touched_bytes(t) for t in ins if t.device.type == "meta")
+        if name in _GATHERS and outs:
+            read = _gathered_bytes(name, bound, outs[0])
         self.ops.append(OpRecord(
             phase=self.phase, op=name, dtype=dtype, flops=flops,
-            bytes_read=sum(_touched_bytes(t) for t in ins if t.device.type == "meta"),
+            bytes_read=read,
             bytes_written=sum(t.numel() * t.element_size() for t in written if t.device.type == "meta"),
             module=self.module_stack[-1] if self.module_stack and
             self.phase == "forward" else "", shape=tuple(outs[0].shape) if outs else ()))
@@ -455,10 +501,19 @@ def _module_names(model: nn.Module, stack: list[str]) -> Iterator[None]:
 
 
 def _loss_of(out) -> torch.Tensor | None:
-    """The loss a model returned itself (a Hugging Face output with .loss, or a dict with 'loss')."""
+    """The loss a model returned itself: a Hugging Face output with .loss, a dict with 'loss', or a tuple whose first
+    element is a scalar with a gradient (what a Hugging Face model returns with ``return_dict=False`` and labels:
+    ``(loss, logits, ...)``)."""
     if isinstance(out, Mapping) and "loss" in out:
         return out["loss"]
+    if isinstance(out, (tuple, list)) and out and _is_scalar_loss(out[0]):
+        return out[0]
     return getattr(out, "loss", None)
+
+
+def _is_scalar_loss(t: object) -> bool:
+    """t is a one-element floating-point tensor with a gradient: a loss backward can start from."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == 1 and t.grad_fn is not None
 
 
 _VIEW_NODES = {"TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0",
@@ -528,10 +583,31 @@ def _forward_loss(model: nn.Module, inputs, loss_fn: Callable | None, targets) -
         if "meta" in text and any(w in text for w in _READS_VALUES):
             raise NeedsRealValues(f"the forward reads a tensor's value ({text.splitlines()[0]})") from err
         raise
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
-        raise ValueError("the step needs a scalar loss with a gradient: pass loss_fn=, or inputs with "
-                         "labels for a model that returns its own loss")
+    if not _is_scalar_loss(loss):
+        raise ValueError(_no_loss_message(out, inputs, loss_fn))
     return loss
+
+
+def _described(value: object) -> str:
+    """A tensor as its shape and dtype (its repr on meta says nothing useful), anything else as its type."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
+
+
+def _no_loss_message(out, inputs, loss_fn: Callable | None) -> str:
+    """Why no scalar loss came out of the step, in one line that fits what was passed."""
+    got = (f"a {type(out).__name__} of {len(out)} ({', '.join(_described(o) for o in out[:3])}"
+           f"{', ...' if len(out) > 3 else ''})" if isinstance(out, (tuple, list)) else _described(out))
+    cli = " (from the command line: a factory returning (model, inputs, loss_fn, targets))"
+    if loss_fn is not None:
+        return f"the step needs a scalar loss with a gradient: loss_fn returned {got}"
+    if isinstance(out, (tuple, list)):
+        return (f"the step needs a scalar loss with a gradient: the model returned {got}, without a scalar loss "
+                f"first; pass loss_fn=, e.g. lambda out, t: F.cross_entropy(out[0], t){cli}")
+    labels = isinstance(inputs, Mapping) and "labels" in inputs
+    return (f"the step needs a scalar loss with a gradient: the model returned {got}; pass loss_fn={cli}"
+            + ("" if labels else ", or inputs with labels for a model that returns its own loss"))
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -573,6 +649,23 @@ def _model_error(err: BaseException) -> _args.InputError:
                 "torch.Generator of its own): on a GPU it would fail the same way, so take the device from an input")
     return _args.InputError(f"the model's training step cannot run on meta tensors ({type(err).__name__}: "
                             f"{text}){hint}")
+
+
+def _dtype_notes(trainable: list[torch.Tensor], precision: str) -> list[str]:
+    """What a recipe's prediction means for a model whose parameters are not fp32 (``model.half()``,
+    ``model.bfloat16()``): the counts follow the model as it is, which is not the torch.amp recipe."""
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in trainable
+                  if p.is_floating_point() and p.dtype != torch.float32})
+    if not low:
+        return []
+    notes = [f"the model's trainable parameters are {' and '.join(low)}, not fp32: no fp32 master weights, and the "
+             f"fp32 and tf32 recipes compute in {' and '.join(low)} (the model's own dtype), not in fp32"]
+    if precision == "fp16" and "float16" in low:
+        # torch.amp.GradScaler.unscale_ checks the gradients' dtype: "Attempting to unscale FP16 gradients."
+        notes.append("fp16 recipe: GradScaler refuses float16 gradients (unscale_ raises 'Attempting to unscale "
+                     "FP16 gradients'), so this step cannot run on a GPU as predicted; keep the parameters fp32 "
+                     "(model.float()) and let autocast cast")
+    return notes
 
 
 def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: Callable | None = None,
@@ -629,7 +722,7 @@ def capture_step(model: nn.Module, inputs, *, precision: str = "fp32", loss_fn: 
                                     if isinstance(t, torch.Tensor)])
     saved = _SavedTensors({_storage(p)._cdata for p in params.values()}, counter)
     scale = torch.empty((), device="meta") if precision == "fp16" else None
-    notes: list[str] = []
+    notes: list[str] = _dtype_notes(trainable, precision)
     passes = 2 if accum_steps > 1 else 1
     with contextlib.ExitStack() as stack_ctx:
         stack_ctx.enter_context(counter)

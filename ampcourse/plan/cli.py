@@ -20,7 +20,7 @@ from .. import _args
 from .capture import NeedsRealValues
 from .core import PRECISIONS, plan
 from .gpus import GPUS
-from .zoo import ZOO, build
+from .zoo import MAX_SEQ, ZOO, build
 
 __all__ = ["main"]
 
@@ -66,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu", default="a100-sxm4-80gb", help=f"one of {', '.join(GPUS)} (default a100-sxm4-80gb)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated (default fp32,tf32,bf16,fp16)")
     ap.add_argument("--batch", type=int, default=16, help="batch size of a named model (default 16)")
-    ap.add_argument("--seq", type=int, default=1024, help="sequence length of a named language model (default 1024)")
+    ap.add_argument("--seq", type=int, default=None,
+                    help=f"sequence length of a named language model (default 1024; {', '.join(MAX_SEQ)}: "
+                         f"{max(MAX_SEQ.values())}, their most positions)")
     ap.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     ap.add_argument("--top", type=int, default=12, help="op groups shown per precision (default 12)")
     ap.add_argument("--out", default=None, help="write the report as JSON here")
@@ -92,8 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _CliError(f"--precisions {args.precisions!r}: distinct names from {', '.join(PRECISIONS)}")
         for flag, value in (("--batch", args.batch), ("--seq", args.seq), ("--accum-steps", args.accum_steps),
                             ("--top", args.top)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise _CliError(f"{flag} must be >= 1, got {value}")
+        limit = MAX_SEQ.get(args.model)
+        if limit is not None and args.seq is not None and args.seq > limit:
+            raise _CliError(f"--seq {args.seq}: {args.model} has {limit} positions (max_position_embeddings); "
+                            f"pass --seq {limit} or less")
+        if args.seq is None:
+            args.seq = 1024 if limit is None else limit
+            if limit is not None:  # said, so that a learner comparing with --model gpt2 knows the lengths differ
+                print(f"--model {args.model}: --seq {limit} (its most positions; the default 1024 is beyond them)")
         if args.model in ZOO:
             try:
                 setup = build(args.model, batch=args.batch, seq=args.seq)

@@ -74,7 +74,7 @@ class PlanReport:
             ax: a matplotlib axis (default: a new figure).
         """
         import matplotlib.pyplot as plt
-        precisions = tuple(precisions or self.precisions)
+        precisions = _args.names(precisions or self.precisions, "precisions", self.precisions)
         totals: dict[str, dict[str, dict[str, float]]] = {}
         for p in precisions:
             per: dict[str, dict[str, float]] = defaultdict(lambda: {"compute": 0.0, "memory": 0.0})
@@ -108,14 +108,35 @@ class PlanReport:
         ax.figure.tight_layout()
         return ax
 
+    def _planned(self, precision: str, name: str = "precision") -> str:
+        """precision if this report planned it; a one-line ValueError naming what was planned otherwise."""
+        if isinstance(precision, str) and precision in self.precisions:
+            return precision
+        planned = ", ".join(self.precisions)
+        if isinstance(precision, str) and precision in PRECISIONS:
+            raise _args.InputError(f"{name}={precision!r} was not planned (this report has {planned}): pass one of "
+                                   f"those, or plan again with precisions=(..., {precision!r})")
+        raise _args.InputError(f"{name} must be one of this report's recipes, {planned} (plan knows "
+                               f"{', '.join(PRECISIONS)}); got {_args.shown(precision)}")
+
     def speedup(self, precision: str, over: str = "fp32") -> float:
-        """Predicted step-time ratio ``over / precision`` (> 1: precision is faster)."""
+        """Predicted step-time ratio ``over / precision`` (> 1: precision is faster).
+
+        Args:
+            precision: a recipe this report planned.
+            over: the recipe compared with (default fp32, which must have been planned).
+
+        Example:
+            >>> report.speedup("bf16")            # fp32 step time / bf16 step time
+            >>> report.speedup("bf16", over="tf32")
+        """
+        precision, over = self._planned(precision), self._planned(over, "over")
         return self.step_seconds[over] / self.step_seconds[precision]
 
     def split(self, precision: str) -> dict[str, float]:
         """GPU seconds of the recipe's step by kind: matmuls (compute-bound and memory-bound) and the rest."""
         out: dict[str, float] = defaultdict(float)
-        for t in self.ops[precision]:
+        for t in self.ops[self._planned(precision)]:
             kind = "matmul" if t.record.matmul else "other"
             out[f"{kind}, {t.bound}-bound"] += t.seconds
         return dict(out)
@@ -124,7 +145,7 @@ class PlanReport:
         """The speedup of the matmul-like ops alone: what the tensor cores buy before the rest of the step dilutes it."""
         def mm(p: str) -> float:
             return sum(t.seconds for t in self.ops[p] if t.record.matmul)
-        return mm(over) / mm(precision)
+        return mm(self._planned(over, "over")) / mm(self._planned(precision))
 
     def memory(self, precision: str) -> dict[str, int]:
         """Bytes of the recipe's step: weights, gradients, optimizer state, activations saved, peak.
@@ -133,7 +154,7 @@ class PlanReport:
         transient and counted in the activations, as "of which weight copies"); a model whose parameters are bf16
         with an optimizer that keeps fp32 masters shows those masters in "optimizer state".
         """
-        c = self.counts[precision]
+        c = self.counts[self._planned(precision)]
         return {"weights": c.weights_bytes, "gradients": c.gradients_bytes,
                 "optimizer state": c.optimizer_state_bytes, "activations saved": c.saved_bytes,
                 "of which weight copies": c.weight_copy_bytes, "peak": c.peak_bytes}
@@ -141,7 +162,7 @@ class PlanReport:
     def rows(self, precision: str) -> list[dict]:
         """The per-op table of a recipe, grouped by phase, op and dtype, longest first."""
         groups: dict[tuple, dict] = {}
-        for t in self.ops[precision]:
+        for t in self.ops[self._planned(precision)]:
             r = t.record
             key = (r.phase, r.op, r.dtype, t.bound)
             g = groups.setdefault(key, {"phase": r.phase, "op": r.op, "dtype": r.dtype, "bound": t.bound,
@@ -156,7 +177,7 @@ class PlanReport:
 
     def table(self, precision: str | None = None, top: int = 12) -> str:
         """The longest op groups of a recipe (default: the last asked) as text."""
-        p = precision or self.precisions[-1]
+        p = self.precisions[-1] if precision is None else self._planned(precision)
         total = self.gpu_seconds[p]
         lines = [f"{self.gpu.name}, {p}: the {top} longest op groups of {total * 1e3:.2f} ms on the GPU",
                  f"{'phase':9} {'op':46} {'dtype':9} {'n':>4} {'GFLOP':>9} {'MB':>9} {'saved MB':>9} {'ms':>8} "
@@ -168,16 +189,39 @@ class PlanReport:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        """One line per recipe: step time, speedup over fp32, what bounds it, peak memory."""
+        """One line per recipe (step time, speedup over fp32, what bounds it, peak memory), then what the fp32
+        recipes' maths really is where that differs from plain fp32, and the report's notes.
+
+        Example:
+            >>> print(report.summary())
+        """
         lines = [f"plan on {self.gpu.name} (predicted; autocast policy: {self.policy})"]
         base = "fp32" if "fp32" in self.step_seconds else self.precisions[0]
         for p in self.precisions:
             split = self.split(p)
             compute = sum(v for k, v in split.items() if k.endswith("compute-bound")) / self.gpu_seconds[p]
             bound = "host (launch)-bound" if self.host_seconds[p] > self.gpu_seconds[p] else f"{compute:.0%} compute-bound"
+            maths = self._matmul_dtype(p)
+            own = f"  maths in {maths}, not fp32" if p in ("fp32", "tf32") and maths not in ("float32", None) else ""
             lines.append(f"  {p:5} step {self.step_seconds[p] * 1e3:9.2f} ms  x{self.speedup(p, base):5.2f} vs {base}  "
-                         f"{bound:22} peak {_size(self.peak_memory_bytes[p])}")
+                         f"{bound:22} peak {_size(self.peak_memory_bytes[p])}{own}")
+        fp32ish = [p for p in self.precisions if p in ("fp32", "tf32")]
+        if any(t.math == "3xtf32" for p in fp32ish for t in self.ops[p]):
+            lines.append(f"  {'/'.join(fp32ish)} attention: torch's fp32 memory-efficient kernel runs 3xTF32 on the "
+                         f"tensor cores (a third of the TF32 rate) whatever the TF32 setting")
+        if "fp32" in self.precisions and any("convolution" in t.record.op for t in self.ops["fp32"]):
+            lines.append("  fp32 means TF32 off for convolutions too: torch's default (cudnn.allow_tf32=True) runs "
+                         "them in TF32, at the tf32 recipe's rate")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _matmul_dtype(self, precision: str) -> str | None:
+        """The dtype most of a recipe's matmul FLOPs run in (None without matmuls)."""
+        flops: dict[str, int] = defaultdict(int)
+        for r in self.counts[precision].ops:
+            if r.flops:
+                flops[r.dtype] += r.flops
+        return max(flops, key=flops.get) if flops else None
 
     def __repr__(self) -> str:
         return self.summary()
@@ -299,6 +343,8 @@ def _timed(target: GPU, precisions: tuple[str, ...], counts: dict[str, StepCount
             notes.append(f"{target.name} has no {mode} tensor-core math: {p} matmuls are predicted at its fp32 rate")
     if target.matmul_efficiency is None:
         notes.append(f"{target.name}: no published matmul measurement, the datasheet peak is the ceiling (optimistic)")
+    for p in precisions:  # what counting found about the model itself (its parameters' dtype, accumulation)
+        notes += [n for n in counts[p].notes if n not in notes]
     policy = next((counts[p].policy for p in precisions if p in ("bf16", "fp16")), "none (fp32 recipes only)")
     return PlanReport(target, precisions, counts, step, gpu_s, host_s, peak, ops, policy, elapsed, notes)
 

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from .capture import OpRecord
 from .gpus import GPU, HOST_SECONDS_PER_OP, LAUNCH_SECONDS
 
-__all__ = ["OpTime", "math_mode", "op_time", "step_time"]
+__all__ = ["OpTime", "EFFICIENT_ATTENTION", "math_mode", "op_time", "step_time"]
+
+#: torch's memory-efficient attention kernels (the cutlass kernels from xformers), forward and backward: what an
+#: fp32 ``scaled_dot_product_attention`` runs on a GPU (flash attention has no fp32 kernel).
+EFFICIENT_ATTENTION = frozenset({"aten._scaled_dot_product_efficient_attention",
+                                 "aten._scaled_dot_product_efficient_attention_backward",
+                                 "aten._efficient_attention_forward", "aten._efficient_attention_backward"})
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,18 @@ def op_time(record: OpRecord, gpu: GPU, precision: str) -> OpTime:
         'compute'
     """
     mode = math_mode(record.dtype, precision)
-    compute = record.flops / (gpu.ceiling_tflops(mode) * 1e12) if record.flops else 0.0
+    ceiling, math = gpu.ceiling_tflops(mode), gpu.math_mode(mode)
+    if record.dtype == "float32" and record.op in EFFICIENT_ATTENTION and "tf32" in gpu.peak_tflops:
+        # fp32 attention ignores the TF32 setting both ways. torch's memory-efficient kernel picks its GEMM by
+        # architecture: for float on compute capability >= 8.0 (DISPATCH_ARCHTAG maps every CC >= 80, H100
+        # included, to Sm80) DefaultGemmType is OpClassTensorOp with cutlass::arch::OpMultiplyAddFastF32, i.e.
+        # 3xTF32 (each product as three TF32 products) on the tensor cores; older GPUs get OpClassSimt, plain fp32
+        # FMA (pytorch aten/src/ATen/native/transformers/cuda/mem_eff_attention/gemm_kernel_utils.h). So on a
+        # GPU with TF32 units it runs at a third of the TF32 rate in the fp32 *and* the tf32 recipe.
+        ceiling, math = gpu.ceiling_tflops("tf32") / 3, "3xtf32"
+    compute = record.flops / (ceiling * 1e12) if record.flops else 0.0
     memory = (record.bytes_read + record.bytes_written) / gpu.bandwidth_bytes_per_s()
-    return OpTime(record, gpu.math_mode(mode), compute, memory, max(compute, memory) + LAUNCH_SECONDS * record.kernels)
+    return OpTime(record, math, compute, memory, max(compute, memory) + LAUNCH_SECONDS * record.kernels)
 
 
 def step_time(records: list[OpRecord], gpu: GPU, precision: str) -> tuple[float, float, list[OpTime]]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Setup", "ZOO", "build", "NanoGPT", "ResNet50"]
+__all__ = ["Setup", "ZOO", "MAX_SEQ", "build", "NanoGPT", "ResNet50"]
 
 
 @dataclass
@@ -117,16 +117,23 @@ class ResNet50(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
 
+#: The longest sequence a named model takes: BERT's learned position table has 512 rows
+#: (BertConfig.max_position_embeddings); gpt2 and nanogpt-eager are built with as many positions as asked.
+MAX_SEQ = {"bert-base": 512, "bert-large": 512}
+
+
 def _bert(size: str, batch: int, seq: int) -> Setup:
     """Hugging Face BertForMaskedLM (base or large) from a config, on meta, with labels (it returns its loss)."""
+    from ..fp8 import quiet_torchao  # transformers imports torchao when installed: its load warnings are noise here
     try:
-        from transformers import BertConfig, BertForMaskedLM
+        with quiet_torchao():
+            from transformers import BertConfig, BertForMaskedLM
     except ImportError as err:  # an optional dependency of this one entry
         raise ValueError(f"bert-{size} needs the transformers package ({err})") from None
     dims = {"base": (768, 12, 12), "large": (1024, 24, 16)}[size]
     cfg = BertConfig(hidden_size=dims[0], num_hidden_layers=dims[1], num_attention_heads=dims[2],
                      intermediate_size=4 * dims[0], attn_implementation="sdpa")
-    with torch.device("meta"):
+    with torch.device("meta"), quiet_torchao():
         model = BertForMaskedLM(cfg)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return Setup(model, {"input_ids": ids, "labels": ids})
@@ -135,12 +142,14 @@ def _bert(size: str, batch: int, seq: int) -> Setup:
 def _vit(batch: int, image: int) -> Setup:
     """Hugging Face ViTForImageClassification at ViT-B/16's shape (ViTConfig's defaults: width 768, 12 layers, 12
     heads, 16 x 16 patches), 1000 classes, from a config on meta, with labels (it returns its loss)."""
+    from ..fp8 import quiet_torchao  # transformers imports torchao when installed: its load warnings are noise here
     try:
-        from transformers import ViTConfig, ViTForImageClassification
+        with quiet_torchao():
+            from transformers import ViTConfig, ViTForImageClassification
     except ImportError as err:  # an optional dependency of this one entry
         raise ValueError(f"vit-b16 needs the transformers package ({err})") from None
     cfg = ViTConfig(image_size=image, patch_size=16, num_labels=1000, attn_implementation="sdpa")
-    with torch.device("meta"):
+    with torch.device("meta"), quiet_torchao():
         model = ViTForImageClassification(cfg)
     images = torch.empty(batch, 3, image, image, device="meta")
     return Setup(model, {"pixel_values": images, "labels": torch.zeros(batch, dtype=torch.long, device="meta")})
@@ -161,6 +170,9 @@ def build(name: str, batch: int, seq: int = 1024, image: int = 224) -> Setup:
     """
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ZOO)}")
+    if name in MAX_SEQ and seq > MAX_SEQ[name]:
+        raise ValueError(f"seq={seq} is beyond {name}'s {MAX_SEQ[name]} positions (max_position_embeddings): "
+                         f"use seq <= {MAX_SEQ[name]}")
     if name.startswith("bert-"):
         return _bert(name.removeprefix("bert-"), batch, seq)
     if name == "vit-b16":

@@ -104,13 +104,14 @@ def test_attention_block_flops_and_bytes_by_hand():
 
     c = capture_step(Attention(), torch.empty(b, t, h * d), precision="bf16", loss_fn=_sum_loss)
     (att,) = _ops(c, "forward", "aten._scaled_dot_product_flash_attention")
-    assert att.flops == 2 * 2 * b * h * t * t * d  # q @ k.T and p @ v (flop_counter does not halve causal)
+    causal = (t + 1) / (2 * t)  # is_causal=True: the kernel skips the key blocks above the diagonal
+    assert att.flops == int(2 * 2 * b * h * t * t * d * causal)  # q @ k.T and p @ v, the unmasked part
     assert att.dtype == "bfloat16"
     assert att.bytes_read == 3 * 2 * b * h * t * d
     # the output in bf16 and the fp32 log-sum-exp per row (plus flash's RNG seed and offset: three 8-byte words)
     assert att.bytes_written == 2 * b * h * t * d + 4 * b * h * t + 3 * 8
     (grad,) = _ops(c, "backward", "aten._scaled_dot_product_flash_attention_backward")
-    assert grad.flops == 5 * 2 * b * h * t * t * d  # five T x T matmuls: scores recomputed, dv, dp, dq, dk
+    assert grad.flops == int(5 * 2 * b * h * t * t * d * causal)  # five T x T matmuls: scores again, dv, dp, dq, dk
     # fp32 runs the memory-efficient kernel as a GPU does: no T x T matrix anywhere
     c32 = capture_step(Attention(), torch.empty(b, t, h * d), loss_fn=_sum_loss)
     assert _ops(c32, "forward", "aten._scaled_dot_product_efficient_attention")
@@ -466,3 +467,133 @@ def test_cli_plans_a_factory_of_yours(tmp_path, monkeypatch, capsys):
     assert "the factory raised RuntimeError: no data here" in capsys.readouterr().err
     assert main(["--model", "plan_cli_models.py:make"]) == 2
     assert "not a file path" in capsys.readouterr().err
+
+
+# --- the second audit's defects -------------------------------------------------------------------------------
+
+def test_bert_refuses_a_seq_beyond_its_positions_and_defaults_to_them(capsys, monkeypatch):
+    # was: --seq 1024 (the default) failed with "cannot run on meta tensors (... expanded size ... 512)"
+    from ampcourse.plan import cli, zoo
+    assert cli.main(["--model", "bert-base", "--seq", "1024"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--seq 1024" in err and "512 positions" in err and "meta" not in err
+    with pytest.raises(ValueError, match="512 positions"):
+        zoo.build("bert-large", batch=1, seq=513)
+    seen = {}
+
+    def fake_build(name, batch, seq):  # the default, without building BERT (transformers takes seconds to import)
+        seen["seq"] = seq
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli, "build", fake_build)
+    assert cli.main(["--model", "bert-large"]) == 2
+    assert seen["seq"] == 512 and "--seq 512" in capsys.readouterr().out
+    assert cli.main(["--model", "gpt2", "--batch", "1"]) == 2 and seen["seq"] == 1024  # others keep 1024
+
+
+def test_building_bert_keeps_torchao_load_noise_out():
+    pytest.importorskip("transformers")
+    import subprocess
+    code = "from ampcourse.plan.zoo import build; build('bert-base', batch=1, seq=8)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "Failed to load" not in done.stderr and "_pytree" not in done.stderr, done.stderr[-500:]
+
+
+class _Attention(nn.Module):
+    def __init__(self, causal: bool = False, t: int = 256):
+        super().__init__()
+        self.causal, self.t = causal, t
+        self.qkv = nn.Linear(64, 3 * 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], self.t, 3, 1, 64).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+def test_fp32_attention_runs_3xtf32_on_tensor_cores_where_the_gpu_has_tf32():
+    # was: timed at the CUDA-core fp32 rate (fp32 recipe) or the full TF32 rate (tf32 recipe)
+    r = plan(_Attention(), torch.empty(8, 256, 64), gpu="a100-sxm4-80gb", precisions=("fp32", "tf32"),
+             loss_fn=_sum_loss)
+    for p in ("fp32", "tf32"):
+        att = [t for t in r.ops[p] if "efficient_attention" in t.record.op]
+        assert {t.record.phase for t in att} == {"forward", "backward"}
+        for t in att:
+            assert t.math == "3xtf32"
+            assert t.compute_s == pytest.approx(t.record.flops / (GPUS["a100-sxm4-80gb"].ceiling_tflops("tf32") / 3
+                                                                  * 1e12))
+    assert "3xTF32" in r.summary()
+    v100 = r.on("v100-sxm2-16gb")  # sm70: the kernel's fallback is plain fp32 FMA on CUDA cores
+    assert all(t.math == "fp32" for t in v100.ops["fp32"] if "attention" in t.record.op)
+    assert "3xTF32" not in v100.summary()
+
+
+def test_a_half_model_gets_a_note_that_gradscaler_refuses_it():
+    # was: notes == [] and an fp16 prediction GradScaler("cuda") would refuse ('Attempting to unscale FP16 gradients')
+    r = plan(nn.Linear(8, 4).half(), torch.empty(2, 8).half(), precisions=("fp32", "fp16"), loss_fn=_sum_loss)
+    assert any("GradScaler refuses float16 gradients" in n for n in r.notes)
+    assert "maths in float16, not fp32" in r.summary().splitlines()[1]
+    b = plan(nn.Linear(8, 4).bfloat16(), torch.empty(2, 8).bfloat16(), precisions=("fp32", "bf16"), loss_fn=_sum_loss)
+    assert any("bfloat16, not fp32" in n for n in b.notes) and not any("GradScaler" in n for n in b.notes)
+    fp32_line = b.summary().splitlines()[1]
+    assert fp32_line.lstrip().startswith("fp32") and "maths in bfloat16, not fp32" in fp32_line
+    assert plan(nn.Linear(8, 4), torch.empty(2, 8), loss_fn=_sum_loss).notes == []  # an fp32 model: no note
+
+
+class _TupleLoss(nn.Module):
+    """Returns (loss, logits) given labels, as a Hugging Face model with return_dict=False does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x, labels=None):
+        out = self.lin(x)
+        return (F.cross_entropy(out, labels), out) if labels is not None else (out,)
+
+
+def test_a_loss_first_tuple_is_the_loss_and_a_tuple_without_one_is_named():
+    # was: "pass loss_fn=, or inputs with labels" although the labels had been passed
+    x, y = torch.empty(2, 16), torch.zeros(2, dtype=torch.long)
+    r = plan(_TupleLoss(), {"x": x, "labels": y}, precisions=("fp32",))
+    assert any(t.record.op == "aten.nll_loss_forward" for t in r.ops["fp32"])
+    with pytest.raises(ValueError, match=r"returned a tuple of 1 \(tensor \(2, 4\) float32\).*out\[0\]") as err:
+        plan(_TupleLoss(), {"x": x}, precisions=("fp32",))
+    assert "labels" not in str(err.value)
+
+
+def test_an_embedding_reads_the_rows_it_gathers_not_the_table():
+    # was: bytes_read = the whole 100000 x 512 table (204.8 MB) for 128 looked-up rows
+    emb = nn.Embedding(100_000, 512)
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    c = capture_step(emb, ids, loss_fn=_sum_loss)
+    (fwd,) = _ops(c, "forward", "aten.embedding")
+    assert fwd.bytes_read == 8 * 16 * 8 + 8 * 16 * 512 * 4  # the int64 indices and the rows gathered
+    (bwd,) = _ops(c, "backward", "aten.embedding_dense_backward")
+    assert bwd.bytes_written == 100_000 * 512 * 4  # the gradient is the whole table
+
+
+def test_causal_attention_counts_the_unmasked_half():
+    # was: the same FLOPs with and without is_causal, though the kernels skip the blocks above the diagonal
+    x = torch.empty(4, 256, 64)
+    for precision in ("bf16", "fp32"):  # flash and memory-efficient kernels
+        full, causal = (capture_step(_Attention(c), x, precision=precision, loss_fn=_sum_loss) for c in (False, True))
+        for phase in ("forward", "backward"):
+            f = [r.flops for r in _ops(full, phase) if "attention" in r.op]
+            h = [r.flops for r in _ops(causal, phase) if "attention" in r.op]
+            assert len(f) == len(h) == 1 and h[0] == int(f[0] * 257 / 512)
+
+
+def test_report_methods_refuse_a_recipe_not_planned_naming_what_was():
+    # was: KeyError: 'fp32' and KeyError: 'fp8'
+    r = plan(nn.Linear(8, 4), torch.empty(2, 8), precisions=("bf16", "fp16"), loss_fn=_sum_loss)
+    with pytest.raises(ValueError, match=r"over='fp32' was not planned \(this report has bf16, fp16\).*precisions="):
+        r.speedup("bf16")
+    assert r.speedup("bf16", over="fp16") > 0
+    with pytest.raises(ValueError, match=r"one of this report's recipes, bf16, fp16.*'fp8'"):
+        r.table("fp8")
+    for call in (lambda: r.memory("fp32"), lambda: r.split("tf32"), lambda: r.rows("fp8"),
+                 lambda: r.matmul_speedup("bf16")):
+        with pytest.raises(ValueError, match="bf16, fp16"):
+            call()
