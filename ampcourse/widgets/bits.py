@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 
 import ipywidgets as W
 
@@ -78,6 +79,9 @@ class FormatExplorer(_Guarded, W.VBox):
             # The browser snapped the slider to its step grid (log10 70000 = 4.845 -> 4.85) and sent
             # that back: not a learner's move, so the value typed in the text box stands.
             return
+        if not math.isfinite(change["new"]):  # only code can set this (a learner's slider stays in its range)
+            raise ValueError(f"log10 |x| must be a finite number, got {change['new']!r}; "
+                             "type nan or inf in the value box.")
         sign = -1.0 if math.copysign(1.0, self.x if not math.isnan(self.x) else 1.0) < 0 else 1.0
         self._syncing = True
         try:
@@ -93,7 +97,8 @@ class FormatExplorer(_Guarded, W.VBox):
         except ValueError as err:
             self.message.value = f'<span style="color:#d62728">{html.escape(str(err))}</span>'
             return
-        self.message.value = ""
+        self._guard_error = False  # this message is the update's own: _Guarded must not clear it afterwards
+        self.message.value = _read_as(text, x)
         self.x = x
         self._syncing = True
         try:
@@ -109,22 +114,65 @@ def _log10_or(x: float, default: float) -> float:
     return math.log10(abs(x)) if math.isfinite(x) and x != 0 else default
 
 
+def _read_as(text: str, x: float) -> str:
+    """A grey note when float64 itself changed the typed number (1e999 is inf, 1e-999 is 0), else "".
+
+    Why: the table then shows what float64 made of the text, and without the note 1e999 would look like a typed inf.
+
+    Args:
+        text: what the learner typed.
+        x: parse_number(text).
+
+    Example:
+        >>> "read as inf" in _read_as("1e999", math.inf), _read_as("inf", math.inf)
+        (True, '')
+    """
+    digits = re.split(r"[eE]", str(text))[0]  # the significand: a non-zero digit there means a non-zero number
+    if math.isinf(x) and "inf" not in str(text).lower():
+        what = "beyond float64's largest value: read as inf"
+    elif x == 0 and re.search(r"[1-9]", digits):
+        what = "below float64's smallest value: read as 0"
+    else:
+        return ""
+    return f'<span style="color:#666">{html.escape(str(text).strip())} is {what}</span>'
+
+
 def _row(x: float, fmt: str) -> dict:
-    """What one format does to x."""
+    """What one format does to x (a NaN in a format with no NaN encoding, fp6/fp4: a row that says so, blank bits).
+
+    Args:
+        x: the value typed (float64).
+        fmt: a format name.
+
+    Example:
+        >>> _row(math.nan, "fp4_e2m1")["stored"], _row(70000.0, "fp16")["value"]
+        (False, inf)
+    """
+    f = formats.spec(fmt)
+    if math.isnan(x) and not f.has_nan:  # every bit pattern is a number: the NaN has nowhere to go
+        return {"bits": "", "value": math.nan, "kind": "unencodable", "rel_error": math.nan, "overflow": False,
+                "saturated": False, "underflow": False, "clamped_up": False, "stored": False, "html": ""}
     d = formats.decompose(x, fmt)
     # decompose's overflow is about finite x only; an infinity clamped to max by a saturating format (e4m3,
     # fp6, fp4 have no inf) is a saturation too, and the note must not call its max "normal"
     saturated = formats.spec(fmt).saturates and math.isfinite(d.value) and (d.overflow or math.isinf(d.x))
+    # a format with no zero (e8m0) lifts what would flush to zero up to its smallest value: not a "normal" rounding
+    clamped_up = math.isfinite(x) and 0 < abs(x) < f.min_subnormal / 2 and d.value != 0
     return {"bits": d.bits, "value": d.value, "kind": d.kind, "rel_error": d.rel_error,
-            "overflow": d.overflow, "saturated": saturated, "underflow": d.underflow, "html": _bits_html(d)}
+            "overflow": d.overflow, "saturated": saturated, "underflow": d.underflow, "clamped_up": clamped_up,
+            "stored": True, "html": _bits_html(d)}
 
 
 def _note(fmt: str, r: dict) -> str:
     """What happened to x in this format: a saturating format clamps (its max is a value, not an overflow)."""
+    if not r["stored"]:
+        return "no NaN encoding (cannot be stored)"
     if r["saturated"]:
         return "saturated (clamped to the largest value)"
     if r["overflow"]:
         return "overflow"
+    if r["clamped_up"]:
+        return "clamped up to the smallest value (there is no zero)"
     return "flushed to zero" if r["underflow"] else r["kind"]
 
 
@@ -135,7 +183,8 @@ def _table_html(x: float, rows: dict[str, dict]) -> str:
     body = []
     for f, r in rows.items():
         err = "" if math.isnan(r["rel_error"]) else f"{r['rel_error']:.2e}"
-        body.append(f"<tr><td {_CELL}>{f}</td><td {_CELL}>{r['html']}</td><td {_CELL}><code>{_fmt(r['value'])}</code></td>"
+        stored = _fmt(r["value"]) if r["stored"] else ""  # a NaN fp6/fp4 cannot hold: no stored value to show
+        body.append(f"<tr><td {_CELL}>{f}</td><td {_CELL}>{r['html']}</td><td {_CELL}><code>{stored}</code></td>"
                     f"<td {_NUM}>{err}</td><td {_CELL}>{_note(f, r)}</td></tr>")
     return f"<b>x = {html.escape(_fmt(x))}</b><table><tr>{head}</tr>{''.join(body)}</table>"
 
