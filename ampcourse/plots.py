@@ -8,7 +8,7 @@ import numpy as np
 from . import formats
 
 __all__ = ["hidpi_figures", "FIGURE_FORMAT", "bit_layouts", "ulp_staircase", "relative_error", "gradient_histogram", "scale_trajectories",
-           "loss_curves", "training_monitor", "legend_outside", "shade_zones", "format_zones", "log2_window"]
+           "loss_curves", "training_monitor", "legend_outside", "shade_zones", "format_zones", "zone_names", "has_zero", "log2_window"]
 
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
@@ -55,13 +55,18 @@ def _sixteen_bit() -> tuple[str, ...]:
 
 
 def bit_layouts(fmts=None) -> plt.Figure:
-    """One row of coloured boxes per format: sign, exponent and mantissa bits to scale (default: formats.names())."""
+    """One row of coloured boxes per format: sign, exponent and mantissa bits to scale (default: formats.names()).
+
+    Only the fields a format has are drawn: e8m0 is 8 exponent bits, with no sign and no mantissa.
+    """
     specs = [formats.spec(f) for f in (formats.names() if fmts is None else fmts)]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(specs) + 0.6), dpi=80)
     for row, f in enumerate(specs):
         y = len(specs) - 1 - row
         start = 0
-        for field, width in (("sign", 1), ("exponent", f.exponent_bits), ("mantissa", f.mantissa_bits)):
+        for field, width in (("sign", int(f.signed)), ("exponent", f.exponent_bits), ("mantissa", f.mantissa_bits)):
+            if not width:  # a field the format does not have (e8m0: no sign, no mantissa): no box, no "0" label
+                continue
             ax.barh(y, width, left=start, color=FIELD_COLORS[field], edgecolor="white", height=0.7)
             ax.text(start + width / 2, y, str(width), ha="center", va="center", color="white", fontsize=9)
             start += width
@@ -119,15 +124,51 @@ def relative_error(fmts=None, lo: float = 1e-9, hi: float = 1e6, n: int = 4000, 
 
 # -- loss scaling (chapter 6) ------------------------------------------------------------------------
 
-ZONE_COLORS = {"underflow": "#9e9e9e", "subnormal": "#f4a259", "normal": "#8cc084", "overflow": "#d62728"}
+ZONE_COLORS = {"underflow": "#9e9e9e", "clamped up": "#7f7f7f", "subnormal": "#f4a259", "normal": "#8cc084",
+               "overflow": "#d62728", "saturated": "#9467bd"}
+
+
+def has_zero(fmt="fp16") -> bool:
+    """Whether fmt can store 0, asked of ``formats.quantize`` (e8m0 cannot: its tiny values are clamped up instead).
+
+    Args:
+        fmt: a format name, alias, torch dtype or FormatSpec.
+
+    Example:
+        >>> has_zero("fp16"), has_zero("fp8_e8m0")
+        (True, False)
+    """
+    return bool(formats.quantize([0.0], fmt)[0] == 0.0)
+
+
+def zone_names(fmt="fp16") -> tuple[str, str]:
+    """What fmt does below its smallest value and past its largest, as zone names: (bottom, top).
+
+    Read from ``formats``: "underflow" (flush to zero) unless the format has no zero ("clamped up" to its smallest
+    value, e8m0); "saturated" (clamped to +-max) where ``spec(fmt).saturates`` (e4m3, fp6, fp4), else "overflow".
+
+    Args:
+        fmt: a format name, alias, torch dtype or FormatSpec.
+
+    Example:
+        >>> zone_names("fp16"), zone_names("fp8_e4m3"), zone_names("fp8_e8m0")
+        (('underflow', 'overflow'), ('underflow', 'saturated'), ('clamped up', 'overflow'))
+    """
+    bottom = "underflow" if has_zero(fmt) else "clamped up"
+    return bottom, ("saturated" if formats.spec(fmt).saturates else "overflow")
 
 
 def format_zones(fmt="fp16") -> list[tuple[str, float, float]]:
-    """The underflow, subnormal, normal and overflow zones of a format as (name, lo, hi) in log2|x|."""
+    """The underflow, subnormal, normal and overflow zones of a format as (name, lo, hi) in log2|x|.
+
+    The first and last are named by ``zone_names``: a saturating format's top zone is "saturated", a zero-less
+    format's bottom one "clamped up". A format without subnormals (e8m0) has an empty subnormal zone (lo == hi).
+    """
     from .scaling import zone_thresholds
 
     flush, normal, over = (float(np.log2(t)) for t in zone_thresholds(fmt))
-    return [("underflow", -np.inf, flush), ("subnormal", flush, normal), ("normal", normal, over), ("overflow", over, np.inf)]
+    bottom, top = zone_names(fmt)
+    return [(bottom, -np.inf, flush), ("subnormal", flush, normal), ("normal", normal, over), (top, over, np.inf)]
 
 
 def shade_zones(ax, fmt="fp16", label: bool = True, fontsize: float = 8) -> None:
@@ -171,6 +212,7 @@ def gradient_histogram(values, fmt="fp16", log2_scales=(0,), bins_per_octave: in
     nz = v[(v > 0) & np.isfinite(v)]
     lo, hi = log2_window(fmt)
     edges = np.arange(lo, hi + 1e-9, 1 / bins_per_octave)
+    bottom, top = zone_names(fmt)  # range_counts' "underflow"/"overflow" are these for fmt
     fig, axes = plt.subplots(len(log2_scales), 1, figsize=(7, 1.9 * len(log2_scales) + 0.5), dpi=80,
                              sharex=True, squeeze=False)
     for ax, k in zip(axes[:, 0], log2_scales):
@@ -181,11 +223,22 @@ def gradient_histogram(values, fmt="fp16", log2_scales=(0,), bins_per_octave: in
         c = range_counts(v, 2.0**k, fmt)
         share = {n: 100 * c[n] / max(v.size, 1) for n in c}
         ax.set_ylabel("% of values")
-        ax.set_title(f"loss scale 2^{k}: {share['underflow']:.1f}% flush to zero, {share['subnormal']:.1f}% subnormal, "
-                     f"{share['overflow']:.1f}% overflow", fontsize=9)
+        ax.set_title(f"loss scale 2^{k}: {share['underflow']:.1f}% {'flush to zero' if bottom == 'underflow' else bottom}, "
+                     f"{share['subnormal']:.1f}% subnormal, {share['overflow']:.1f}% {top}", fontsize=9)
     axes[-1, 0].set_xlabel(f"log2 |gradient x scale|   (zones: {formats.spec(fmt).name})")
     fig.tight_layout()
     return fig
+
+
+#: Where a loss scale of 0 is drawn on a log axis: log2(0) is -inf, which matplotlib drops with its markers. 2**-160
+#: is below float32's smallest scale (2**-149), so it is the bottom of the plot and never a real scale.
+ZERO_SCALE_LOG2 = -160.0
+
+
+def _drawable_scales(scales) -> np.ndarray:
+    """scales as float64 with 0 (a scale that collapsed) raised to 2**ZERO_SCALE_LOG2, so a log axis keeps it."""
+    s = np.asarray(scales, dtype=np.float64)
+    return np.where(s == 0, 2.0**ZERO_SCALE_LOG2, s)
 
 
 def scale_trajectories(runs: dict[str, tuple[list[float], list[bool]]], title: str = "") -> plt.Figure:
@@ -193,8 +246,7 @@ def scale_trajectories(runs: dict[str, tuple[list[float], list[bool]]], title: s
     fig, ax = plt.subplots(figsize=(7, 3), dpi=80, layout="constrained")
     for label, (scales, overflows) in runs.items():
         steps = np.arange(1, len(scales) + 1)
-        with np.errstate(divide="ignore"):
-            y = np.log2(np.asarray(scales, dtype=np.float64))
+        y = np.log2(_drawable_scales(scales))  # a zero scale's skipped steps drawn at the bottom, not dropped
         (line,) = ax.plot(steps, y, drawstyle="steps-post", label=label, lw=1.3)
         skipped = np.asarray(overflows, dtype=bool)
         ax.plot(steps[skipped], y[skipped], ".", color=line.get_color(), ms=5)
@@ -242,8 +294,9 @@ def training_monitor(runs: dict, scaled: str = "fp16") -> plt.Figure:
     axes[0].set(xlabel="step", ylabel="loss", title="loss curves")
     axes[0].legend(fontsize=8)
     skipped = [k for k, s in enumerate(h.skipped) if s]
-    axes[1].semilogy(h.scale, drawstyle="steps-post", base=2, label="loss scale")
-    axes[1].scatter(skipped, [h.scale[k] for k in skipped], color="C3", zorder=3, label="skipped step")
+    scale = _drawable_scales(h.scale)  # a scale of 0 and its skipped steps stay on the log axis, at the bottom
+    axes[1].semilogy(scale, drawstyle="steps-post", base=2, label="loss scale")
+    axes[1].scatter(skipped, scale[skipped], color="C3", zorder=3, label="skipped step")
     axes[1].set(xlabel="step", ylabel="loss scale", title=f"{scaled} loss scale")
     axes[1].legend(fontsize=8)
     loss_curves(axes[2], runs, "grad_norm", steps_taken=True)  # same style per run as the loss panel

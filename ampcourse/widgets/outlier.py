@@ -27,7 +27,8 @@ class OutlierExplorer(_Guarded, W.VBox):
         >>> w.results["tensor"]["median_rel_error"]  # the typical element: 1.0 when flushed to zero
 
     Schemes (keys of ``results``): "tensor", "row", "block fp32" (fp32 scale per block), "block e8m0"
-    (MX: power-of-two scale per block), and "nvfp4" when the element format is fp4_e2m1.
+    (MX: power-of-two scale per block), and "nvfp4" when the element format is fp4_e2m1 and the rows split into
+    NVFP4's blocks of 16 (rows of 8, 24, 40... have no nvfp4 row).
     """
 
     def __init__(self, x=None, element: str = "fp4_e2m1", magnitude: int = 8, position: int = 5, block_size: int = 32,
@@ -84,7 +85,7 @@ class OutlierExplorer(_Guarded, W.VBox):
 
         x, el, b = self.tensor(), self.element.value, self.block.value
         schemes = {"tensor": ("tensor", None), "row": ("row", None), "block fp32": ("1x128", b), "block e8m0": ("mx", b)}
-        if el == "fp4_e2m1":
+        if el == "fp4_e2m1" and _fits_nvfp4(x.shape[1]):  # rows of 8, 24, 40...: no 1x16 blocks, no nvfp4 row
             schemes["nvfp4"] = ("nvfp4", None)
         self.results = {}
         for name, (gran, size) in schemes.items():
@@ -112,6 +113,21 @@ class OutlierExplorer(_Guarded, W.VBox):
         head = "".join(f"<th {_CELL}>{h}</th>" for h in ("scheme", "typical error", "relative error", "SQNR dB",
                                                          "flushed to 0", "saturated", "typical error (bar: 1 = all lost)"))
         return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _fits_nvfp4(cols: int) -> bool:
+    """Whether rows of cols values split into NVFP4's blocks (fp8.GRANULARITIES: 1x16), as compare_granularities asks.
+
+    Args:
+        cols: the row length.
+
+    Example:
+        >>> _fits_nvfp4(256), _fits_nvfp4(24)
+        (True, False)
+    """
+    from .. import fp8
+
+    return cols % fp8.GRANULARITIES["nvfp4"][0][1] == 0
 
 
 def outlier_explorer(x=None, element: str = "fp4_e2m1", magnitude: int = 8, position: int = 5,

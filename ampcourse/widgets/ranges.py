@@ -171,6 +171,15 @@ class RangeExplorer(_Guarded, W.VBox):
     def _on_fmt(self, change) -> None:
         """Another format: its zones (drawn once per format; a format seen before is a cached bitmap)."""
         self.message.value = ""  # a refused scale's message would outlive what it was about
+        if self.text.value != self._scale_text():  # ... and so would its text: the box shows the scale drawn again
+            try:
+                parse_scale(self.text.value)
+            except ValueError:
+                self._syncing = True
+                try:
+                    self.text.value = self._scale_text()
+                finally:
+                    self._syncing = False
         self.fmt = change["new"]
         self._figure.key = self.fmt
         if self._figure.cached():
@@ -192,11 +201,40 @@ class RangeExplorer(_Guarded, W.VBox):
         n = self.values.size
         if n == 0:
             return "<i>no gradient values</i>"
-        labels = {"overflow": "overflow (inf/NaN)", "subnormal": "subnormal (precision lost)",
-                  "underflow": "flush to zero", "fine": "fine (normal)", "zero": "exactly zero already"}
+        labels = {"overflow": _top_label(self.fmt), "subnormal": "subnormal (precision lost)",
+                  "underflow": _bottom_label(self.fmt), "fine": "fine (normal)", "zero": "exactly zero already"}
         rows = "".join(f'<tr data-category="{k}"><td>{labels[k]}</td><td style="text-align:right">{self.counts[k]:,}</td>'
                        f'<td style="text-align:right">{100 * self.counts[k] / n:.2f}%</td></tr>' for k in labels)
         return f"<table>{rows}</table>"
+
+
+def _top_label(fmt: str) -> str:
+    """What the values past fmt's largest become, read from formats: clamped to +-max, inf or NaN.
+
+    Args:
+        fmt: a format name.
+
+    Example:
+        >>> _top_label("fp16"), _top_label("fp8_e4m3")
+        ('overflow (inf)', 'saturated (clamped to ±max)')
+    """
+    f = formats.spec(fmt)
+    if f.saturates:  # e4m3, fp6, fp4: quantize and torch>=2.13's e4m3 cast give +-max, not inf or NaN
+        return "saturated (clamped to ±max)"
+    return "overflow (inf)" if f.has_inf else "overflow (NaN)"  # e8m0 has no inf: quantize gives NaN
+
+
+def _bottom_label(fmt: str) -> str:
+    """What the values below fmt's smallest become: flushed to zero, or clamped up where fmt has no zero (e8m0).
+
+    Args:
+        fmt: a format name.
+
+    Example:
+        >>> _bottom_label("fp16"), _bottom_label("fp8_e8m0")
+        ('flush to zero', 'clamped up to the smallest value (no zero)')
+    """
+    return "flush to zero" if plots.has_zero(fmt) else "clamped up to the smallest value (no zero)"
 
 
 def range_explorer(grads=None, fmt: str = "fp16") -> RangeExplorer:

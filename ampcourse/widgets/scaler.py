@@ -12,7 +12,7 @@ import math
 import ipywidgets as W
 import numpy as np
 
-from .. import _args, _scaler, scaling
+from .. import _args, _scaler, plots, scaling
 from .common import _LABEL, _WIDE, _Guarded, _error_html, _plural, parse_steps
 from .figure import _FigureImage
 
@@ -109,7 +109,9 @@ class ScalerSimulator(_Guarded, W.VBox):
         self.overflows: list[bool] = []
         self.scales: list[float] = []
         self.summary: dict = {}
-        self._burst_steps: list[int] = parse_steps(burst, steps)
+        # parsed against the longest run the steps slider allows, not this one: a burst past the current run is
+        # kept and comes back when the run grows (_pattern leaves out the steps beyond the run)
+        self._burst_steps: list[int] = parse_steps(burst, self.steps.max)
         controls = [self.init_log2, self.growth_factor, self.backoff_factor, self.growth_interval, self.steps,
                     self.probability, self.seed]
         for c in controls:
@@ -131,7 +133,7 @@ class ScalerSimulator(_Guarded, W.VBox):
     def _on_burst(self, change) -> None:
         """Scripted overflow steps typed: show why they do not parse, or use them."""
         try:
-            self._burst_steps = parse_steps(change["new"], self.steps.value)
+            self._burst_steps = parse_steps(change["new"], self.steps.max)  # as in __init__: the run may grow
         except ValueError as err:  # the plot still shows the last good burst: say which
             shown = ", ".join(map(str, self._burst_steps[:6])) + (", ..." if len(self._burst_steps) > 6 else "")
             self.message.value = _error_html(err, f" The plot still shows the burst at steps {html.escape(shown or 'none')}.")
@@ -169,7 +171,7 @@ class ScalerSimulator(_Guarded, W.VBox):
         steps = np.arange(1, len(scales) + 1)
         with np.errstate(divide="ignore"):
             y = np.log2(scales)
-        y = np.maximum(y, -160.0)  # a scale that collapsed to 0 is drawn at the bottom, not dropped
+        y = np.maximum(y, plots.ZERO_SCALE_LOG2)  # a scale that collapsed to 0 is drawn at the bottom, not dropped
         # A step plot only needs the steps where the scale changes (usually a few hundred of thousands).
         change = np.flatnonzero(np.diff(y, prepend=np.nan, append=np.nan) != 0)
         change = change[change < len(y)]
