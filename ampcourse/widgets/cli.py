@@ -27,7 +27,11 @@ _PROG = "ampcourse.widgets"
 
 
 def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
-    """Milliseconds per slider move (median, p90) while dragging each control, cached axes vs full redraws, interleaved."""
+    """Milliseconds per slider move (median, p90) while dragging each control, cached axes vs full redraws, interleaved.
+
+    A widget with no figure (format_explorer, outlier_explorer: HTML tables) has no full redraw: its
+    ``full_redraw_median_ms`` and ``speedup`` are None.
+    """
     repeats = _args.integer(repeats, "repeats", low=1)  # numpy ints and 0-d tensors too
     drag = lambda lo, hi, step: [round(lo + i * step, 10) for i in range(int(round((hi - lo) / step)) + 1)]
     cases = {"format_explorer: log10 abs(x) slider": (format_explorer(), "slider", drag(-9, 6, 0.25)),
@@ -44,11 +48,13 @@ def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
     out = {}
     for name, (w, attr, values) in cases.items():
         control, times = getattr(w, attr), {"cached": [], "full": []}
+        # format_explorer and outlier_explorer are HTML only: no axes to cache, so no full redraw and no speedup
+        modes = ("cached", "full") if hasattr(w, "_figure") else ("cached",)
         path = values + values[-2:0:-1]  # drag right, then back left
         for i in range(repeats):
-            for mode in ("cached", "full"):  # interleaved, so machine noise hits both alike
+            for mode in modes:  # interleaved, so machine noise hits both alike
                 kept = None
-                if mode == "full" and hasattr(w, "_figure"):  # format_explorer is HTML only: nothing to redraw
+                if mode == "full":
                     # as if every move changed the axes: no bitmap for this move, the others kept for the next
                     kept, w._figure._backgrounds = w._figure._backgrounds, {}
                 t = time.perf_counter()
@@ -56,9 +62,11 @@ def benchmark(repeats: int = 60) -> dict[str, dict[str, float]]:
                 times[mode].append(1000 * (time.perf_counter() - t))
                 if kept is not None:
                     w._figure._backgrounds = {**kept, **w._figure._backgrounds}
-        med = {m: float(np.median(t)) for m, t in times.items()}
+        med = {m: float(np.median(t)) for m, t in times.items() if t}
+        full = med.get("full")  # None: a widget with no figure
         out[name] = {"median_ms": med["cached"], "p90_ms": float(np.percentile(times["cached"], 90)),
-                     "full_redraw_median_ms": med["full"], "speedup": med["full"] / med["cached"], "moves": repeats}
+                     "full_redraw_median_ms": full, "speedup": None if full is None else full / med["cached"],
+                     "moves": repeats}
     return out
 
 
@@ -90,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = _args.OneLineParser(prog="python -m ampcourse.widgets", description=__doc__.split("\n\n")[0],
                              error_prefix=_PROG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", action="store_true", help="time slider moves of every explorer (a Markdown table)")
-    ap.add_argument("--repeats", type=int, default=60, help="moves per control (default 60)")
+    ap.add_argument("--repeats", type=int, default=None, help="moves per control, with --bench (default 60)")
     return ap
 
 
@@ -109,7 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(args, int):  # --help (0), or a bad flag (2) whose one line is already on stderr
         return args
     try:
-        repeats = _args.integer(args.repeats, "--repeats", low=1)
+        repeats = _args.integer(60 if args.repeats is None else args.repeats, "--repeats", low=1)
+        if args.repeats is not None and not args.bench:  # it would be ignored: say so rather than print the help
+            raise ValueError(f"--repeats only counts moves for --bench: run python -m ampcourse.widgets --bench "
+                             f"--repeats {repeats}")
     except ValueError as err:
         print(f"{_PROG}: error: {_args.first_line(err)}", file=sys.stderr)
         return 2
@@ -121,7 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| widget: control dragged | median ms | p90 ms | full redraw median ms | speedup from cached axes |")
     print("|---|---|---|---|---|")
     for name, r in benchmark(repeats).items():
-        print(f"| {name} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['full_redraw_median_ms']:.1f} | {r['speedup']:.1f}x |")
+        full = "n/a" if r["full_redraw_median_ms"] is None else f"{r['full_redraw_median_ms']:.1f}"
+        speedup = "n/a (no figure)" if r["speedup"] is None else f"{r['speedup']:.1f}x"
+        print(f"| {name} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {full} | {speedup} |")
     sim = simulation_benchmark(repeats)
     print(f"\nscaler_simulator, 20k steps, the simulation alone (median): per step {sim['per step']:.1f} ms, "
           f"per event {sim['per event']:.2f} ms ({sim['per step'] / sim['per event']:.0f}x)")

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--repeats", "-3"], "got -3"),
     (["--repeats", "x"], "argument --repeats: invalid int value: 'x'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--repeats", "5"], "--repeats only counts moves for --bench"),  # was the help, status 0, no hint
 ])
 def test_bad_flags_are_one_line_and_status_2_from_a_shell(argv, message):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -58,3 +59,24 @@ def test_bench_prints_one_table_row_per_timed_control(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| a: slider | 1.0 | 2.0 | 4.0 | 4.0x |" in out and "| b: box | 3.0 | 5.0 | 3.0 | 1.0x |" in out
     assert "per step 10.0 ms, per event 0.50 ms (20x)" in out
+
+
+def test_widgets_with_no_figure_print_n_a_for_full_redraw_and_speedup(monkeypatch, capsys):
+    def fake_benchmark(repeats):
+        return {"fig: slider": {"median_ms": 1.0, "p90_ms": 2.0, "full_redraw_median_ms": 4.0, "speedup": 4.0},
+                "html: slider": {"median_ms": 0.2, "p90_ms": 0.4, "full_redraw_median_ms": None, "speedup": None}}
+
+    monkeypatch.setattr(cli, "benchmark", fake_benchmark)
+    monkeypatch.setattr(cli, "simulation_benchmark", lambda repeats: {"per step": 10.0, "per event": 0.5})
+    assert cli.main(["--bench", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| html: slider | 0.2 | 0.4 | n/a | n/a (no figure) |" in out
+    assert "| fig: slider | 1.0 | 2.0 | 4.0 | 4.0x |" in out
+
+
+def test_benchmark_gives_no_speedup_for_the_html_widgets():
+    """One real move per control (a few seconds): the HTML-only widgets have no full redraw to compare."""
+    out = cli.benchmark(1)
+    for name, r in out.items():
+        figure = not name.startswith(("format_explorer", "outlier_explorer"))
+        assert (r["speedup"] is not None) == figure and (r["full_redraw_median_ms"] is not None) == figure, name
