@@ -576,7 +576,9 @@ def _in_child(fn: Callable, *args, timeout: float = _CHILD_TIMEOUT):
 class Policy:
     """What device_type's autocast does to one aten overload, as probed.
 
-    ``category`` is a key of :data:`CATEGORIES`; ``kind`` the fp32 flavour (see :class:`OpRow`);
+    ``category`` is a key of :data:`CATEGORIES`; ``kind`` the fp32 flavour (see :class:`OpRow`), or ``'fp16'``
+    for a ``'lower'`` overload that casts to float16 whatever the region's dtype (``_cudnn_rnn``, see
+    :func:`_cudnn_rnn_args`);
     ``reason`` why it is ``'unsupported'`` (the error CUDA autocast raises for a banned op, or what the
     probe could not tell).
     """
@@ -608,7 +610,9 @@ def schema_args(op, make: Callable[[], torch.Tensor]) -> tuple[list, dict, list]
     The shapes need not suit the op: autocast's wrapper casts the inputs before the op checks them, so a
     cast is seen even when the op then raises.
     """
-    plain = {"int": 1, "float": 1.0, "bool": False, "str": "ij,jk->ik", "number": 2.0, "List[int]": [1]}
+    # a Scalar of 1.0, not 2.0: linalg_matrix_norm(ord=2) rejects fp16/bf16 inputs before anything is dispatched, so
+    # no cast was seen and CUDA's fp32 overload read "not probeable" (ord=1 reaches the wrapper; pow(x, 1.0) too)
+    plain = {"int": 1, "float": 1.0, "bool": False, "str": "ij,jk->ik", "number": 1.0, "List[int]": [1]}
     args, kwargs, tensors = [], {}, []
     for a in op._schema.arguments:
         t = str(a.type)
@@ -626,6 +630,33 @@ def schema_args(op, make: Callable[[], torch.Tensor]) -> tuple[list, dict, list]
             v = plain.get(t)
         (kwargs.__setitem__(a.name, v) if a.kwarg_only else args.append(v))
     return args, kwargs, tensors
+
+
+def _cudnn_rnn_args(op, args: list, kwargs: dict, fake_mode) -> None:
+    """Make the schema-built ``_cudnn_rnn`` call one its autocast wrapper can run without a GPU (in place).
+
+    The wrapper (aten/src/ATen/cudnn/AutocastRNN.cpp, ``_cudnn_rnn_cast_reflatten``; read on pytorch/pytorch)
+    asserts ``weight_stride0`` is 2 or 4 (3 or 5 with ``proj_size``): the plain int 1 failed that INTERNAL ASSERT,
+    and the policy read "CUDA autocast raises", as if CUDA banned the op. Weights not already float16 are cast
+    and re-flattened through cuDNN descriptors, which need a GPU; so the weights here are float16 (two per layer,
+    no bias, no flat buffer) and what the probe sees is the cast of input, hx and cx: to ``at::kHalf``, hard-coded,
+    in bf16 regions too (the 2.11+cu130 and 2.15+cu132 wheels cast to float16 under bf16 autocast; pytorch#164411
+    let cuDNN RNNs take bf16 inputs, it did not change the wrapper's cast).
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    names = [a.name for a in op._schema.arguments]
+
+    def half() -> torch.Tensor:
+        return FakeTensor(fake_mode, torch.empty((2, 2), device="meta", dtype=torch.float16), torch.device("cuda", 0))
+
+    for name, value in (("weight", [half(), half()]), ("weight_stride0", 2), ("weight_buf", None), ("proj_size", 0),
+                        ("dropout_state", None)):
+        args[names.index(name)] = value
+
+
+#: ops whose schema-built call needs adjusting before their autocast wrapper accepts it
+_PROBE_ARGS = {"aten::_cudnn_rnn": _cudnn_rnn_args}
 
 
 def _record(op, dtypes: Sequence[torch.dtype], amp_dtype: torch.dtype | None, fake_mode):
@@ -646,6 +677,9 @@ def _record(op, dtypes: Sequence[torch.dtype], amp_dtype: torch.dtype | None, fa
         return made[-1]
 
     args, kwargs, tensors = schema_args(op, make)
+    adjust = _PROBE_ARGS.get(op._schema.name)  # 'aten::_cudnn_rnn': the op's name, every overload
+    if adjust is not None:
+        adjust(op, args, kwargs, fake_mode)
     ids = {id(t): i for i, t in enumerate(tensors)}
 
     class Recorder(TorchDispatchMode):
@@ -689,6 +723,8 @@ def _classify(name: str, dtype: torch.dtype, fake_mode) -> Policy:
     found = functools.partial(Policy, name, outputs=outputs)  # every verdict carries what the calls returned
     if any(to == low for _, to in up_casts):
         return found("lower")
+    if any(to == torch.float16 for _, to in up_casts) and not any(to == f32 for _, to in up_casts):
+        return found("lower", kind="fp16")  # cast down, to fp16 in a bf16 region: cuDNN RNNs (_cudnn_rnn_args)
     # cast up, called with dtype=float32, or (fp16 softmax: _softmax(half_to_float=True)) fp32 out of low in
     if any(to == f32 for _, to in low_casts) or low_dtype_calls or out_l == f32:
         has_dtype_arg = any(a.name == "dtype" for a in op._schema.arguments)

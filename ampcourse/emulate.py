@@ -31,6 +31,8 @@ Inside the region, as on a GPU:
   a set_opt_dtype op kept; ``promote``: the widest floating input type) on its CPU/meta floating inputs
   (fp64 and integer tensors are never cast); ops CUDA bans (``binary_cross_entropy``) raise CUDA's error;
   every other op runs as called (CPU autocast's own lists are switched off);
+- ``nn.LSTM``/``GRU``/``RNN`` run as through cuDNN, whose autocast wrapper casts input, hidden state and weights
+  to float16, in bf16 regions too (see ``_rnn_dtype``);
 - fp32 leaf tensors that require grad (weights) are cast once per region (the weight-cast cache);
 - ``torch.autocast("cuda", ...)`` inside the code (Hugging Face models open such regions) and
   ``torch.amp.custom_fwd/custom_bwd(device_type="cuda")`` work as on a GPU. Since CPU tensors stand for CUDA
@@ -92,9 +94,17 @@ LIMITS: tuple[str, ...] = (
     "the CPU kernel run here has its own internal precision",
     "ops without a CPU kernel for fp16/bf16 run in fp32 with their output cast to the autocast dtype "
     "(listed in .fallbacks)",
-    "ops the policy probe could not classify run unchanged (autocast_ops.policy() gives the reason)",
+    "ops the policy probe could not classify run unchanged (autocast_ops.policy() gives the reason); the registered "
+    "ops they call inside still get CUDA's policy, as under a real autocast fallthrough",
+    "RNN modules (nn.LSTM, nn.GRU, nn.RNN) run as through cuDNN, whose autocast wrapper (_cudnn_rnn) casts input, "
+    "hidden state and weights to float16 in fp16 and bf16 regions alike; with torch.backends.cudnn.enabled=False "
+    "CUDA takes its native RNN path instead, whose inner matmuls follow the lists: that path is not emulated (the "
+    "RNN runs unchanged)",
+    "named tensors (torch 2.11; gone in 2.13) cannot reach the Python kernels the emulator registers: an op on one "
+    "raises inside a region (drop the names first, tensor.rename(None))",
 )
 
+_NAMED_NYI = "NYI: Named tensors are currently unsupported in TorchScript"  # torch 2.11, a named tensor in a region
 _KEY = torch._C.DispatchKey.AutocastCPU
 _KEYSET = torch._C.DispatchKeySet(_KEY)
 _LOW = formats.AUTOCAST_DTYPES  # one home: ampcourse.formats
@@ -283,6 +293,7 @@ def _make_kernel(name: str):
     op = autocast_ops._overload(name)
     names = [a.name for a in op._schema.arguments]
     dtype_at = names.index("dtype") if "dtype" in names else None
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
 
     def kernel(*args, **kwargs):
         if not (_local.depth and torch.is_autocast_enabled("cuda")):
@@ -299,6 +310,7 @@ def _make_kernel(name: str):
         args = list(args)
         if category == "lower" or category == "promote":
             to = low if category == "lower" else _promote_type(args, kwargs, low)
+            to = torch.float16 if pol.kind == "fp16" else to  # _cudnn_rnn: float16 in bf16 regions too (_rnn_dtype)
             args, kwargs = _cast(args, to, low), {k: _cast(v, to, low) for k, v in kwargs.items()}
         elif category == "fp32" and _eligible(_first_tensor(args, kwargs)):
             if pol.kind == "fp32_set_opt_dtype" and dtype_at is not None:
@@ -309,15 +321,80 @@ def _make_kernel(name: str):
             else:
                 args, kwargs = _cast(args, torch.float32, low), {k: _cast(v, torch.float32, low)
                                                                  for k, v in kwargs.items()}
-        with _below():
-            try:
-                out = op(*args, **kwargs)
-            except (RuntimeError, NotImplementedError) as err:
-                if not _errors.missing_low_kernel(err):
-                    raise
-                _local.fallbacks.add(name)
-                out = _fp32_then_low(op, args, kwargs, low)
+        if category == "unsupported" and composite:
+            # an overload the probe could not classify: as a fallthrough would, run its composite kernel with the
+            # autocast key still on, so the registered ops it calls inside get CUDA's policy (linalg_matrix_norm
+            # calls linalg_vector_norm, fp32 on CUDA); running it below the key left every one of them uncast
+            out = op.decompose(*args, **kwargs)
+        else:
+            out = _run_below(name, op, args, kwargs, low)
         _trace(name, category, *called, out, low)
+        return out
+
+    return kernel
+
+
+def _run_below(name: str, op, args, kwargs, low: torch.dtype):
+    """op below the autocast key; in fp32, its output cast to low, where this CPU has no low-precision kernel."""
+    with _below():
+        try:
+            return op(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as err:
+            if not _errors.missing_low_kernel(err):
+                raise
+            _local.fallbacks.add(name)
+            return _fp32_then_low(op, args, kwargs, low)
+
+
+#: the RNN overloads nn.LSTM, nn.GRU and nn.RNN call (padded input, and packed data with batch_sizes)
+_RNN_OPS = tuple(f"aten::{rnn}.{form}" for rnn in ("lstm", "gru", "rnn_tanh", "rnn_relu") for form in ("input", "data"))
+
+
+def _rnn_dtype(low: torch.dtype) -> torch.dtype:
+    """The dtype CUDA's cuDNN RNN wrapper casts to in a region of dtype low: float16, in bf16 regions too.
+
+    aten/src/ATen/cudnn/AutocastRNN.cpp (``_cudnn_rnn_cast_reflatten``, pytorch/pytorch) hard-codes ``at::kHalf``
+    for the input, hx, cx and the re-flattened weights; the probe confirms it where this build registers the kernel
+    (the policy's ``kind='fp16'`` in bf16 regions: 2.11+cu130, 2.15+cu132). A build without cuDNN (the +cpu wheels)
+    registers none; the CUDA wheel of the same version does, hence float16 then too.
+    """
+    pol = policy(low if low in _LOW else torch.float16).get("aten::_cudnn_rnn")
+    if pol is not None and pol.category == "lower" and pol.kind != "fp16":
+        return low
+    return torch.float16
+
+
+def _make_rnn_kernel(name: str):
+    """The AutocastCPU kernel for an RNN overload: what CUDA's ``_cudnn_rnn`` autocast wrapper does.
+
+    On CUDA ``lstm``/``gru``/``rnn_*`` (no autocast kernel of their own) reach ``_cudnn_rnn`` when cuDNN takes the
+    input (every floating dtype since pytorch#164411, cuDNN >= 9.13), and its wrapper casts there; on a CPU they never
+    reach it (the RNN ran in fp32 under the emulator), so the cast is made here, at the overload nn.LSTM calls.
+    """
+    op = autocast_ops._overload(name)
+    at_params = [a.name for a in op._schema.arguments].index("params")
+
+    def kernel(*args, **kwargs):
+        if not (_local.depth and torch.is_autocast_enabled("cuda") and torch.backends.cudnn.enabled):
+            with _below():
+                out = op(*args, **kwargs)
+            _trace(name, "off" if not torch.is_autocast_enabled("cuda") else "unchanged", args, kwargs, out, None)
+            return out
+        called = (args, kwargs)
+        low = torch.get_autocast_dtype("cuda")
+        to = _rnn_dtype(low)
+        args = list(args)
+        params = args[at_params]
+        # the wrapper re-flattens the weights to fp16 when the first is eligible and not fp16 already (all share one
+        # dtype, it checks); not through the weight-cast cache: copy_weights_to_flat_buf_views casts on every call
+        if params and _eligible(params[0]) and params[0].dtype != to:
+            with _below():
+                args[at_params] = [p.to(to) if _eligible(p) else p for p in params]
+        # input, hx and cx through cached_cast(at::kHalf, ...)
+        args = [v if i == at_params else _cast(v, to, low) for i, v in enumerate(args)]
+        kwargs = {k: _cast(v, to, low) for k, v in kwargs.items()}
+        out = _run_below(name, op, args, kwargs, to)
+        _trace(name, "lower", *called, out, low)
         return out
 
     return kernel
@@ -337,12 +414,15 @@ def _register() -> torch.library.Library:
     # aten's overloads only: an extension's ops (a library imported later may register autocast kernels of its own)
     # would need a Library of their namespace; they run as called
     cuda = [n for n in autocast_ops.registered_ops("cuda") if n.startswith("aten::")]
-    cpu_only = sorted({n for n in autocast_ops.registered_ops("cpu") if n.startswith("aten::")} - set(cuda))
+    cpu_only = {n for n in autocast_ops.registered_ops("cpu") if n.startswith("aten::")}
+    cpu_only = sorted(cpu_only - set(cuda) - set(_RNN_OPS))  # the RNN overloads get CUDA's cuDNN wrapper below
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - overriding aten's autocast kernels is the point
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended, and undone on exit
         for name in cuda:
             lib.impl(name.removeprefix("aten::"), _make_kernel(name), "AutocastCPU")
+        for name in _RNN_OPS:
+            lib.impl(name.removeprefix("aten::"), _make_rnn_kernel(name), "AutocastCPU")
         for name in cpu_only:
             lib.impl(name.removeprefix("aten::"), torch.library.fallthrough_kernel, "AutocastCPU")
     return lib
@@ -514,6 +594,12 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - named like torch.au
         torch._C._dispatch_tls_set_dispatch_key_included(_KEY, included)
         torch.set_autocast_cache_enabled(cache_on)
         _release()
+        error = exc[1]
+        if isinstance(error, RuntimeError) and str(error).startswith(_NAMED_NYI):
+            # torch 2.11 cannot hand a named tensor to a Python kernel (the boxed call goes through TorchScript's
+            # conversion); its message blames TorchScript, which the caller never used
+            raise RuntimeError("emulate.autocast: this torch cannot pass named tensors to the emulator's kernels "
+                               "(emulate.LIMITS); drop the names before the region: tensor.rename(None)") from error
 
 
 def session(policy: str | None, device_type: str) -> tuple[contextlib.AbstractContextManager, str]:

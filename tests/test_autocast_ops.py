@@ -166,6 +166,21 @@ def test_policy_covers_every_registered_overload(dtype):
     assert all(p.reason for p in unsupported)
     named = [p for p in unsupported if "named-tensor (Dimname)" in p.reason]  # some builds (2.11's CUDA) register them
     assert len(unsupported) - len(named) <= 3  # bce, and what the probe says it can't tell
+    # only binary_cross_entropy is banned: _cudnn_rnn read as banned by an INTERNAL ASSERT on the probe's arguments
+    assert [p.op for p in unsupported if p.reason.startswith("CUDA autocast raises")] == ["aten::binary_cross_entropy"]
+    # the Scalar-ord matrix norm was probed with ord=2, which rejects low precision before dispatch: "not probeable"
+    matrix_norm = pol["aten::linalg_matrix_norm"]
+    assert (matrix_norm.category, matrix_norm.kind) == ("fp32", "fp32_set_opt_dtype")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_the_cudnn_rnn_wrapper_is_probed_as_a_cast_to_fp16_in_every_region(dtype):
+    """AutocastRNN.cpp hard-codes at::kHalf; +cpu builds (no cuDNN) register no wrapper, CUDA wheels (2.11, 2.15) do."""
+    pol = autocast_ops.policy("cuda", dtype)
+    if "aten::_cudnn_rnn" not in pol:
+        pytest.skip("this torch build has no cuDNN RNN autocast kernel")
+    rnn = pol["aten::_cudnn_rnn"]
+    assert (rnn.category, rnn.kind) == ("lower", None if dtype == torch.float16 else "fp16"), rnn
 
 
 def test_policy_is_cached_on_disk_per_torch_build(tmp_path, monkeypatch):

@@ -276,7 +276,8 @@ def test_works_as_a_decorator():
 
 def test_limits_are_stated():
     text = " ".join(emulate.LIMITS)
-    for word in ("accumulation", "TF32", "softmax", "reduced-precision"):
+    for word in ("accumulation", "TF32", "softmax", "reduced-precision", "nn.LSTM", "cudnn.enabled=False",
+                 "named tensors", "rename(None)"):
         assert word in text
 
 
@@ -307,3 +308,82 @@ def test_an_op_without_a_low_precision_cpu_kernel_runs_in_fp32_and_comes_out_low
     a, b = torch.randn(4, 8).half(), torch.randn(8, 3).half()
     out = emulate._fp32_then_low(torch.ops.aten.mm.default, [a, b], {}, torch.float16)
     assert out.dtype == torch.float16 and torch.equal(out, (a.float() @ b.float()).half())
+
+
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_rnn_modules_run_in_fp16_as_cudnns_autocast_wrapper_casts_them(cls, low):
+    """On CUDA nn.LSTM/GRU/RNN reach _cudnn_rnn, whose wrapper (AutocastRNN.cpp) casts input, hx, cx and weights to
+    at::kHalf, in bf16 regions too; on a CPU they never reach it, and the emulator left them in fp32."""
+    torch.manual_seed(0)
+    rnn = cls(4, 5, num_layers=2, bidirectional=True)
+    with emulate.autocast(dtype=low, trace=True) as emu:
+        out, hidden = rnn(torch.randn(3, 2, 4))
+    states = hidden if isinstance(hidden, tuple) else (hidden,)
+    assert [t.dtype for t in (out, *states)] == [torch.float16] * (1 + len(states))
+    assert [(c.op.split(".")[0], c.category, c.output) for c in emu.calls] == [
+        ({nn.LSTM: "aten::lstm", nn.GRU: "aten::gru", nn.RNN: "aten::rnn_tanh"}[cls], "lower", "float16")]
+    out.float().sum().backward()  # the weight casts are recorded by autograd: fp32 gradients for the fp32 weights
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in rnn.parameters())
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(3, 2, 4), [3, 2])
+    with emulate.autocast(dtype=low):
+        assert rnn(packed)[0].data.dtype == torch.float16  # packed sequences: the .data overloads
+    with emulate.autocast(dtype=low), torch.backends.cudnn.flags(enabled=False):
+        assert rnn(torch.randn(3, 2, 4))[0].dtype == torch.float32  # CUDA's native path: not emulated (LIMITS)
+
+
+def test_an_rnn_under_cudas_lists_through_the_doctors_session_comes_out_fp16():
+    """The doctor's policy="cuda": one outer emulate.session, its own torch.autocast("cpu", ...) regions inside."""
+    context, _ = emulate.session("cuda", "cpu")
+    lstm = nn.LSTM(4, 5, proj_size=3)
+    with context, torch.autocast("cpu", dtype=torch.bfloat16):
+        out, (h, c) = lstm(torch.randn(3, 2, 4))
+    assert (out.dtype, h.dtype, c.dtype) == (torch.float16,) * 3
+
+
+@pytest.mark.parametrize("low", LOW, ids=IDS)
+def test_matrix_norm_with_a_number_ord_runs_in_fp32_as_on_cuda(low):
+    """CUDA's linalg_matrix_norm (Scalar ord) is set_opt_dtype fp32; the probe once called it with ord=2, which
+    rejects fp16/bf16 before dispatch, so it read "not probeable" and ran low under the emulator."""
+    x = torch.randn(6, 6).to(low)
+    with emulate.autocast(dtype=low):
+        assert torch.linalg.matrix_norm(x, ord=1).dtype == torch.float32
+        assert torch.linalg.norm(x, ord=float("inf")).dtype == torch.float32
+    assert (emulate.policy(low)["aten::linalg_matrix_norm"].category,
+            emulate.policy(low)["aten::linalg_matrix_norm"].kind) == ("fp32", "fp32_set_opt_dtype")
+
+
+def test_an_overload_the_probe_cannot_classify_still_gets_the_casts_of_the_ops_it_calls(monkeypatch):
+    """As a real autocast fallthrough: the overload itself runs unchanged, the registered ops inside it get CUDA's
+    policy (here linalg_matrix_norm read as not probeable: its inner vector norm/sum runs in fp32)."""
+    real = emulate.policy
+
+    def unclassified(dtype=torch.float16):
+        pol = real(dtype)
+        pol["aten::linalg_matrix_norm"] = autocast_ops.Policy("aten::linalg_matrix_norm", "unsupported",
+                                                              reason="not probeable: (as a test)")
+        return pol
+
+    monkeypatch.setattr(emulate, "policy", unclassified)
+    with emulate.autocast(dtype=torch.bfloat16, trace=True) as emu:
+        out = torch.linalg.matrix_norm(torch.randn(6, 6).bfloat16(), ord=1)
+    *inner, outer = emu.calls  # traced as each returns: the ops inside first
+    assert outer.op == "aten::linalg_matrix_norm" and outer.category == "unsupported"
+    assert inner and all(c.category == "fp32" for c in inner), inner
+    assert out.dtype == torch.float32
+
+
+def test_a_named_tensor_in_a_region_works_or_says_what_to_do():
+    """torch 2.11 cannot box a named tensor into the emulator's Python kernels ("NYI: ... TorchScript"); the
+    error says so in the emulator's words. Later torches have no named tensors."""
+    if not hasattr(torch.Tensor, "refine_names"):
+        pytest.skip("this torch has no named tensors")
+    x = torch.randn(4, 8).refine_names("N", "C")
+    try:
+        with emulate.autocast(dtype=torch.bfloat16):
+            y = x.softmax(-1)
+    except RuntimeError as err:
+        assert str(err).startswith("emulate.autocast: ") and "rename(None)" in str(err), err
+    else:
+        assert y.dtype == torch.float32
+    assert not emulate.is_active()

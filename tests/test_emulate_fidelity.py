@@ -164,7 +164,8 @@ def test_every_registered_overload_matches_cudas_kernels(low):
     agree, disagree, cpu_only_errors = overload_agreement(low)
     assert disagree == []
     assert len(agree) >= 150  # 193 of the overloads' calls in torch 2.13
-    assert {name for name, _ in cpu_only_errors} <= {"aten::index_put"}
+    # _cudnn_rnn is cuDNN's alone: no CPU kernel (the RNN modules that reach it on CUDA: test_emulate.py)
+    assert {name for name, _ in cpu_only_errors} <= {"aten::index_put", "aten::_cudnn_rnn"}
 
 
 @pytest.mark.parametrize("name", MODELS)
