@@ -163,6 +163,30 @@ def rename_target(path: Path) -> Path:
     return target
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc/self/status, Linux >= 4.7)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere the only way to read it is to set it (and put it back at once)
+    os.umask(mask)
+    return mask
+
+
+def _open_mode(target: Path) -> int:
+    """The permission bits a plain open(target, "wb") would leave: an existing file keeps its own, a new one gets
+    0o666 & ~umask. mkstemp makes its temp file 0o600 and os.replace keeps that, so without this every checkpoint
+    would be readable by its owner only, whatever the umask: a group sharing --checkpoint-dir could not resume it."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
 def replace_atomically(path: str | os.PathLike, data: bytes) -> Path:
     """Write bytes to `path` atomically (temp file in the same folder, fsync, os.replace); refuses non-regular files.
 
@@ -174,6 +198,7 @@ def replace_atomically(path: str | os.PathLike, data: bytes) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), _open_mode(target))  # not mkstemp's 0o600 (see _open_mode)
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -281,6 +306,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> Path:
         with os.fdopen(fd, "wb") as fh:
             recorder = _WriteRecorder(fh)
             try:
+                os.fchmod(fh.fileno(), _open_mode(path))  # not mkstemp's 0o600 (see _open_mode)
                 with _crc32_on():
                     torch.save(state, recorder)
                 fh.flush()
@@ -379,6 +405,9 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu",
     _check_map_location(map_location)  # before: a bad device was reported as a damaged file
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r}; train without resume first, or check the path")
+    if path.is_dir() and path.name != FILENAME:  # the run directory instead of its file: say which file, as save() does
+        raise CheckpointError(f"cannot load a checkpoint from {str(path)!r}: it is a directory; give a file path "
+                              f"such as {str(path_in(path))!r}")
     if not path.is_file():
         raise _unreadable(path, "it is not a regular file")
     if path.stat().st_size == 0:
