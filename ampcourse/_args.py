@@ -15,15 +15,19 @@ The same rule for the rest of what callers pass: names from a fixed list (:func:
 whose messages list the allowed names), True/False (:func:`flag`), paths (:func:`as_path`: no bytes, no NUL
 byte), output files (:func:`writable_file`, checked by creating them before any work), and command lines
 (:class:`OneLineParser` and :func:`cli_error`: one line ``<prog>: error: ...``, exit 2, for argparse's errors
-and the program's own alike).
+and the program's own alike; :func:`as_flags`: a Python argument name in a message spelled as the CLI's flag;
+:func:`cli_precision`: a --precision value read as every API reads it; :class:`HelpFormatter`: every default shown;
+:func:`load_factory`: ``--model package.module:factory``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import numbers
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -35,7 +39,8 @@ import numpy as np
 import torch
 
 __all__ = ["InputError", "INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "first_line", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
-           "flag", "as_path", "writable_file", "output_files", "OneLineParser", "cli_error"]
+           "flag", "as_path", "writable_file", "output_files", "OneLineParser", "cli_error", "HelpFormatter", "as_flags",
+           "cli_precision", "load_factory"]
 
 
 
@@ -294,3 +299,133 @@ class OneLineParser(argparse.ArgumentParser):
             return self.parse_args(argv)
         except SystemExit as done:
             return done.code if isinstance(done.code, int) else 2
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help that states every default: ' (default: X)' is appended where the help text does not already say it.
+
+    A default of None or False means "not given", which only the help text can explain ("default: stdout"), so it
+    is not appended: tests/test_cli_frontdoor.py checks that every such option's help says its default in words.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        """The help text, with the default appended where it is a value the reader could type."""
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS  # not 0
+        shown_default = action.option_strings and not unset
+        if shown_default and "default" not in text.lower():
+            text += " (default: %(default)s)"
+        return text
+
+
+#: Python argument names every CLI spells the same way (a CLI passes its own for the others).
+COMMON_FLAGS = {"device": "--device", "seed": "--seed", "steps": "--steps", "lr": "--lr", "size": "--size",
+                "precision": "--precision", "precisions": "--precisions", "policy": "--policy"}
+
+
+def as_flags(message: str, flags: Mapping[str, str] = COMMON_FLAGS, *, bare: Sequence[str] = ()) -> str:
+    """message with Python argument names, where they name an argument, spelled as a CLI's flags.
+
+    The API's checks name the Python argument ("steps must be an int >= 1"); a command line has flags. Renamed:
+    the opening name ("steps must be ...", "precisions: unknown ..."), ``name=value`` ("resume=True" -> "--resume",
+    "precision='fp16'" -> "--precision fp16", "leave device=None" -> "leave --device out", else "no --device"),
+    "name / --flag" (a message naming both) and the names in `bare` wherever they stand. The same words elsewhere
+    are prose ("the steps of the first run") and stay.
+
+    Args:
+        message: the API's one-line error.
+        flags: Python argument name -> the CLI's flag (COMMON_FLAGS, or a CLI's own table).
+        bare: names replaced wherever they stand as a word (their text is never prose, e.g. "checkpoint_dir").
+
+    Example:
+        >>> as_flags("batch_size must be an int >= 1, got 0", {"batch_size": "--batch-size"})
+        '--batch-size must be an int >= 1, got 0'
+        >>> as_flags("device 'cuda:7' requested but CUDA is not available here; leave device=None for the best available")
+        "--device 'cuda:7' requested but CUDA is not available here; leave --device out for the best available"
+    """
+    head, sep, rest = message.partition(" ")
+    key = head.rstrip(":")
+    if key in flags:
+        message = flags[key] + head[len(key):] + sep + rest
+    for name, flag in flags.items():
+        message = message.replace(f"{name} / {flag}", flag)
+
+        def spelled(match: re.Match, flag: str = flag) -> str:
+            value = match.group(1)
+            if value == "None":  # "leave device=None" -> "leave --device out"; "seed=None in ..." -> "no --seed"
+                return f"{flag} out" if match.string[:match.start()].endswith("leave ") else f"no {flag}"
+            if value == "True":
+                return flag
+            return f"{flag} {value.strip(chr(39) + chr(34))}"
+        message = re.sub(rf"(?<![\w.-]){re.escape(name)}=('[^']*'|\"[^\"]*\"|[\w.+-]+)", spelled, message)
+    for name in bare:
+        message = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", flags[name], message)
+    return message
+
+
+def cli_precision(text: str, flag: str, *, allowed: Sequence[str] = ("fp32", "fp16", "bf16"),
+                  refused: Mapping[str, str] | None = None) -> str:
+    """A --precision value read as every API reads it (``ampcourse.inputs.precision_names``, which asks
+    ``device.parse_precision``): 'BF16', 'half', 'float16', 'bfloat16' work in every CLI; InputError otherwise,
+    worded as trial's and the doctor's --precisions errors are.
+
+    Args:
+        text: what the command line gave.
+        flag: the flag's name, for the message ('--precision').
+        allowed: the precisions this CLI takes.
+        refused: precision -> why this CLI refuses it (the benchmark: fp32 is its baseline).
+
+    Example:
+        >>> cli_precision("BF16", "--precision")
+        'bf16'
+    """
+    from .inputs import precision_names  # the one reader of precision names (lazily: inputs imports this module)
+
+    return precision_names(text, flag, allowed=allowed, refused=refused)[0]
+
+
+def load_factory(spec: str, flag: str = "--model") -> tuple[Any, Any, Any, Any, Any]:
+    """Import 'package.module:factory', call it, and check it returned (model, inputs, targets, loss_fn[, optimizer]).
+
+    The contract of ``--model`` in the doctor, trial and plan CLIs: the factory builds what your training script
+    has. Every failure (no ':', a file path, an import error, a missing or non-callable name, a factory that raises
+    or returns the wrong shape) is an InputError naming the flag.
+
+    Args:
+        spec: 'package.module:factory' (the factory may be an attribute path, 'mod:Builder.make').
+        flag: the flag's name, for the message.
+
+    Returns:
+        (model, inputs, targets, loss_fn, optimizer), optimizer None where the factory gave four items.
+
+    Example::
+
+        >>> model, x, y, loss_fn, opt = load_factory("mypkg.models:make")
+    """
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise InputError(f"{flag} {spec!r}: use a reference model name or 'package.module:factory'")
+    if any(c in mod_name for c in "/\\") or mod_name.startswith(".") or mod_name.endswith(".py"):
+        raise InputError(f"{flag} {spec!r}: the part before ':' must be a module name such as 'mypkg.models', "
+                         f"not a file path: run from the folder that holds the file (or add it to PYTHONPATH) and "
+                         f"write {flag} {os.path.basename(mod_name).removesuffix('.py') or 'module'}:{attr}")
+    try:
+        module = importlib.import_module(mod_name)
+    except (ImportError, TypeError, ValueError) as err:
+        raise InputError(f"{flag} {spec!r}: cannot import {mod_name!r} ({err})") from err
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise InputError(f"{flag} {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise InputError(f"{flag} {spec!r}: {attr!r} is not callable")
+    try:
+        out = factory()
+    except Exception as err:  # the learner's code: one line that says where it failed, not a traceback
+        raise InputError(f"{flag} {spec!r}: the factory raised {type(err).__name__}: {err}") from err
+    if not isinstance(out, (tuple, list)) or len(out) not in (4, 5):
+        got = f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise InputError(f"{flag} {spec!r}: the factory must return (model, inputs, targets, loss_fn) "
+                         f"or (model, inputs, targets, loss_fn, optimizer), got {got}")
+    return (*out, None) if len(out) == 4 else tuple(out)

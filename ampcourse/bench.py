@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from . import _args, memory, models, shipped
-from .device import AmpSetup, cpu_flags, native_bf16, pick
+from .device import AmpSetup, amp_rule, cpu_flags, native_bf16, pick
 
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
            "overhead_clock", "fraction_of_peak", "fp32_math", "tf32_settings", "BareLoop", "paired_step_times",
@@ -822,18 +822,36 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: run the benchmark, write bench.json and bench.png into --out, print a summary."""
+#: run()'s argument names as this command line spells them (_args.as_flags).
+_FLAGS = {"device": "--device", "precision": "--precision", "seed": "--seed"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line of python -m ampcourse.bench (every default in --help: _args.HelpFormatter)."""
     ap = _args.OneLineParser(prog="python -m ampcourse.bench", description=__doc__, error_prefix="ampcourse.bench",
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+                             formatter_class=_args.HelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for bench.json and bench.png")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: best available)")
-    ap.add_argument("--precision", default=None, help="fp16 or bf16 (default: the device's AMP dtype)")
+    ap.add_argument("--precision", "--precisions", default=None,
+                    help="the AMP side, fp16 or bf16 (or a dtype name: bfloat16, half, ...), measured beside fp32; "
+                         f"default: the device's autocast dtype even where it is slow: {amp_rule()}")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: a few seconds")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch (default: torch's choice); 1 is steadier on a shared machine")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed for the models and the data")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run the benchmark, write bench.json and bench.png into --out, print a summary."""
+    ap = _parser()
     args = ap.parse_args(argv)
+    if args.precision is not None:  # read as every CLI reads it; fp32 refused now, not after a minute of measuring
+        try:
+            args.precision = _args.cli_precision(args.precision, "--precision", allowed=("fp16", "bf16"), refused={
+                "fp32": "fp32 is always measured, as the baseline; choose the AMP side: fp16 or bf16"})
+        except ValueError as err:
+            ap.error(str(err))
     if args.out.exists() and not args.out.is_dir():  # say so now, not after a minute of measuring
         ap.error(f"--out {str(args.out)!r} is a file; give a folder for bench.json and bench.png")
     try:
@@ -847,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = run(args.device, args.precision, quick=args.quick, seed=args.seed)
     except (ValueError, TypeError) as err:
-        ap.error(str(err))
+        ap.error(_args.as_flags(str(err), _FLAGS))  # run()'s argument names as this command line's flags
     except RuntimeError as err:  # out of memory, a driver error: one line, not a traceback
         ap.error(f"the benchmark failed: {type(err).__name__}: {_args.first_line(err)}")
     args.out.mkdir(parents=True, exist_ok=True)

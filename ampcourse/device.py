@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["PRECISIONS", "AmpSetup", "pick", "parse_precision", "cpu_flags", "native_bf16", "NATIVE_BF16_CAPABILITY",
-           "CPU_BF16_FLAGS", "AMP_REQUEST"]
+           "CPU_BF16_FLAGS", "AMP_REQUEST", "default_rule", "amp_rule"]
 
 #: The first CUDA compute capability with bf16 (and tf32) tensor cores: Ampere, sm_80.
 NATIVE_BF16_CAPABILITY = (8, 0)
@@ -240,6 +240,33 @@ def _default_precision(device: torch.device) -> tuple[str, str]:
                     "10-200x slower than fp32; pick(precision='bf16') runs autocast anyway")
 
 
+def default_rule() -> str:
+    """pick()'s default precision rule in one line, built from the thresholds pick() itself uses: what every CLI's
+    --help says the default --precision is (the rule, not this machine's answer: --help is read before a run).
+
+    Example::
+
+        >>> default_rule()
+        'bf16 on GPUs with compute capability >= 8.0 and on CPUs with AMX bf16 tiles or AVX512-BF16; fp16 + GradScaler on older GPUs and Apple MPS; fp32 on other CPUs (bf16 would be emulated there, many times slower)'
+    """
+    units = " or ".join(CPU_BF16_FLAGS.values())
+    return (f"bf16 on GPUs with compute capability >= {'.'.join(map(str, NATIVE_BF16_CAPABILITY))} and on CPUs "
+            f"with {units}; fp16 + GradScaler on older GPUs and Apple MPS; fp32 on other CPUs (bf16 would be "
+            "emulated there, many times slower)")
+
+
+def amp_rule() -> str:
+    """``pick(precision="amp")``'s rule in one line: this device's autocast dtype, fast or not (the benchmark's default).
+
+    Example::
+
+        >>> amp_rule()
+        'bf16 on any CPU and on GPUs with compute capability >= 8.0; fp16 on older GPUs and Apple MPS'
+    """
+    return (f"bf16 on any CPU and on GPUs with compute capability >= {'.'.join(map(str, NATIVE_BF16_CAPABILITY))}; "
+            "fp16 on older GPUs and Apple MPS")
+
+
 def pick(device: str | torch.device | None = None, precision: str | torch.dtype | None = None) -> AmpSetup:
     """Choose the device and the precision, and say what the hardware does with them.
 
@@ -260,9 +287,12 @@ def pick(device: str | torch.device | None = None, precision: str | torch.dtype 
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError) as err:
-            raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N', 'mps' or None") from err
+            raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps', "
+                             "or leave device=None for the best available") from err
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but CUDA is not available; use device=None or 'cpu'")
+            # the device as given ('cuda:7', not 'cuda'), and advice a CLI can translate (_args.as_flags)
+            raise ValueError(f"device {str(device)!r} requested but CUDA is not available here; "
+                             "leave device=None for the best available, or use 'cpu'")
         if dev.type == "cuda":
             # Name the GPU explicitly, so capability checks and tensor placement agree on which one.
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
@@ -273,7 +303,7 @@ def pick(device: str | torch.device | None = None, precision: str | torch.dtype 
             raise ValueError(f"unsupported device type {dev.type!r}; use 'cpu', 'cuda' or 'mps'")
         if dev.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"device {str(device)!r} requested but Apple MPS is not available here; "
-                             "use device=None (the best available) or 'cpu'")
+                             "leave device=None for the best available, or use 'cpu'")
     reason = ""
     if precision is None:
         prec, reason = _default_precision(dev)

@@ -115,7 +115,7 @@ API = {
     # device
     "pick unknown precision": Row(lambda t: device.pick("cpu", "fp64"), "'fp64'", PRECISIONS),
     "pick integer dtype": Row(lambda t: device.pick("cpu", torch.int8), "torch.int8", PRECISIONS),
-    "pick unknown device": Row(lambda t: device.pick("tpu"), "'tpu'", "'cpu', 'cuda', 'cuda:N', 'mps'"),
+    "pick unknown device": Row(lambda t: device.pick("tpu"), "'tpu'", "'cpu', 'cuda', 'cuda:N' or 'mps'"),
     "pick meta device": Row(lambda t: device.pick("meta"), "'meta'", "'cpu', 'cuda' or 'mps'"),
     # models
     "make_model unknown": Row(lambda t: models.make_model("resnet"), "'resnet'", "mlp, cnn, transformer"),
@@ -273,7 +273,7 @@ API = {
     "make_dataset seed -1 as numpy": Row(lambda t: models.make_dataset("mlp", seed=np.int64(-1)), "-1", "int >= 0"),
     "batch_indices seed 2**64": Row(lambda t: train_mod.batch_indices(0, 2**64, 64, 32), str(2**64), "seed must be"),
     # devices, models and data that cannot train
-    "train device mps without MPS": Row(lambda t: train(t, device="mps"), "'mps'", "not available here; use device=None"),
+    "train device mps without MPS": Row(lambda t: train(t, device="mps"), "'mps'", "not available here; leave device=None"),
     "train model on the meta device": Row(lambda t: train(t, meta_mlp(), mlp_data()), "meta device",
                                           "give it real weights first"),
     "train data on the meta device": Row(lambda t: train(t, torch.nn.Linear(32, 10), TensorDataset(
@@ -469,7 +469,7 @@ def test_api_rejects_bad_input_clearly(row, tmp_path, monkeypatch):
 
 CLI_BASE = ["--model", "mlp", "--steps", "2", "--samples", "64", "--global-batch-size", "32", "--no-progress"]
 CLI = {
-    "train --precision fp64": (train_mod.main, [*CLI_BASE, "--precision", "fp64"], "'fp64'", "choose from 'fp32'"),
+    "train --precision fp64": (train_mod.main, [*CLI_BASE, "--precision", "fp64"], "'fp64'", "choose from fp32, fp16, bf16"),
     "train --model resnet": (train_mod.main, [*CLI_BASE, "--model", "resnet"], "'resnet'", "'mlp', 'cnn', 'transformer'"),
     "train --steps x": (train_mod.main, [*CLI_BASE, "--steps", "x"], "'x'", "invalid int value"),
     "train --checkpoint-dir NUL": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/r\0un"], "x00un",
@@ -507,15 +507,15 @@ CLI = {
     "train --resume with another optimizer": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/adamw", "--resume",
                                                                "--optimizer", "sgd"], "AdamW", "this run uses SGD"),
     "train --resume with another lr": (train_mod.main, [*CLI_BASE, "--checkpoint-dir", "{tmp}/adamw", "--resume",
-                                                        "--lr", "0.01"], "lr=0.001 in the checkpoint, 0.01 now",
+                                                        "--lr", "0.01"], "--lr 0.001 in the checkpoint, 0.01 now",
                                        "Resume with the same settings"),
     "bench --threads 0": (bench.main, ["--out", "{tmp}/b", "--threads", "0"], "got 0", ">= 1"),
-    "bench --precision fp32": (bench.main, ["--out", "{tmp}/b", "--precision", "fp32"], "fp32", "'fp16' or 'bf16'"),
+    "bench --precision fp32": (bench.main, ["--out", "{tmp}/b", "--precision", "fp32"], "fp32", "the baseline; choose the AMP side: fp16 or bf16"),
     "bench --out is a file": (bench.main, ["--out", "{tmp}/a_file", "--quick"], "a_file", "give a folder"),
     "widgets --repeats 0": (widgets._main, ["--bench", "--repeats", "0"], "got 0", ">= 1"),
     "bench --seed 2**64": (bench.main, ["--out", "{tmp}/b", "--quick", "--seed", str(2**64)], str(2**64), r"< 2\*\*64"),
     "bench --device tpu": (bench.main, ["--out", "{tmp}/b", "--quick", "--device", "tpu"], "'tpu'", "'cpu', 'cuda'"),
-    "bench --precision fp64": (bench.main, ["--out", "{tmp}/b", "--quick", "--precision", "fp64"], "'fp64'", "fp32, fp16, bf16"),
+    "bench --precision fp64": (bench.main, ["--out", "{tmp}/b", "--quick", "--precision", "fp64"], "'fp64'", "choose from fp16, bf16 "),
     "bench --threads x": (bench.main, ["--out", "{tmp}/b", "--threads", "x"], "'x'", "invalid int value"),
     "bench --out under /proc": (bench.main, ["--out", "/proc/ampcourse-bench", "--quick"], "/proc/ampcourse-bench",
                                 "choose a directory you can write to"),

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
 from collections.abc import Sequence
 
@@ -30,34 +28,14 @@ def _reference_setup(name: str, batch: int, seed: int):
 
 
 def _factory_setup(spec: str):
-    """Import 'pkg.mod:factory', call it, and check it returned (model, inputs, targets, loss_fn[, optimizer])."""
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise CliError(f"--model {spec!r}: use a reference model name or 'package.module:factory'")
-    if any(c in mod_name for c in "/\\") or mod_name.startswith(".") or mod_name.endswith(".py"):
-        raise CliError(f"--model {spec!r}: the part before ':' must be a module name such as 'mypkg.models', "
-                       f"not a file path: run from the folder that holds the file (or add it to PYTHONPATH) and "
-                       f"write --model {os.path.basename(mod_name).removesuffix('.py') or 'module'}:{attr}")
+    """Import 'pkg.mod:factory', call it, and check it returned (model, inputs, targets, loss_fn[, optimizer]).
+
+    The contract is shared with trial's --model (``_args.load_factory``); its errors are this CLI's CliError.
+    """
     try:
-        module = importlib.import_module(mod_name)
-    except (ImportError, TypeError, ValueError) as err:
-        raise CliError(f"--model {spec!r}: cannot import {mod_name!r} ({err})") from err
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise CliError(f"--model {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-    if not callable(factory):
-        raise CliError(f"--model {spec!r}: {attr!r} is not callable")
-    try:
-        out = factory()
-    except Exception as err:  # the learner's code: one line that says where it failed, not a traceback
-        raise CliError(f"--model {spec!r}: the factory raised {type(err).__name__}: {err}") from err
-    if not isinstance(out, (tuple, list)) or len(out) not in (4, 5):
-        got = f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else type(out).__name__
-        raise CliError(f"--model {spec!r}: the factory must return (model, inputs, targets, loss_fn) "
-                       f"or (model, inputs, targets, loss_fn, optimizer), got {got}")
-    return (*out, None) if len(out) == 4 else tuple(out)
+        return _args.load_factory(spec, "--model")
+    except ValueError as err:
+        raise CliError(str(err)) from err.__cause__
 
 
 def _writable(named) -> None:
@@ -73,21 +51,29 @@ def _parser() -> argparse.ArgumentParser:
     """The command line of python -m ampcourse.doctor."""
     from ..models import MODELS
     ap = _args.OneLineParser(prog="python -m ampcourse.doctor", description=__doc__.split("\n\n")[0],
-                             error_prefix="ampcourse.doctor", formatter_class=argparse.RawDescriptionHelpFormatter)
+                             error_prefix="ampcourse.doctor", formatter_class=_args.HelpFormatter)
     ap.add_argument("--model", required=True,
                     help=f"a reference model ({', '.join(MODELS)}) or 'package.module:factory', a callable returning "
                          "(model, inputs, targets, loss_fn) or (..., optimizer)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
-    ap.add_argument("--policy", default=None, choices=["cuda"], help="cuda: CUDA's autocast lists on a CPU (emulated)")
-    ap.add_argument("--precisions", default="fp16,bf16", help="comma-separated, from fp16 and bf16 (default: both)")
-    ap.add_argument("--batch", type=int, default=16, help="batch size for a reference model (default 16)")
+    ap.add_argument("--policy", default=None, choices=["cuda"],
+                    help="cuda: CUDA's autocast lists on a CPU (emulated) (default: the device's own lists)")
+    # --precision (train, bench), --batch-size (trial), --global-batch-size (train) too: a learner's guess works
+    ap.add_argument("--precisions", "--precision", default="fp16,bf16",
+                    help="comma-separated, from fp16 and bf16 (default: both)")
+    ap.add_argument("--batch", "--batch-size", "--global-batch-size", dest="batch", type=int, default=16,
+                    help="batch size for a reference model (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="seed for a reference model (default 0)")
     ap.add_argument("--steps", type=int, default=None,
                     help="training steps that confirm each recipe beside fp32 (default 10); 0: the quick forensic "
                          "pass, whose verdicts say 'unconfirmed'")
-    ap.add_argument("--out", default=None, help="write the report as JSON here")
-    ap.add_argument("--html", default=None, help="write the report as an HTML page here")
+    ap.add_argument("--out", default=None, help="write the report as JSON here (default: not written)")
+    ap.add_argument("--html", default=None, help="write the report as an HTML page here (default: not written)")
     return ap
+
+
+#: examine()'s argument names as this command line spells them (batch: the reference model's batch size).
+_FLAGS = {name: f"--{name}" for name in ("device", "seed", "steps", "precisions", "policy", "batch")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,8 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.html:
             with open(args.html, "w", encoding="utf-8") as fh:
                 fh.write(report.to_html(page=True))
-    except (CliError, ValueError, TypeError, OSError) as err:
-        print(f"ampcourse.doctor: error: {err}", file=sys.stderr)
+    except (CliError, ValueError, TypeError, OSError) as err:  # examine()'s argument names as this CLI's flags
+        print(f"ampcourse.doctor: error: {_args.as_flags(str(err), _FLAGS)}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 (the learner's model can raise anything: one line, not a traceback)
         first = _args.first_line(err)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import _args, checkpoint, distributed, models
-from ..device import pick
+from ..device import default_rule, pick
 from .loop import Parallel, train
 from .step import OPTIMIZERS, make_optimizer, state_checksum
 
@@ -46,37 +46,44 @@ def _rank_step(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The argparse parser for python -m ampcourse.train."""
-    p = _args.OneLineParser(prog="python -m ampcourse.train", error_prefix=PROG,
-                                description="Train a reference model with AMP and write a JSON summary. "
-                                            "Under torchrun, --strategy ddp|fsdp trains on every process.")
-    p.add_argument("--model", choices=models.MODELS, default="mlp")
-    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
-                   help="default: the device's AMP dtype (bf16 on CPU and on GPUs with native bf16, "
-                        "compute capability >= 8.0; fp16 + GradScaler on older GPUs)")
+    """The argparse parser for python -m ampcourse.train (every default in --help: _args.HelpFormatter)."""
+    p = _args.OneLineParser(prog="python -m ampcourse.train", error_prefix=PROG, formatter_class=_args.HelpFormatter,
+                            description="Train a reference model with AMP and write a JSON summary. "
+                                        "Under torchrun, --strategy ddp|fsdp trains on every process.")
+    p.add_argument("--model", choices=models.MODELS, default="mlp", help="the reference model")
+    # no argparse choices: read by the one reader of precision names (_plan), so 'BF16' or 'half' work as in trial
+    p.add_argument("--precision", "--precisions", default=None,
+                   help=f"fp32, fp16 or bf16 (or a dtype name: bfloat16, half, ...); default: pick()'s choice for "
+                        f"the device: {default_rule()}")
     p.add_argument("--strategy", choices=STRATEGIES, default="single",
                    help="single: one process; ddp (DistributedDataParallel) and fsdp (FSDP2): under torchrun")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--global-batch-size", type=int, default=64, help="samples per optimizer step, all ranks")
-    p.add_argument("--accum-steps", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=None)
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    # --batch-size and --batch: the names trial and the doctor/plan use, so a learner's guess works here too
+    p.add_argument("--global-batch-size", "--batch-size", "--batch", dest="global_batch_size", type=int, default=64,
+                   help="samples per optimizer step, all ranks together")
+    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW) or L2 (Adam, SGD)")
+    p.add_argument("--grad-clip", type=float, default=None,
+                   help="clip the true (unscaled) gradient norm to this value (default: no clipping)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="the optimizer")
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="fused Adam/AdamW kernel (no host sync in the scaler's step); default: on for CUDA")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", choices=tuple(models.SIZES), default="tiny")
+    p.add_argument("--seed", type=int, default=0, help="seed for the model, the data and the batch order")
+    p.add_argument("--size", choices=tuple(models.SIZES), default="tiny", help="reference model size")
     p.add_argument("--samples", type=int, default=1024, help="synthetic dataset size")
-    p.add_argument("--checkpoint-dir", default=None, help="shared by all ranks (on every node)")
-    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="shared by all ranks (on every node) (default: none, nothing is saved)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="save every N steps (default: only after the last step)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint-dir (after a torchrun restart this happens by itself)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: best available; "
                                                   "under torchrun: cuda:LOCAL_RANK or cpu)")
     p.add_argument("--out", default=None, metavar="SUMMARY.json", help="write the summary here (default: stdout)")
     p.add_argument("--history-out", default=None, metavar="HISTORY.json",
-                   help="write every rank's per-step loss, scale and skipped flags here (rank 0 writes)")
+                   help="write every rank's per-step loss, scale and skipped flags here (rank 0 writes; "
+                        "default: not written)")
     p.add_argument("--dist-timeout", type=float, default=distributed.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"bound on every collective (default {distributed.DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--rdzv-timeout", type=float, default=distributed.DEFAULT_RENDEZVOUS_TIMEOUT_S, metavar="SECONDS",
@@ -84,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {distributed.DEFAULT_RENDEZVOUS_TIMEOUT_S:g}; a cold multi-GPU node can take minutes)")
     p.add_argument("--inject-inf", type=_rank_step, default=None, metavar="RANK:STEP",
                    help="teaching aid: make RANK's gradients non-finite (before they are averaged across ranks) "
-                        "in the STEP-th step this launch runs, counting from 0")
+                        "in the STEP-th step this launch runs, counting from 0 (default: none)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -99,25 +106,18 @@ class _Plan:
 
 
 #: train()'s argument names as this command line spells them: its checks name the Python argument.
-_FLAGS = {"steps": "--steps", "lr": "--lr", "seed": "--seed", "accum_steps": "--accum-steps",
-          "batch_size": "--global-batch-size", "n_samples": "--samples", "grad_clip": "--grad-clip",
-          "weight_decay": "--weight-decay", "checkpoint_every": "--checkpoint-every",
-          "checkpoint_dir": "--checkpoint-dir", "resume=True": "--resume"}
+_FLAGS = {**_args.COMMON_FLAGS, "accum_steps": "--accum-steps", "batch_size": "--global-batch-size",
+          "n_samples": "--samples", "grad_clip": "--grad-clip", "weight_decay": "--weight-decay",
+          "checkpoint_every": "--checkpoint-every", "checkpoint_dir": "--checkpoint-dir", "resume": "--resume"}
 
 
 def _as_flags(message: str) -> str:
-    """message with train()'s argument names, where they name an argument, spelled as this CLI's flags.
+    """message with train()'s argument names spelled as this CLI's flags (_args.as_flags, shared by every CLI).
 
-    Only the opening name ("steps must be ...", "batch_size 64 is larger ..."), 'resume=True' and 'checkpoint_dir'
+    Only the opening name ("steps must be ...", "batch_size 64 is larger ..."), ``name=value`` and 'checkpoint_dir'
     are renamed: the same words elsewhere are prose ("the steps of the first run").
     """
-    head, _, rest = message.partition(" ")
-    if head in _FLAGS:
-        message = f"{_FLAGS[head]} {rest}"
-    message = message.replace("checkpoint_dir / --checkpoint-dir", "--checkpoint-dir")  # a message naming both
-    for name in ("resume=True", "checkpoint_dir"):
-        message = message.replace(name, _FLAGS[name])
-    return message
+    return _args.as_flags(message, _FLAGS, bare=("checkpoint_dir",))
 
 
 def _fail(message: str, local_rank: int) -> None:
@@ -128,6 +128,8 @@ def _fail(message: str, local_rank: int) -> None:
 def _plan(args: argparse.Namespace, env) -> _Plan:
     """All the checks that need no process group: strategy vs launcher, devices, batch split, checkpoints."""
     _args.output_files([("--out", args.out), ("--history-out", args.history_out)])  # fail before training
+    if args.precision is not None:  # 'BF16', 'half', 'bfloat16' read as in every other CLI
+        args.precision = _args.cli_precision(args.precision, "--precision")
     if args.checkpoint_dir is not None:
         _args.as_path(args.checkpoint_dir, "--checkpoint-dir")  # a NUL byte named by its flag
     if args.strategy == "single":

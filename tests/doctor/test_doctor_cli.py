@@ -94,7 +94,7 @@ BAD = [
     (["--model", "mlp", "--precisions", "fp32"], "fp32 is always run"),
     (["--model", "mlp", "--device", "tpu"], "device"),
     # issue 12: flags argparse refuses, numbers beyond range, files that cannot be written, any error of the model
-    (["--model", "mlp", "--batch", "x"], "argument --batch: invalid int value: 'x'"),
+    (["--model", "mlp", "--batch", "x"], "argument --batch/--batch-size/--global-batch-size: invalid int value: 'x'"),
     (["--model", "mlp", "--bogus"], "unrecognized arguments: --bogus"),
     (["--model", "mlp", "--steps", "-1"], "--steps must be >= 0 (0: the forensic pass), got -1"),
     (["--model", "mlp", "--seed", str(2**64)], "--seed must be an int >= 0 and < 2**64"),

@@ -62,7 +62,7 @@ def test_resume_from_the_command_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--precision", "fp64"], "argument --precision: invalid choice: 'fp64'"),
+    (["--precision", "fp64"], "--precision: unknown precision 'fp64'; choose from fp32, fp16, bf16"),
     (["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
     (["--model", "resnet"], "argument --model: invalid choice: 'resnet'"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),

@@ -448,7 +448,7 @@ def test_trial_refuses_an_lr_beyond_float32() -> None:
 
 def test_trial_cli_huge_lr_is_one_line_exit_2() -> None:
     code, err = run_cli(trial_mod.main, ["--model", "mlp", "--steps", "1", "--lr", "1e39"])
-    assert code == 2 and err.startswith("ampcourse.trial: error: lr must be")
+    assert code == 2 and err.startswith("ampcourse.trial: error: --lr must be")
 
 
 def test_trial_cli_refuses_an_unknown_plot_format_before_training(tmp_path: Path, monkeypatch) -> None:
