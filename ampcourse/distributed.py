@@ -160,7 +160,7 @@ def worker_device(env: TorchrunEnv, device: str | None) -> str:
     if dev.type != "cuda":
         backend_for(dev.type)  # raises with the explanation
     if not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available; use --device cpu")
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     if dev.index is not None and env.world_size > 1:
         raise ValueError(f"--device {device}: under torchrun every worker uses cuda:LOCAL_RANK; pass --device cuda")
     count = torch.cuda.device_count()

@@ -135,6 +135,12 @@ def test_the_other_clis_names_are_aliases():
     for flag in ("--batch", "--batch-size", "--global-batch-size"):
         assert doctor.parse_args(["--model", "mlp", flag, "8"]).batch == 8
     assert bench._parser().parse_args(["--out", "x", "--precisions", "bf16"]).precision == "bf16"
+    from ampcourse.plan import cli as plan_cli
+
+    plan = plan_cli._parser()
+    for flag in ("--batch", "--batch-size", "--global-batch-size"):
+        assert plan.parse_args(["--model", "mlp", flag, "8"]).batch == 8
+    assert plan.parse_args(["--model", "mlp", "--precision", "bf16"]).precisions == "bf16"
 
 
 def test_trial_takes_a_factory_as_the_doctor_does(tmp_path, monkeypatch, capsys):

@@ -135,6 +135,8 @@ def test_cuda_requested_without_cuda(monkeypatch):
     fake_gpus(monkeypatch, 0)
     with pytest.raises(ValueError, match="CUDA is not available; use --device cpu"):
         distributed.worker_device(distributed.torchrun_env(TORCHRUN_ENV), "cuda")
+    with pytest.raises(ValueError, match="device 'cuda:1' requested"):  # as given, the index kept
+        distributed.worker_device(distributed.torchrun_env(TORCHRUN_ENV), "cuda:1")
 
 
 # --- the CLI refuses bad launches before any process group exists (one line, no traceback) ------

@@ -64,8 +64,11 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"one of {', '.join(ZOO)}, or 'package.module:factory' returning (model, inputs[, loss_fn, "
                          "targets])")
     ap.add_argument("--gpu", default="a100-sxm4-80gb", help=f"one of {', '.join(GPUS)} (default a100-sxm4-80gb)")
-    ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated (default fp32,tf32,bf16,fp16)")
-    ap.add_argument("--batch", type=int, default=16, help="batch size of a named model (default 16)")
+    # the other tools' names for the same things are aliases (python -m ampcourse train/trial/doctor take them too)
+    ap.add_argument("--precisions", "--precision", dest="precisions", default=",".join(PRECISIONS),
+                    help="comma-separated (default fp32,tf32,bf16,fp16)")
+    ap.add_argument("--batch", "--batch-size", "--global-batch-size", dest="batch", type=int, default=16,
+                    help="batch size of a named model (default 16)")
     ap.add_argument("--seq", type=int, default=None,
                     help=f"sequence length of a named language model (default 1024; {', '.join(MAX_SEQ)}: "
                          f"{max(MAX_SEQ.values())}, their most positions)")
