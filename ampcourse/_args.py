@@ -16,7 +16,7 @@ whose messages list the allowed names), True/False (:func:`flag`), paths (:func:
 byte), output files (:func:`writable_file`, checked by creating them before any work), and command lines
 (:class:`OneLineParser` and :func:`cli_error`: one line ``<prog>: error: ...``, exit 2, for argparse's errors
 and the program's own alike; :func:`as_flags`: a Python argument name in a message spelled as the CLI's flag;
-:func:`cli_precision`: a --precision value read as every API reads it; :class:`HelpFormatter`: every default shown;
+:class:`HelpFormatter`: every default shown;
 :func:`load_factory`: ``--model package.module:factory``).
 """
 
@@ -40,7 +40,7 @@ import torch
 
 __all__ = ["InputError", "INT64_MAX", "INT32_MAX", "SEED_MAX", "shown", "first_line", "scalar", "integer", "real", "seed", "choice", "names", "creatable_dir",
            "flag", "as_path", "writable_file", "output_files", "OneLineParser", "cli_error", "HelpFormatter", "as_flags",
-           "cli_precision", "load_factory"]
+           "load_factory"]
 
 
 
@@ -361,27 +361,6 @@ def as_flags(message: str, flags: Mapping[str, str] = COMMON_FLAGS, *, bare: Seq
     for name in bare:
         message = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", flags[name], message)
     return message
-
-
-def cli_precision(text: str, flag: str, *, allowed: Sequence[str] = ("fp32", "fp16", "bf16"),
-                  refused: Mapping[str, str] | None = None) -> str:
-    """A --precision value read as every API reads it (``ampcourse.inputs.precision_names``, which asks
-    ``device.parse_precision``): 'BF16', 'half', 'float16', 'bfloat16' work in every CLI; InputError otherwise,
-    worded as trial's and the doctor's --precisions errors are.
-
-    Args:
-        text: what the command line gave.
-        flag: the flag's name, for the message ('--precision').
-        allowed: the precisions this CLI takes.
-        refused: precision -> why this CLI refuses it (the benchmark: fp32 is its baseline).
-
-    Example:
-        >>> cli_precision("BF16", "--precision")
-        'bf16'
-    """
-    from .inputs import precision_names  # the one reader of precision names (lazily: inputs imports this module)
-
-    return precision_names(text, flag, allowed=allowed, refused=refused)[0]
 
 
 def load_factory(spec: str, flag: str = "--model") -> tuple[Any, Any, Any, Any, Any]:

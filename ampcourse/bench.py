@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from . import _args, memory, models, shipped
+from . import _args, inputs, memory, models, shipped
 from .device import AmpSetup, amp_rule, cpu_flags, native_bf16, pick
 
 __all__ = ["SCHEMA", "matmul_sizes", "matmul_dtypes", "matmul_tflops", "bare_step", "train_step_times", "bare_amp_loop",
@@ -848,7 +848,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.precision is not None:  # read as every CLI reads it; fp32 refused now, not after a minute of measuring
         try:
-            args.precision = _args.cli_precision(args.precision, "--precision", allowed=("fp16", "bf16"), refused={
+            args.precision = inputs.cli_precision(args.precision, "--precision", allowed=("fp16", "bf16"), refused={
                 "fp32": "fp32 is always measured, as the baseline; choose the AMP side: fp16 or bf16"})
         except ValueError as err:
             ap.error(str(err))

@@ -39,7 +39,7 @@ from .device import AmpSetup, parse_precision
 
 __all__ = ["InputError", "Batches", "reference_name", "read_model", "check_trainable", "read_data", "check_tensors",
            "check_finite", "check_labels", "precision", "precision_names", "amp_problem", "check_amp",
-           "check_fp16_parameters", "preflight", "first_tensor"]
+           "check_fp16_parameters", "preflight", "first_tensor", "cli_precision"]
 
 #: The precisions train() takes (one autocast dtype each, fp32 without autocast).
 PRECISIONS = tuple(_DEVICE_PRECISIONS)
@@ -454,3 +454,22 @@ def preflight(model: nn.Module, x: Any, y: Any, loss_fn: Callable | None, amp: A
         for m, mode in modes:
             m.training = mode
     return classes
+
+
+def cli_precision(text: str, flag: str, *, allowed: Sequence[str] = ("fp32", "fp16", "bf16"),
+                  refused: Mapping[str, str] | None = None) -> str:
+    """A --precision value read as every API reads it (``precision_names``, which asks
+    ``device.parse_precision``): 'BF16', 'half', 'float16', 'bfloat16' work in every CLI; InputError otherwise,
+    worded as trial's and the doctor's --precisions errors are.
+
+    Args:
+        text: what the command line gave.
+        flag: the flag's name, for the message ('--precision').
+        allowed: the precisions this CLI takes.
+        refused: precision -> why this CLI refuses it (the benchmark: fp32 is its baseline).
+
+    Example:
+        >>> cli_precision("BF16", "--precision")
+        'bf16'
+    """
+    return precision_names(text, flag, allowed=allowed, refused=refused)[0]

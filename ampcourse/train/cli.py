@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import _args, checkpoint, distributed, models
+from .. import _args, checkpoint, distributed, inputs, models
 from ..device import default_rule, pick
 from .loop import Parallel, train
 from .step import OPTIMIZERS, make_optimizer, state_checksum
@@ -129,7 +129,7 @@ def _plan(args: argparse.Namespace, env) -> _Plan:
     """All the checks that need no process group: strategy vs launcher, devices, batch split, checkpoints."""
     _args.output_files([("--out", args.out), ("--history-out", args.history_out)])  # fail before training
     if args.precision is not None:  # 'BF16', 'half', 'bfloat16' read as in every other CLI
-        args.precision = _args.cli_precision(args.precision, "--precision")
+        args.precision = inputs.cli_precision(args.precision, "--precision")
     if args.checkpoint_dir is not None:
         _args.as_path(args.checkpoint_dir, "--checkpoint-dir")  # a NUL byte named by its flag
     if args.strategy == "single":
